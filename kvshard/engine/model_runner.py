@@ -1,0 +1,81 @@
+"""Runs one step of the model on one rank: the same code on every rank of the world."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kvshard.attention.metadata import AttentionMetadata
+from kvshard.config import EngineConfig
+from kvshard.kv.cache import allocate_kv_cache
+from kvshard.kv.layout import DCPLayout
+from kvshard.models.loader import load_weights
+from kvshard.models.registry import model_class
+from kvshard.parallel import ParallelState
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What rank 0 tells every rank to run: small, plain Python, broadcast once per step."""
+
+    token_ids: list[int]  # new tokens of all requests, flattened
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    sample_rows: list[int]  # rows of the flat batch whose logits rank 0 needs
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, parallel: ParallelState, device: torch.device) -> None:
+        self.config = config
+        self.parallel = parallel
+        self.device = device
+        self.layout = DCPLayout(
+            config.cache.block_size, config.parallel.decode_context_parallel_size,
+            config.parallel.dcp_kv_interleave_size,
+        )
+        hf_config = config.model.hf_config
+        cls = model_class(config.model.architecture)
+        with torch.device(device):
+            self.model = cls(hf_config, config.model.dtype, parallel, **_model_options(config))
+        load_weights(self.model, config.model.path)
+        self.model.eval()
+        self.kv_caches = allocate_kv_cache(
+            self.model.kv_cache_spec(), config.num_kv_blocks, config.cache.block_size, config.model.dtype, device
+        )
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes this rank allocated for KV (a view shared with the key is counted once)."""
+        total = 0
+        for layer in self.kv_caches:
+            total += layer.key.numel() * layer.key.element_size()
+            if not layer.value_is_view:
+                total += layer.value.numel() * layer.value.element_size()
+        return total
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> torch.Tensor | None:
+        """Run the plan; rank 0 gets float32 logits [len(sample_rows), V], the others None."""
+        meta = AttentionMetadata.build(
+            plan.context_lens, plan.query_lens, plan.block_tables, self.layout, self.parallel.dcp_rank, self.device
+        )
+        input_ids = torch.tensor(plan.token_ids, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, meta, self.kv_caches)  # [t, D]
+        rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden[rows])
+
+
+def _model_options(config: EngineConfig) -> dict:
+    """Options only some architectures take."""
+    return {"replicate_q": True} if config.parallel.dcp_replicate_q else {}
+
+
+def configure_threads(world_size: int) -> None:
+    """Ranks on one CPU machine share its cores instead of each taking all of them."""
+    if os.environ.get("KVSHARD_NUM_THREADS"):
+        torch.set_num_threads(int(os.environ["KVSHARD_NUM_THREADS"]))
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))

@@ -1,0 +1,56 @@
+"""Turn the last-position logits of a batch into next tokens, on rank 0.
+
+Greedy rows take the argmax; the others are tempered, cut by top-k and top-p
+(per-row values, vectorised) and drawn with the request's own generator, so a
+seeded request gives the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvshard.engine.sequence import Sequence
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.Generator) -> list[int]:
+    """logits [b, V] float32 -> one token id per row."""
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if random_rows:
+        rows = torch.tensor(random_rows)
+        probs = _filtered_probs(logits[rows], [seqs[i].params for i in random_rows])
+        for j, i in enumerate(random_rows):
+            generator = seqs[i].generator or default_generator
+            tokens[i] = torch.multinomial(probs[j], 1, generator=generator)[0]
+    return tokens.tolist()
+
+
+def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
+    temperature = torch.tensor([p.temperature for p in params]).unsqueeze(1)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else logits.shape[1] for p in params]).unsqueeze(1)
+    top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)
+    sorted_logits, order = (logits / temperature).sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[1]).unsqueeze(0)
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    # keep a token if it is within top-k and the mass before it is below top-p (the first always stays)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep = (rank < top_k) & (mass_before < top_p)
+    sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
+    filtered = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+    return filtered.softmax(dim=-1)
+
+
+def top_logprobs(logits: torch.Tensor, tokens: list[int], counts: list[int | None]) -> list[dict[int, float] | None]:
+    """Log-probabilities of the chosen token and the top-k alternatives, from the raw distribution."""
+    logprobs = logits.log_softmax(dim=-1)
+    result: list[dict[int, float] | None] = []
+    for row, (token, k) in enumerate(zip(tokens, counts)):
+        if k is None:
+            result.append(None)
+            continue
+        entry = {token: float(logprobs[row, token])}
+        if k:
+            values, ids = logprobs[row].topk(k)
+            entry.update({int(i): float(v) for i, v in zip(ids, values)})
+        result.append(entry)
+    return result

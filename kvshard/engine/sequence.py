@@ -1,0 +1,58 @@
+"""One generated sequence: its tokens, where its KV lives, and how far the model has read it."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+
+from kvshard.sampling_params import SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(
+        self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> None:
+        self.seq_id = next(_seq_ids)
+        self.request_id = request_id
+        self.index = index  # position among the request's n samples
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[dict[int, float]] = []
+        self.params = params
+        self.generator = generator
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []  # virtual block ids, shared by every rank of the DCP group
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.finish_reason: str | None = None
+        self.text = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, request={self.request_id!r}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)}, {self.status.value})")

@@ -1,0 +1,1 @@
+"""How users reach the engine: the Python API (`LLM`), the CLI, the OpenAI-compatible server."""

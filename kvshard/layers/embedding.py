@@ -1,0 +1,40 @@
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvshard.parallel import ParallelState, tp_all_reduce, tp_gather_to_driver
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, parallel: ParallelState) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.vocab_size = vocab_size
+        self.per_rank = -(-vocab_size // parallel.tp_size)  # padded so every rank has an equal slice
+        self.start = parallel.tp_rank * self.per_rank
+        self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden_size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        rows = loaded[self.start : self.start + self.per_rank]
+        param.data[: rows.shape[0]].copy_(rows)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel.tp_size == 1:
+            return nn.functional.embedding(token_ids, self.weight)
+        local = token_ids - self.start
+        outside = (local < 0) | (local >= self.per_rank)
+        y = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        y.masked_fill_(outside.unsqueeze(-1), 0)
+        return tp_all_reduce(y, self.parallel)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[t, D] -> full-vocabulary logits [t, V] in float32 on rank 0, None elsewhere."""
+        local = nn.functional.linear(hidden, self.weight).float()  # [t, V/tp]
+        full = tp_gather_to_driver(local, self.parallel)
+        return None if full is None else full[:, : self.vocab_size]

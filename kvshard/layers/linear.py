@@ -1,0 +1,133 @@
+"""Tensor-parallel linear layers, named as in vLLM.
+
+Each parameter has a `weight_loader(param, loaded, shard_id=None)` that cuts
+this rank's slice from the full checkpoint tensor, so sharding sits next to the
+layer that needs it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvshard.parallel import ParallelState, tp_all_reduce
+
+
+def _parameter(shape: tuple[int, ...], dtype: torch.dtype, loader) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    param.weight_loader = loader
+    return param
+
+
+def copy_whole(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class ReplicatedLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = _parameter((out_features, in_features), dtype, copy_whole)
+        self.bias = _parameter((out_features,), dtype, copy_whole) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output features split over TP; the input is replicated, no communication."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, parallel: ParallelState
+    ) -> None:
+        super().__init__()
+        if out_features % parallel.tp_size:
+            raise ValueError(f"{out_features} output features do not split over tp={parallel.tp_size}")
+        self.parallel = parallel
+        self.out_per_rank = out_features // parallel.tp_size
+        self.weight = _parameter((self.out_per_rank, in_features), dtype, self.weight_loader)
+        self.bias = _parameter((self.out_per_rank,), dtype, self.weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        rank = self.parallel.tp_rank
+        param.data.copy_(loaded.narrow(0, rank * self.out_per_rank, self.out_per_rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of equal input, stored as one (gate_up_proj)."""
+
+    def __init__(
+        self, in_features: int, out_sizes: list[int], bias: bool, dtype: torch.dtype, parallel: ParallelState
+    ) -> None:
+        super().__init__(in_features, sum(out_sizes), bias, dtype, parallel)
+        self.out_sizes = out_sizes
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        tp, rank = self.parallel.tp_size, self.parallel.tp_rank
+        size = self.out_sizes[shard_id] // tp
+        offset = sum(self.out_sizes[:shard_id]) // tp
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V in one matmul. With tp > KV heads, rank r holds KV head r // (tp / kv_heads)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        dtype: torch.dtype,
+        parallel: ParallelState,
+    ) -> None:
+        tp = parallel.tp_size
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp
+        self.num_kv_heads = max(1, num_kv_heads // tp)
+        self.kv_replicas = max(1, tp // num_kv_heads)
+        out_features = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
+        super().__init__(hidden_size, out_features, bias, dtype, parallel)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        rank, d = self.parallel.tp_rank, self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        if shard_id == "q":
+            offset, size, start = 0, q_size, rank * q_size
+        else:
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            size, start = kv_size, (rank // self.kv_replicas) * kv_size
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        d = self.head_dim
+        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        return q.unflatten(-1, (self.num_heads, d)), k.unflatten(-1, (self.num_kv_heads, d)), v.unflatten(-1, (self.num_kv_heads, d))
+
+
+class RowParallelLinear(nn.Module):
+    """Input features split over TP; the partial products are summed with one all-reduce."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, parallel: ParallelState
+    ) -> None:
+        super().__init__()
+        if in_features % parallel.tp_size:
+            raise ValueError(f"{in_features} input features do not split over tp={parallel.tp_size}")
+        self.parallel = parallel
+        self.in_per_rank = in_features // parallel.tp_size
+        self.weight = _parameter((out_features, self.in_per_rank), dtype, self.weight_loader)
+        self.bias = _parameter((out_features,), dtype, copy_whole) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        rank = self.parallel.tp_rank
+        param.data.copy_(loaded.narrow(1, rank * self.in_per_rank, self.in_per_rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = tp_all_reduce(nn.functional.linear(x, self.weight), self.parallel)
+        return y + self.bias if self.bias is not None else y

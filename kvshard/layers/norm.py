@@ -1,0 +1,20 @@
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvshard.layers.linear import copy_whole
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = copy_whole
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # float32 statistics, as the reference implementations do
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)

@@ -1,0 +1,45 @@
+"""Rotary position embedding on *global* positions (a DCP rank stores a token under its
+global position, so RoPE must never see a rank-local index).
+
+The inverse frequencies of scaled variants (llama3, yarn, linear, dynamic,
+longrope) come from transformers' own RoPE initialisers, so kvshard reads a
+checkpoint's `rope_parameters` exactly as the reference does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class RotaryEmbedding:
+    def __init__(self, hf_config, rotary_dim: int) -> None:
+        params = dict(getattr(hf_config, "rope_parameters", None) or {})
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+            inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+            scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            if rope_type not in ROPE_INIT_FUNCTIONS:
+                raise ValueError(f"RoPE type {rope_type!r} is not supported")
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        self.inv_freq = inv_freq.float()  # [rotary_dim / 2]
+        self.attention_scaling = float(scaling)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Computed once per step, shared by every layer: [t] -> ([t, rotary_dim], [t, rotary_dim])."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """x [t, h, d] rotated by position. `interleaved` pairs (0,1), (2,3), ... as some checkpoints do."""
+    if interleaved:
+        x = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    xf = x.float() * cos.unsqueeze(1) + rotated.float() * sin.unsqueeze(1)
+    return xf.to(x.dtype)

@@ -1,0 +1,125 @@
+"""Llama-family decoders with grouped-query attention: Llama, Qwen2 (QKV bias), Mistral.
+
+Read top to bottom: attention -> MLP -> decoder layer -> model -> causal LM.
+Shapes: t = tokens in the step (all requests, flattened), D = hidden size,
+H_l / Hk_l = query / KV heads on this rank, d = head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvshard.attention.backend import DCPAttention, KVCacheLayer
+from kvshard.attention.metadata import AttentionMetadata
+from kvshard.kv.cache import KVCacheSpec
+from kvshard.layers.activation import silu_and_mul
+from kvshard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from kvshard.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from kvshard.layers.norm import RMSNorm
+from kvshard.layers.rotary import RotaryEmbedding, apply_rotary
+from kvshard.parallel import ParallelState
+
+
+def head_dim_of(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg, qkv_bias: bool, o_bias: bool, dtype: torch.dtype, parallel: ParallelState) -> None:
+        super().__init__()
+        d = head_dim_of(cfg)
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads, qkv_bias, dtype, parallel
+        )
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, o_bias, dtype, parallel)
+        self.attn = DCPAttention(self.qkv_proj.num_heads, d**-0.5, parallel)
+
+    def forward(self, x, cos, sin, cache: KVCacheLayer, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # [t, H_l, d], [t, Hk_l, d], [t, Hk_l, d]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = self.attn.forward(q, k, v, cache, meta)  # [t, H_l, d]
+        return self.o_proj(o.flatten(1))  # [t, D]
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, parallel: ParallelState) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size], False, dtype, parallel
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, dtype, parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg, qkv_bias: bool, o_bias: bool, dtype: torch.dtype, parallel: ParallelState) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(cfg, qkv_bias, o_bias, dtype, parallel)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, dtype, parallel)
+
+    def forward(self, x, cos, sin, cache: KVCacheLayer, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg, qkv_bias: bool, o_bias: bool, dtype: torch.dtype, parallel: ParallelState) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, qkv_bias, o_bias, dtype, parallel) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name -> (our fused parameter, shard) for projections stored as one matmul
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg, dtype: torch.dtype, parallel: ParallelState) -> None:
+        super().__init__()
+        qkv_bias, o_bias = self.attention_biases(cfg)
+        self.cfg = cfg
+        self.model = LlamaModel(cfg, qkv_bias, o_bias, dtype, parallel)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg, head_dim_of(cfg))
+        self.kv_heads_per_rank = max(1, cfg.num_key_value_heads // parallel.tp_size)
+
+    @staticmethod
+    def attention_biases(cfg) -> tuple[bool, bool]:
+        bias = bool(getattr(cfg, "attention_bias", False))
+        return bias, bias
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        d = head_dim_of(self.cfg)
+        return KVCacheSpec(self.cfg.num_hidden_layers, self.kv_heads_per_rank, key_dim=d, value_dim=d, value_in_key=False)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, caches: list[KVCacheLayer]) -> torch.Tensor:
+        cos, sin = self.rotary.cos_sin(meta.positions)
+        x = self.model.embed_tokens(input_ids)  # [t, D]
+        for layer, cache in zip(self.model.layers, caches):
+            x = layer(x, cos, sin, cache, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head.logits(hidden)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def attention_biases(cfg) -> tuple[bool, bool]:
+        return True, False
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass

@@ -1,0 +1,56 @@
+"""Load a Hugging Face safetensors checkpoint (one file or many) into a TP-sharded model.
+
+Each parameter's own `weight_loader` cuts this rank's slice; checkpoint names of
+projections that kvshard fuses (q/k/v, gate/up) are mapped by the model's
+`packed_modules`. Every parameter must be filled exactly: a missing tensor is an error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from safetensors import safe_open
+from torch import nn
+
+# Buffers some checkpoints carry that kvshard recomputes.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def checkpoint_to_parameter(name: str, packed_modules: dict[str, tuple[str, object]]) -> tuple[str, object]:
+    for checkpoint_part, (fused_part, shard_id) in packed_modules.items():
+        token = f".{checkpoint_part}."
+        if token in name:
+            return name.replace(token, f".{fused_part}."), shard_id
+    return name, None
+
+
+def load_weights(model: nn.Module, path: Path) -> None:
+    params = dict(model.named_parameters())
+    filled: set[str] = set()
+    packed = getattr(model, "packed_modules", {})
+    files = sorted(path.glob("*.safetensors"))
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name.endswith(IGNORED_SUFFIXES):
+                    continue
+                target, shard_id = checkpoint_to_parameter(name, packed)
+                if hasattr(model, "remap_weight_name"):
+                    target, shard_id = model.remap_weight_name(target, shard_id)
+                if target is None:
+                    continue
+                if target not in params:
+                    if target == "lm_head.weight" and "lm_head.weight" not in params:
+                        continue  # tied to the embedding, already shared
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+                param = params[target]
+                loader = param.weight_loader
+                tensor = f.get_tensor(name)
+                if shard_id is None:
+                    loader(param, tensor)
+                else:
+                    loader(param, tensor, shard_id)
+                filled.add(target)
+    missing = sorted(set(params) - filled)
+    if missing:
+        raise ValueError(f"checkpoint at {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")

@@ -1,0 +1,169 @@
+"""Process groups (world = TP, DCP slices of it) and the collectives the model uses.
+
+World size equals the TP size: DCP reuses the TP ranks (DESIGN.md section 2).
+Every helper is the identity on a group of one, so a single-rank run needs no
+`torch.distributed` at all.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kvshard.config import ParallelConfig
+
+# A collective that waits longer than this means a peer is gone.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("KVSHARD_COLLECTIVE_TIMEOUT_S", "600")))
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """Who this process is: its rank in the world, in TP and in its DCP group."""
+
+    rank: int
+    world_size: int
+    dcp_rank: int
+    dcp_size: int
+    dcp_group_index: int
+    tp_group: Any = None  # torch.distributed group of all ranks, None when alone
+    dcp_group: Any = None  # this rank's DCP group, None when dcp == 1
+    control_group: Any = None  # gloo group for step plans (CPU objects), None when alone
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank
+
+    @property
+    def tp_size(self) -> int:
+        return self.world_size
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+
+def single_rank_state() -> ParallelState:
+    return ParallelState(rank=0, world_size=1, dcp_rank=0, dcp_size=1, dcp_group_index=0)
+
+
+def init_parallel(
+    parallel: ParallelConfig,
+    rank: int,
+    master: tuple[str, int],
+    device: torch.device,
+    check_peers: Callable[[], None] | None = None,
+) -> ParallelState:
+    """Join the world and build the groups. Every rank builds every group, in the same order.
+
+    Rank 0 hosts the rendezvous store and waits for every rank to check in,
+    calling `check_peers` while it waits so a rank that died on start-up is
+    reported at once instead of after the store's time-out.
+    """
+    world = parallel.world_size
+    if world == 1:
+        return single_rank_state()
+    host, port = master
+    store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
+    store.set(f"kvshard/joined/{rank}", "1")
+    if rank == 0:
+        joined = [f"kvshard/joined/{r}" for r in range(world)]
+        deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
+        while not store.check(joined):
+            if check_peers is not None:
+                check_peers()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not every one of the {world} ranks joined within {COLLECTIVE_TIMEOUT}")
+            time.sleep(0.05)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
+    control = dist.new_group(list(range(world)), backend="gloo") if backend != "gloo" else dist.group.WORLD
+    dcp_group = None
+    for ranks in parallel.dcp_groups():
+        group = dist.new_group(ranks) if len(ranks) > 1 else None
+        if rank in ranks:
+            dcp_group = group
+    dcp = parallel.decode_context_parallel_size
+    return ParallelState(
+        rank=rank,
+        world_size=world,
+        dcp_rank=rank % dcp,
+        dcp_size=dcp,
+        dcp_group_index=rank // dcp,
+        tp_group=dist.group.WORLD,
+        dcp_group=dcp_group,
+        control_group=control,
+    )
+
+
+def shutdown_parallel(state: ParallelState) -> None:
+    if state.world_size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --- collectives over TP -------------------------------------------------------
+
+def tp_all_reduce(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    if state.tp_size > 1:
+        dist.all_reduce(x, group=state.tp_group)
+    return x
+
+
+def tp_gather_to_driver(x: torch.Tensor, state: ParallelState) -> torch.Tensor | None:
+    """Concatenate each rank's last-dim slice on rank 0; other ranks get None."""
+    if state.tp_size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(state.tp_size)] if state.is_driver else None
+    dist.gather(x, parts, dst=0, group=state.tp_group)
+    return torch.cat(parts, dim=-1) if state.is_driver else None
+
+
+def tp_all_gather_last_dim(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    if state.tp_size == 1:
+        return x
+    gathered = _all_gather_stacked(x, state.tp_size, state.tp_group)  # [tp, *shape]
+    return torch.cat(list(gathered.unbind(0)), dim=-1)
+
+
+# --- collectives over the DCP group ------------------------------------------------
+
+def dcp_all_gather(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """[*shape] -> [dcp, *shape], stacked in DCP-rank order."""
+    if state.dcp_size == 1:
+        return x.unsqueeze(0)
+    return _all_gather_stacked(x, state.dcp_size, state.dcp_group)
+
+
+def dcp_reduce_scatter(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """[dcp, *shape] -> [*shape]: sum over ranks of the slice that belongs to this rank."""
+    if state.dcp_size == 1:
+        return x[0]
+    out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, x.contiguous().flatten(0, 1), group=state.dcp_group)
+    return out
+
+
+def _all_gather_stacked(x: torch.Tensor, size: int, group) -> torch.Tensor:
+    """[*shape] from each of `size` ranks -> [size, *shape] (flat along dim 0 on the wire)."""
+    x = x.contiguous()
+    gathered = torch.empty((size * x.shape[0], *x.shape[1:]) if x.dim() else (size,), dtype=x.dtype, device=x.device)
+    dist.all_gather_single(gathered, x.view(-1) if not x.dim() else x, group=group)
+    return gathered.view(size, *x.shape)
+
+
+# --- control plane ---------------------------------------------------------------------
+
+def broadcast_from_driver(obj: Any, state: ParallelState) -> Any:
+    """Rank 0 sends a small picklable object (the step plan) to every rank."""
+    if state.world_size == 1:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=0, group=state.control_group)
+    return holder[0]

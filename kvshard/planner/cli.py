@@ -1,0 +1,168 @@
+"""`kvshard plan`: predict what each TP/DCP layout gives for a model on a cluster.
+
+kvshard's main CLI calls `add_plan_parser(subparsers)`; `python -m kvshard.planner` calls
+`main()`. Both end in `run_plan`, which turns every input mistake into one line on
+stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from kvshard.planner.arch import Quantization
+from kvshard.planner.errors import PlanError
+from kvshard.planner.memory import valid_dcps, validate_layout
+from kvshard.planner.plan import PlanInputs, evaluate
+from kvshard.planner.presets import load_gpu, load_model, load_workload
+from kvshard.planner.recommend import recommend
+from kvshard.planner.report import Report, plot, render, to_json
+from kvshard.planner.roofline import DEFAULT_COLLECTIVE_LATENCY_US
+from kvshard.planner.seed import check_seed_inputs, compare_with_seed
+
+DESCRIPTION = ("Predict, for a model on a GPU cluster, what each TP/DCP layout gives: weights and KV per GPU, "
+               "KV capacity, maximum concurrency, decode tok/s per GPU from a roofline, what limits it, and "
+               "which dcp to use. Needs no GPU.")
+
+# GpuSpec fields that can be set from the command line, with their help.
+_GPU_FLAGS = {
+    "hbm_gib": (float, "HBM capacity per GPU, GiB"),
+    "hbm_tbps": (float, "HBM bandwidth per GPU, TB/s"),
+    "bf16_tflops": (float, "dense BF16 tensor rate per GPU, TFLOPS"),
+    "fp8_tflops": (float, "dense FP8 tensor rate per GPU, TFLOPS (custom default: the BF16 rate)"),
+    "nvlink_gbps": (float, "NVLink bandwidth per GPU and direction, GB/s; 0 = no NVLink (PCIe)"),
+    "network_gbps": (float, "scale-out network per GPU and direction, GB/s (custom default 50)"),
+    "pcie_gbps": (float, "PCIe bandwidth per GPU and direction, GB/s (custom default 64)"),
+    "gpus_per_node": (int, "GPUs per NVLink domain (custom default 8)"),
+}
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True,
+                        help="preset (kimi-k2, kimi-k2.6, deepseek-v3, deepseek-v2-lite, llama-3.1-70b, "
+                             "qwen3-235b-a22b) or a Hugging Face config.json file or directory")
+    parser.add_argument("--gpu", required=True, help="B200, H200, H100, or custom (with the GPU flags below)")
+    parser.add_argument("--gpus", type=int, required=True, help="number of GPUs in the cluster")
+    parser.add_argument("--tp", type=int, help="tensor parallel size (default: one node, at most --gpus)")
+    parser.add_argument("--dcp", default="auto", help="decode context parallel size, or auto (default): "
+                                                      "every valid size, and pick one")
+    parser.add_argument("--workload", help="agentic (67,000 input / 400 output tokens, the seed's medians)")
+    parser.add_argument("--context-len", type=int, help="input tokens per request (with --output-len)")
+    parser.add_argument("--output-len", type=int, help="output tokens per request (with --context-len)")
+    parser.add_argument("--kv-dtype", default="auto", choices=("auto", "bf16", "fp16", "fp8"),
+                        help="KV cache dtype (auto: bf16)")
+    parser.add_argument("--weights-dtype", "--quantization", dest="weights_dtype", default="auto",
+                        choices=("auto", "bf16", "fp8", "int4"),
+                        help="weights of every linear layer (auto: as the checkpoint ships)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="share of HBM the engine may use (default 0.9)")
+    parser.add_argument("--reserve-gib", type=float, default=8.0,
+                        help="GiB per GPU kept for activations, CUDA graphs and buffers (default 8)")
+    parser.add_argument("--kv-memory-gib", type=float,
+                        help="KV cache memory per GPU in GiB, instead of deriving it from HBM and weights")
+    parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default 16)")
+    parser.add_argument("--max-num-seqs", type=int, default=1024,
+                        help="most requests one replica runs at once (default 1024)")
+    parser.add_argument("--collective-latency-us", type=float, default=DEFAULT_COLLECTIVE_LATENCY_US,
+                        help=f"fixed cost of one collective, microseconds (default {DEFAULT_COLLECTIVE_LATENCY_US:g})")
+    gpu_figures = parser.add_argument_group("GPU figures", "override a preset's, or describe --gpu custom")
+    for name, (kind, text) in _GPU_FLAGS.items():
+        gpu_figures.add_argument("--" + name.replace("_", "-"), type=kind, help=text)
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--plot", metavar="FILE", help="write a PNG of tok/s per GPU against concurrency")
+    parser.add_argument("--compare-seed", action="store_true",
+                        help="print predicted vs published numbers of the seed experiment "
+                             "(--model kimi-k2.6 --gpu B200 --gpus 8 --workload agentic)")
+
+
+def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("plan", help="DCP capacity and throughput planner (no GPU needed)",
+                                   description=DESCRIPTION)
+    add_plan_arguments(parser)
+    parser.set_defaults(func=run_plan)
+
+
+def _positive(value: float | int | None, flag: str) -> None:
+    if value is not None and value <= 0:
+        raise PlanError(f"{flag} must be positive, got {value}")
+
+
+def _parse_dcp(value: str) -> int | None:
+    if value == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise PlanError(f"--dcp {value!r}: use auto or a whole number that divides --tp") from None
+
+
+def _default_tp(num_gpus: int, gpus_per_node: int) -> int:
+    """The largest TP group that divides the cluster and stays on one node."""
+    return max(t for t in range(1, min(num_gpus, gpus_per_node) + 1) if num_gpus % t == 0)
+
+
+def build_inputs(args: argparse.Namespace) -> PlanInputs:
+    for flag in ("gpus", "tp", "block_size", "max_num_seqs", "kv_memory_gib", "context_len", "output_len"):
+        _positive(getattr(args, flag), "--" + flag.replace("_", "-"))
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise PlanError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    if args.reserve_gib < 0 or args.collective_latency_us < 0:
+        raise PlanError("--reserve-gib and --collective-latency-us cannot be negative")
+    if args.plot and Path(args.plot).suffix.lower() != ".png":
+        raise PlanError(f"--plot {args.plot}: give a file name ending in .png")
+    if args.plot and not Path(args.plot).resolve().parent.is_dir():
+        raise PlanError(f"--plot {args.plot}: the directory {Path(args.plot).resolve().parent} does not exist")
+
+    arch = load_model(args.model)
+    if args.weights_dtype != "auto":
+        arch = dataclasses.replace(arch, quantization=Quantization(dtype=args.weights_dtype, scope="linear"))
+    gpu = load_gpu(args.gpu, {name: getattr(args, name) for name in _GPU_FLAGS})
+    workload = load_workload(args.workload, args.context_len, args.output_len)
+    tp = args.tp or _default_tp(args.gpus, gpu.gpus_per_node)
+    requested_dcp = _parse_dcp(args.dcp)
+    validate_layout(arch, args.gpus, tp, requested_dcp)
+    kv_dtype = "bf16" if args.kv_dtype == "auto" else args.kv_dtype
+    return PlanInputs(
+        arch=arch, gpu=gpu, num_gpus=args.gpus, tp=tp,
+        dcps=tuple(valid_dcps(arch, tp)) if requested_dcp is None else tuple(sorted({1, requested_dcp})),
+        requested_dcp=requested_dcp, workload=workload, kv_dtype=kv_dtype,
+        gpu_memory_utilization=args.gpu_memory_utilization, reserve_gib=args.reserve_gib,
+        kv_memory_gib=args.kv_memory_gib, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        collective_latency_us=args.collective_latency_us)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    try:
+        inputs = build_inputs(args)
+        if args.compare_seed:
+            check_seed_inputs(inputs)
+        results = evaluate(inputs)
+    except PlanError as error:
+        return _fail(str(error))
+    report = Report(inputs=inputs, results=results, recommendation=recommend(inputs, results),
+                    seed_rows=compare_with_seed(inputs, results) if args.compare_seed else None)
+    if args.json:
+        print(json.dumps(to_json(report), indent=2))
+    else:
+        render(report)
+    if args.plot:
+        try:
+            plot(report, Path(args.plot))
+        except OSError as error:
+            return _fail(f"--plot {args.plot}: {error.strerror}")
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _fail(message: str) -> int:
+    print(f"kvshard plan: error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvshard.planner", description=DESCRIPTION)
+    add_plan_arguments(parser)
+    return run_plan(parser.parse_args(argv))

@@ -1,0 +1,179 @@
+"""Show a plan: a terminal table, a JSON document, a PNG plot."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from kvshard.planner.hardware import GIB
+from kvshard.planner.plan import ConfigResult, PlanInputs
+from kvshard.planner.recommend import Recommendation
+from kvshard.planner.roofline import StepTime
+from kvshard.planner.seed import SeedRow
+
+
+@dataclass(frozen=True)
+class Report:
+    inputs: PlanInputs
+    results: list[ConfigResult]
+    recommendation: Recommendation
+    seed_rows: list[SeedRow] | None = None
+
+    @property
+    def tp_only(self) -> ConfigResult:
+        return next(r for r in self.results if r.dcp == 1)
+
+    def gain(self, result: ConfigResult) -> float | None:
+        """tok/s per GPU against dcp=1; None when not one request fits without DCP."""
+        base = self.tp_only.tok_s_per_gpu
+        return result.tok_s_per_gpu / base if base else None
+
+
+def _layout(result: ConfigResult) -> str:
+    return f"tp={result.tp} dcp={result.dcp}"
+
+
+def _summary_lines(report: Report) -> list[str]:
+    inputs = report.inputs
+    arch, gpu, work = inputs.arch, inputs.gpu, inputs.workload
+    params = arch.param_counts()
+    attention = (f"MLA (latent {arch.kv_lora_rank}+{arch.qk_rope_head_dim})" if arch.is_mla
+                 else f"GQA ({arch.num_heads} query / {arch.num_kv_heads} KV heads of {arch.head_dim})")
+    link = (f"NVLink {gpu.nvlink_gbps:g} GB/s" if gpu.has_nvlink else f"no NVLink, PCIe {gpu.pcie_gbps:g} GB/s")
+    return [
+        f"model     {arch.name}: {attention}, {arch.num_layers} layers, {params.total / 1e9:,.1f}B params "
+        f"({arch.active_params_per_token() / 1e9:,.1f}B active), weights {arch.quantization.describe()}, "
+        f"KV {inputs.kv_dtype}",
+        f"cluster   {inputs.num_gpus} x {gpu.name} ({gpu.hbm_gib:g} GiB, {gpu.hbm_tbps:g} TB/s, {link} per "
+        f"direction), tp={inputs.tp}, {inputs.replicas} replica(s)",
+        f"workload  {work.name}: {work.input_len:,} input + {work.output_len:,} output tokens per request",
+    ]
+
+
+def render(report: Report, console: Console | None = None) -> None:
+    console = console or Console(width=shutil.get_terminal_size((160, 24)).columns)
+    for line in _summary_lines(report):
+        console.print(line, highlight=False, soft_wrap=True)
+
+    table = Table(title="DCP layouts (per GPU; concurrency for the whole cluster)", title_justify="left")
+    for column in ("layout", "weights GiB", "KV GiB", "KV B/token", "KV capacity tokens", "max concurrency",
+                   "KV use", "tok/s/GPU", "vs dcp=1", "limit"):
+        table.add_column(column, justify="left" if column in ("layout", "limit") else "right")
+    for r in report.results:
+        chosen = r.dcp == report.recommendation.dcp
+        gain = report.gain(r)
+        table.add_row(
+            _layout(r) + (" *" if chosen else ""), f"{r.memory.weight_bytes_per_gpu / GIB:.1f}",
+            f"{r.memory.kv_memory_bytes_per_gpu / GIB:.2f}", f"{r.memory.kv_bytes_per_token_per_gpu:,.0f}",
+            f"{r.memory.kv_capacity_tokens:,}", f"{r.max_concurrency:,}", f"{r.kv_use:.0%}",
+            f"{r.tok_s_per_gpu:,.0f}", "-" if gain is None else f"{gain:.2f}x", r.limit,
+            style="bold" if chosen else None)
+    console.print(table)
+
+    steps = Table(title="decode step at max concurrency (ms)", title_justify="left")
+    for column in ("layout", "running/replica", "linear", "attention", "TP comm", "DCP comm", "step"):
+        steps.add_column(column, justify="left" if column == "layout" else "right")
+    for r in report.results:
+        if r.operating is None:
+            continue
+        s = r.operating
+        steps.add_row(_layout(r), f"{s.batch:,}", *(f"{t * 1e3:.2f}" for t in (
+            s.linear_s, s.attention_s, s.tp_comm_s, s.dcp_comm_s, s.step_s)))
+    console.print(steps)
+
+    rec = report.recommendation
+    head = (f"use --tp {report.inputs.tp} --dcp {rec.dcp}, interleave size {rec.interleave_size}" if rec.dcp > 1
+            else "no DCP (--dcp 1)")
+    console.print(f"[bold]recommendation:[/bold] {head}")
+    for reason in rec.reasons:
+        console.print(f"  - {reason}", highlight=False, soft_wrap=True)
+    for warning in rec.warnings:
+        console.print(f"  [yellow]! {warning}[/yellow]", highlight=False, soft_wrap=True)
+
+    if report.seed_rows:
+        seed = Table(title="seed experiment: predicted vs published (8x B200, Kimi K2.6, agentic)",
+                     title_justify="left")
+        for column in ("quantity", "predicted", "published"):
+            seed.add_column(column, justify="left" if column == "quantity" else "right")
+        for row in report.seed_rows:
+            seed.add_row(row.quantity, row.predicted, row.published)
+        console.print(seed)
+
+
+def _step_json(step: StepTime) -> dict[str, Any]:
+    return {"batch": step.batch, "step_ms": step.step_s * 1e3, "linear_ms": step.linear_s * 1e3,
+            "attention_ms": step.attention_s * 1e3, "tp_comm_ms": step.tp_comm_s * 1e3,
+            "dcp_comm_ms": step.dcp_comm_s * 1e3, "tok_s_per_gpu": step.tok_s_per_gpu, "bound": step.limit}
+
+
+def to_json(report: Report) -> dict[str, Any]:
+    inputs = report.inputs
+    arch, params = inputs.arch, inputs.arch.param_counts()
+    doc: dict[str, Any] = {
+        "model": {"name": arch.name, "attention": arch.attention, "layers": arch.num_layers,
+                  "params_total": params.total, "params_active_per_token": arch.active_params_per_token(),
+                  "weights": arch.quantization.describe(), "kv_dtype": inputs.kv_dtype},
+        "gpu": asdict(inputs.gpu),
+        "cluster": {"num_gpus": inputs.num_gpus, "tp": inputs.tp, "replicas": inputs.replicas},
+        "workload": asdict(inputs.workload),
+        "assumptions": {"gpu_memory_utilization": inputs.gpu_memory_utilization,
+                        "reserve_gib": inputs.reserve_gib, "kv_memory_gib": inputs.kv_memory_gib,
+                        "block_size": inputs.block_size, "max_num_seqs": inputs.max_num_seqs,
+                        "collective_latency_us": inputs.collective_latency_us,
+                        "mean_context_len": inputs.mean_context_len},
+        "configs": [{
+            "tp": r.tp, "dcp": r.dcp,
+            "weight_gib_per_gpu": r.memory.weight_bytes_per_gpu / GIB,
+            "kv_memory_gib_per_gpu": r.memory.kv_memory_bytes_per_gpu / GIB,
+            "kv_bytes_per_token_per_gpu": r.memory.kv_bytes_per_token_per_gpu,
+            "kv_slot_bytes": r.memory.kv_slot_bytes,
+            "kv_blocks_per_gpu": r.memory.kv_blocks_per_gpu,
+            "kv_capacity_tokens": r.memory.kv_capacity_tokens,
+            "max_concurrency": r.max_concurrency,
+            "kv_use": r.kv_use,
+            "tok_s_per_gpu": r.tok_s_per_gpu,
+            "gain_vs_dcp1": report.gain(r),
+            "limit": r.limit,
+            "step": _step_json(r.operating) if r.operating else None,
+            "curve": [{"concurrency": p.concurrency, "running_per_replica": p.running_per_replica,
+                       "step_ms": p.step.step_s * 1e3, "tok_s_per_gpu": p.step.tok_s_per_gpu}
+                      for p in r.curve],
+        } for r in report.results],
+        "recommendation": asdict(report.recommendation),
+    }
+    if report.seed_rows:
+        doc["seed_comparison"] = [asdict(row) for row in report.seed_rows]
+    return doc
+
+
+def plot(report: Report, path: Path) -> None:
+    """tok/s per GPU against cluster concurrency, one line per layout; the marker is
+    where KV memory (or the scheduler cap) stops the growth."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    inputs = report.inputs
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in report.results:
+        if not r.curve:
+            continue
+        line, = ax.plot([p.concurrency for p in r.curve], [p.step.tok_s_per_gpu for p in r.curve],
+                        label=_layout(r), linewidth=2.5 if r.dcp == report.recommendation.dcp else 1.5)
+        ax.plot([r.max_concurrency], [r.tok_s_per_gpu], "o", color=line.get_color())
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests (cluster)")
+    ax.set_ylabel("output tok/s per GPU")
+    ax.set_title(f"{inputs.arch.name} on {inputs.num_gpus}x {inputs.gpu.name}, {inputs.workload.name} "
+                 f"(roofline prediction)", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,325 @@
+"""`kvshard plan`: the arithmetic, the roofline, the advice and the command line.
+
+Numbers checked against published figures: KV bytes per token of MLA and GQA models,
+vLLM's Kimi-K2 KV capacity at tp=8 with and without dcp=8, and the model cards'
+parameter counts. The seed experiment's predictions are pinned so a change to the
+model shows up here and in docs/planner.md together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvshard.planner.arch import Quantization
+from kvshard.planner.cli import add_plan_parser, build_inputs, main, run_plan
+from kvshard.planner.memory import kv_slot_bytes, plan_memory, valid_dcps, weight_bytes
+from kvshard.planner.plan import evaluate
+from kvshard.planner.presets import load_gpu, load_model, model_presets
+from kvshard.planner.recommend import recommend
+from kvshard.planner.roofline import decode_step, routed_expert_fraction
+
+REPO = Path(__file__).resolve().parents[1]
+SEED_ARGS = ["--model", "kimi-k2.6", "--gpu", "B200", "--gpus", "8", "--workload", "agentic"]
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    subparsers = parser.add_subparsers()
+    add_plan_parser(subparsers)
+    return parser.parse_args(["plan", *argv])
+
+
+def plan(argv: list[str]):
+    inputs = build_inputs(parse(argv))
+    results = evaluate(inputs)
+    return inputs, {r.dcp: r for r in results}, recommend(inputs, results)
+
+
+def run_json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict:
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+# --- KV arithmetic -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["kimi-k2", "kimi-k2.6", "deepseek-v3"])
+def test_mla_kv_bytes_per_token_is_61_layers_of_576_bf16_values(model: str) -> None:
+    arch = load_model(model)
+    assert kv_slot_bytes(arch, tp=8, kv_dtype_bytes=2) == 61 * 576 * 2 == 70_272
+    # MLA replicates the latent on every TP rank: tp does not shrink it.
+    assert kv_slot_bytes(arch, tp=1, kv_dtype_bytes=2) == 70_272
+
+
+def test_mla_kv_per_gpu_divides_by_dcp() -> None:
+    arch, gpu = load_model("kimi-k2"), load_gpu("B200", {})
+    per_gpu = {dcp: plan_memory(arch, gpu, 8, dcp, kv_dtype_bytes=2, gpu_memory_utilization=0.9, reserve_gib=8,
+                                kv_memory_gib=46.80, block_size=16).kv_bytes_per_token_per_gpu
+               for dcp in (1, 2, 4, 8)}
+    assert per_gpu == {1: 70_272, 2: 35_136, 4: 17_568, 8: 8_784}
+
+
+def test_gqa_kv_bytes_per_token_llama_70b() -> None:
+    arch = load_model("llama-3.1-70b")
+    assert kv_slot_bytes(arch, tp=8, kv_dtype_bytes=2) == 80 * 2 * 1 * 128 * 2 == 40_960
+    assert kv_slot_bytes(arch, tp=4, kv_dtype_bytes=2) == 80 * 2 * 2 * 128 * 2
+    # tp=16 > 8 KV heads: every rank still holds one whole head, each head twice.
+    assert kv_slot_bytes(arch, tp=16, kv_dtype_bytes=2) == 40_960
+    assert kv_slot_bytes(arch, tp=8, kv_dtype_bytes=1) == 20_480
+
+
+@pytest.mark.parametrize("dcp, published", [(1, 715_072), (8, 5_721_088)])
+def test_kimi_k2_capacity_matches_vllm_published(dcp: int, published: int) -> None:
+    memory = plan_memory(load_model("kimi-k2"), load_gpu("B200", {}), 8, dcp, kv_dtype_bytes=2,
+                         gpu_memory_utilization=0.9, reserve_gib=8, kv_memory_gib=46.80, block_size=16)
+    assert memory.kv_capacity_tokens == pytest.approx(published, rel=0.01)
+
+
+@pytest.mark.parametrize("model, tp", [("kimi-k2.6", 8), ("deepseek-v2-lite", 4), ("qwen3-235b-a22b", 8),
+                                       ("llama-3.1-70b", 16)])
+def test_dcp_multiplies_capacity_without_touching_weights(model: str, tp: int) -> None:
+    arch, gpu = load_model(model), load_gpu("B200", {})
+    memory = {d: plan_memory(arch, gpu, tp, d, kv_dtype_bytes=2, gpu_memory_utilization=0.9, reserve_gib=8,
+                             kv_memory_gib=None, block_size=16) for d in valid_dcps(arch, tp)}
+    for dcp, m in memory.items():
+        assert m.kv_capacity_tokens == dcp * memory[1].kv_capacity_tokens
+        assert m.weight_bytes_per_gpu == memory[1].weight_bytes_per_gpu
+
+
+def test_valid_dcps_follow_the_layout_rules() -> None:
+    assert valid_dcps(load_model("kimi-k2"), 8) == [1, 2, 4, 8]  # MLA: any divisor of tp
+    assert valid_dcps(load_model("llama-3.1-70b"), 8) == [1]  # tp == kv heads: no replicas
+    assert valid_dcps(load_model("llama-3.1-70b"), 16) == [1, 2]  # 2 replicas per head
+    assert valid_dcps(load_model("qwen3-235b-a22b"), 8) == [1, 2]  # 4 KV heads
+
+
+# --- model configs and weights --------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", sorted(model_presets()))
+def test_preset_parameter_counts_match_the_model_cards(model: str) -> None:
+    arch = load_model(model)
+    assert arch.param_counts().total / 1e9 == pytest.approx(arch.published_total_params_b, rel=0.03)
+    assert arch.active_params_per_token() / 1e9 == pytest.approx(arch.published_active_params_b, rel=0.05)
+
+
+def test_checkpoint_quantization_is_read_from_the_config() -> None:
+    assert load_model("kimi-k2.6").quantization == Quantization(dtype="int4", scope="routed_experts", group_size=32)
+    assert load_model("deepseek-v3").quantization.dtype == "fp8"
+    assert load_model("llama-3.1-70b").quantization.dtype == "bf16"
+    # INT4 with a bf16 scale per 32 weights: 0.5625 bytes; the rest of K2.6 stays bf16.
+    k26, k2 = weight_bytes(load_model("kimi-k2.6")), weight_bytes(load_model("kimi-k2"))
+    assert k26.routed_experts == pytest.approx(k2.routed_experts / (1 + 4 / 128**2) * 0.5625)
+    assert k26.total / 1e9 == pytest.approx(594, rel=0.01)
+
+
+def test_hf_config_file_or_directory_gives_the_preset_architecture(tmp_path: Path) -> None:
+    config = json.loads((REPO / "kvshard/planner/presets/llama-3.1-70b.json").read_text())
+    del config["planner"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    preset = load_model("llama-3.1-70b")
+    for spec in (tmp_path, tmp_path / "config.json"):
+        arch = load_model(str(spec))
+        assert arch.param_counts() == preset.param_counts()
+        assert kv_slot_bytes(arch, 8, 2) == 40_960
+
+
+def test_presets_resolve_by_hugging_face_repo_id() -> None:
+    assert load_model("moonshotai/Kimi-K2.6").name == "Kimi-K2.6"
+    assert load_model("Qwen3-235B-A22B").name == "Qwen3-235B-A22B"
+
+
+# --- roofline -------------------------------------------------------------------------
+
+
+def test_routed_expert_fraction() -> None:
+    arch = load_model("kimi-k2")
+    assert routed_expert_fraction(arch, 1) == pytest.approx(8 / 384)
+    assert routed_expert_fraction(arch, 1024) == pytest.approx(1.0, abs=1e-6)
+    assert routed_expert_fraction(load_model("llama-3.1-70b"), 64) == 0.0
+
+
+def _step(model: str, dcp: int, batch: int, context: float, latency_us: float = 10.0):
+    arch, gpu = load_model(model), load_gpu("B200", {})
+    return decode_step(arch, gpu, weight_bytes(arch), tp=8, dcp=dcp, kv_slot_bytes=kv_slot_bytes(arch, 8, 2),
+                       batch=batch, context_len=context, collective_latency_us=latency_us)
+
+
+def test_dcp_divides_the_kv_read_of_a_memory_bound_attention() -> None:
+    tp_only, dcp8 = _step("kimi-k2.6", 1, 64, 67_200), _step("kimi-k2.6", 8, 64, 67_200)
+    assert not tp_only.attention_compute_bound and not dcp8.attention_compute_bound
+    assert tp_only.attention_s == pytest.approx(64 * 67_200 * 70_272 / 8e12)
+    assert dcp8.attention_s == pytest.approx(tp_only.attention_s / 8)
+    assert dcp8.linear_s == tp_only.linear_s  # same weights, same batch
+
+
+def test_dcp_collective_volume_follows_design_section_4() -> None:
+    # Per layer, rank and token: Q gather (N-1)*H_l*576 bf16, LSE gather (N-1)*N*H_l
+    # fp32, reduce-scatter (N-1)*H_l*512 bf16; Kimi K2 at tp=8: H_l = 8, N = 8.
+    per_token_layer = 7 * 8 * 576 * 2 + 7 * 8 * 8 * 4 + 7 * 8 * 512 * 2
+    step = _step("kimi-k2", 8, 1, 67_200, latency_us=0)
+    assert step.dcp_comm_s == pytest.approx(61 * per_token_layer / 900e9)
+    assert _step("kimi-k2", 8, 1, 67_200).dcp_comm_s == pytest.approx(step.dcp_comm_s + 61 * 3 * 10e-6)
+    # It grows with the batch, never with the context length.
+    assert _step("kimi-k2", 8, 1, 1_000).dcp_comm_s == _step("kimi-k2", 8, 1, 1_000_000).dcp_comm_s
+    assert _step("kimi-k2", 8, 4, 1_000, latency_us=0).dcp_comm_s == pytest.approx(4 * step.dcp_comm_s)
+
+
+def test_throughput_plateaus_once_kv_memory_is_full() -> None:
+    _, results, _ = plan(SEED_ARGS)
+    tp_only = results[1]
+    beyond = [p for p in tp_only.curve if p.concurrency >= tp_only.max_concurrency]
+    assert len(beyond) > 1
+    assert {p.running_per_replica for p in beyond} == {tp_only.ceiling_per_replica}
+    below = [p.step.tok_s_per_gpu for p in tp_only.curve if p.concurrency <= tp_only.max_concurrency]
+    assert below == sorted(below)
+
+
+# --- the seed experiment --------------------------------------------------------------
+
+
+def test_seed_experiment_prediction_beside_published(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = run_json([*SEED_ARGS, "--compare-seed"], capsys)
+    rows = {row["quantity"]: row for row in doc["seed_comparison"]}
+    configs = {c["dcp"]: c for c in doc["configs"]}
+    ceiling = rows["TP=8 concurrency ceiling"]
+    assert ceiling["published"] == "~64"
+    assert ceiling["predicted"] == str(configs[1]["max_concurrency"])
+    ratio = rows["DCP=8 / TP=8 tok/s/GPU"]
+    assert ratio["published"] == "3.3x"
+    assert ratio["predicted"] == f"{configs[8]['tok_s_per_gpu'] / configs[1]['tok_s_per_gpu']:.2f}x"
+    # The numbers docs/planner.md reports (67,400 KV tokens per request, 84.8 GiB KV/GPU).
+    assert configs[1]["max_concurrency"] == 19
+    assert configs[8]["max_concurrency"] == 153
+    assert configs[8]["tok_s_per_gpu"] / configs[1]["tok_s_per_gpu"] == pytest.approx(5.07, abs=0.01)
+    assert doc["recommendation"]["dcp"] == 8
+
+
+def test_compare_seed_refuses_another_setup(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--model", "kimi-k2", "--gpu", "B200", "--gpus", "8", "--workload", "agentic",
+                 "--compare-seed"]) == 2
+    assert "--model kimi-k2.6 --gpu B200" in capsys.readouterr().err
+
+
+# --- recommendations in the words of the guide ----------------------------------------
+
+
+def test_short_contexts_get_no_dcp() -> None:
+    _, results, rec = plan(["--model", "kimi-k2.6", "--gpu", "H200", "--gpus", "8",
+                            "--context-len", "4000", "--output-len", "500"])
+    assert rec.dcp == 1
+    assert "short contexts" in rec.reasons[0]
+    assert set(results) == {1, 2, 4, 8}  # still evaluated and shown
+
+
+def test_mla_at_long_context_gets_dcp() -> None:
+    _, results, rec = plan(SEED_ARGS)
+    assert rec.dcp == 8 and rec.interleave_size == 1
+    assert rec.reasons[0].startswith("MLA model")
+    assert any("KV memory is the bottleneck" in r for r in rec.reasons)
+    assert any("above the guide's 2-4" in w for w in rec.warnings)
+    assert results[8].tok_s_per_gpu > results[4].tok_s_per_gpu > results[1].tok_s_per_gpu
+
+
+def test_gqa_with_tp_not_above_kv_heads_says_dcp_is_impossible() -> None:
+    _, results, rec = plan(["--model", "llama-3.1-70b", "--gpu", "H200", "--gpus", "8", "--workload", "agentic"])
+    assert rec.dcp == 1 and set(results) == {1}
+    assert "DCP is impossible" in rec.reasons[0] and "8 KV heads" in rec.reasons[0]
+
+
+def test_gqa_with_replicated_heads_can_use_dcp_up_to_tp_over_kv_heads() -> None:
+    _, results, rec = plan(["--model", "qwen3-235b-a22b", "--gpu", "B200", "--gpus", "8", "--workload", "agentic"])
+    assert set(results) == {1, 2} and rec.dcp == 2
+    assert any("tp/kv_heads = 8/4" in r for r in rec.reasons)
+
+
+def test_without_nvlink_no_dcp() -> None:
+    _, _, rec = plan([*SEED_ARGS, "--nvlink-gbps", "0"])
+    assert rec.dcp == 1 and "no NVLink" in rec.reasons[0]
+
+
+def test_dcp_beyond_a_node_is_warned() -> None:
+    _, _, rec = plan(["--model", "deepseek-v3", "--gpu", "H200", "--gpus", "16", "--tp", "16", "--dcp", "16",
+                      "--workload", "agentic"])
+    assert any("spans more than one node" in w for w in rec.warnings)
+
+
+# --- command line ---------------------------------------------------------------------
+
+
+def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_plan(parse(SEED_ARGS)) == 0
+    out = capsys.readouterr().out
+    assert "tp=8 dcp=8 *" in out and "recommendation" in out and "KV memory" in out
+
+
+def test_json_output(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = run_json(["--model", "deepseek-v2-lite", "--gpu", "H100", "--gpus", "8", "--tp", "4",
+                    "--context-len", "40000", "--output-len", "1000"], capsys)
+    assert doc["cluster"] == {"num_gpus": 8, "tp": 4, "replicas": 2}
+    assert [c["dcp"] for c in doc["configs"]] == [1, 2, 4]
+    first = doc["configs"][0]
+    assert first["kv_bytes_per_token_per_gpu"] == 27 * 576 * 2
+    assert first["max_concurrency"] == 2 * (first["kv_capacity_tokens"] // 41_000)
+    assert first["step"]["step_ms"] > 0 and first["curve"][0]["concurrency"] == 2
+    assert doc["recommendation"]["dcp"] in (2, 4)
+
+
+def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "plan.png"
+    assert main([*SEED_ARGS, "--plot", str(target)]) == 0
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "plot written" in capsys.readouterr().err
+
+
+def test_custom_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = run_json(["--model", "llama-3.1-70b", "--gpu", "custom", "--hbm-gib", "96", "--hbm-tbps", "4",
+                    "--bf16-tflops", "900", "--nvlink-gbps", "450", "--gpus", "4", "--workload", "agentic"], capsys)
+    assert doc["gpu"]["hbm_gib"] == 96 and doc["gpu"]["fp8_tflops"] == 900
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "nope", "--gpu", "B200", "--gpus", "8", "--workload", "agentic"], "use one of deepseek-v2-lite"),
+    (["--model", "/no/such/config.json", "--gpu", "B200", "--gpus", "8", "--workload", "agentic"],
+     "neither an existing config.json"),
+    (["--model", "kimi-k2", "--gpu", "B200", "--gpus", "8", "--tp", "3", "--workload", "agentic"],
+     "--tp 3 does not divide --gpus 8"),
+    (["--model", "kimi-k2", "--gpu", "B200", "--gpus", "8", "--dcp", "3", "--workload", "agentic"],
+     "--dcp 3 does not divide --tp 8"),
+    (["--model", "llama-3.1-70b", "--gpu", "H200", "--gpus", "8", "--dcp", "2", "--workload", "agentic"],
+     "larger than tp/kv_heads = 8/8"),
+    (["--model", "kimi-k2", "--gpu", "custom", "--gpus", "8", "--hbm-gib", "80", "--workload", "agentic"],
+     "--gpu custom needs --hbm-tbps, --bf16-tflops, --nvlink-gbps"),
+    (["--model", "kimi-k2", "--gpu", "H100", "--gpus", "8", "--workload", "agentic"], "raise --tp and --gpus"),
+    (["--model", "kimi-k2", "--gpu", "H200", "--gpus", "8", "--kv-memory-gib", "46.8", "--workload", "agentic"],
+     "exceeds the 141 GiB of a H200"),
+    (["--model", "kimi-k2", "--gpu", "B200", "--gpus", "8"], "give --workload agentic or both"),
+    (["--model", "kimi-k2", "--gpu", "B200", "--gpus", "8", "--workload", "chat"], "unknown workload"),
+    (["--model", "kimi-k2", "--gpu", "B300", "--gpus", "8", "--workload", "agentic"], "unknown GPU 'B300'"),
+])
+def test_user_errors_are_one_line_and_exit_2(argv: list[str], message: str,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvshard plan: error: ")
+    assert message in err
+
+
+def test_python_m_entry_point_and_no_torch() -> None:
+    bad = subprocess.run([sys.executable, "-m", "kvshard.planner", "--model", "nope", "--gpu", "B200",
+                          "--gpus", "8", "--workload", "agentic"], cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "unknown" not in bad.stdout
+    # Load the planner without running kvshard/__init__.py, which brings in the engine:
+    # the planner itself must need neither torch nor (until --plot) matplotlib.
+    probe = ("import sys, types; package = types.ModuleType('kvshard'); "
+             f"package.__path__ = [{str(REPO / 'kvshard')!r}]; sys.modules['kvshard'] = package; "
+             "import kvshard.planner.cli; "
+             "print(sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))")
+    imported = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
+    assert imported.stdout.strip() == "[]"
