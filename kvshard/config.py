@@ -111,6 +111,13 @@ class ModelConfig:
         return self.hf_config.num_hidden_layers
 
     @property
+    def sliding_window(self) -> int | None:
+        """The attention window when the checkpoint uses one (Mistral v0.1; Qwen2 only when enabled)."""
+        cfg = self.hf_config
+        window = getattr(cfg, "sliding_window", None)
+        return window if window and getattr(cfg, "use_sliding_window", True) else None
+
+    @property
     def num_kv_heads(self) -> int:
         """KV heads as the cache sees them: MLA has one shared latent."""
         return 1 if self.is_mla else self.hf_config.num_key_value_heads
@@ -219,9 +226,15 @@ class EngineConfig:
                 f"block_size={block_size} is not a multiple of dcp_kv_interleave_size={interleave}: "
                 f"choose an interleave size that divides the block size (1 or {block_size}, say)"
             )
+        window = model_config.sliding_window
         if max_model_len is None:
-            max_model_len = model_config.max_position_embeddings
+            max_model_len = min(model_config.max_position_embeddings, window or model_config.max_position_embeddings)
         _check_positive("max_model_len", max_model_len)
+        if window is not None and max_model_len > window:
+            raise ConfigError(
+                f"max_model_len={max_model_len} exceeds the model's sliding window of {window} tokens, "
+                f"which kvshard does not implement: use --max-model-len {window} or less"
+            )
         if max_model_len > model_config.max_position_embeddings:
             raise ConfigError(
                 f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="

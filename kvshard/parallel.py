@@ -146,7 +146,7 @@ def dcp_reduce_scatter(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     if state.dcp_size == 1:
         return x[0]
     out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x.contiguous().flatten(0, 1), group=state.dcp_group)
+    dist.reduce_scatter_single(out, x.contiguous().flatten(0, 1), group=state.dcp_group)
     return out
 
 

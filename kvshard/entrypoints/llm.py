@@ -48,7 +48,7 @@ class LLM:
         config = EngineConfig.create(
             model,
             tensor_parallel_size=tensor_parallel_size,
-            decode_context_parallel_size=decode_context_parallel_size or dcp or 1,
+            decode_context_parallel_size=next((v for v in (decode_context_parallel_size, dcp) if v is not None), 1),
             dcp_kv_interleave_size=dcp_kv_interleave_size,
             dcp_replicate_q=dcp_replicate_q,
             block_size=block_size,

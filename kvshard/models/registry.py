@@ -13,8 +13,11 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "kvshard.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "kvshard.models.llama:Qwen2ForCausalLM",
     "MistralForCausalLM": "kvshard.models.llama:MistralForCausalLM",
+    "DeepseekV2ForCausalLM": "kvshard.models.deepseek:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "kvshard.models.deepseek:DeepseekV3ForCausalLM",  # also Kimi K2
 }
-MLA_ARCHITECTURES: set[str] = set()
+# one latent "KV head" per token (Multi-head Latent Attention)
+MLA_ARCHITECTURES: set[str] = {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"}
 
 
 def model_class(architecture: str) -> type[nn.Module]:

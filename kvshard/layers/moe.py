@@ -1,0 +1,143 @@
+"""Mixture of experts under tensor parallelism: DeepSeek's top-k router and the routed experts.
+
+Hidden states are replicated over TP, so every rank routes every token the same
+way. The routed experts are partitioned over the ranks (rank r holds experts
+[r*E_l, (r+1)*E_l), each whole) and every rank runs only the tokens sent to its
+own experts. Its output is a partial sum: the MoE block adds the shared experts'
+partial (split by intermediate dim) and all-reduces once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvshard.layers.activation import silu_and_mul
+from kvshard.layers.linear import RowParallelLinear, copy_whole
+from kvshard.parallel import ParallelState
+
+ROUTING_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a token picks its experts (the names are those of DeepSeek's configs)."""
+
+    top_k: int
+    # "noaux_tc" (V3): sigmoid scores, the choice steered by e_score_correction_bias, groups ranked
+    # by the sum of their two best experts. "greedy" / "group_limited_greedy" (V2): softmax scores,
+    # groups ranked by their best expert.
+    method: str
+    num_groups: int
+    topk_groups: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+
+    def __post_init__(self) -> None:
+        if self.method not in ROUTING_METHODS:
+            raise ValueError(f"MoE routing {self.method!r} is not supported; supported: {', '.join(ROUTING_METHODS)}")
+
+
+class TopKRouter(nn.Module):
+    """The gate: `weight` [E, D] and scores in float32, as the reference keeps them."""
+
+    def __init__(self, hidden_size: int, num_experts: int, routing: Routing) -> None:
+        super().__init__()
+        if num_experts % routing.num_groups:
+            raise ValueError(f"{num_experts} experts do not split into n_group={routing.num_groups} groups")
+        self.routing = routing
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
+        self.weight.weight_loader = copy_whole
+        if routing.method == "noaux_tc":
+            self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
+            self.e_score_correction_bias.weight_loader = copy_whole
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[t, D] -> (weights [t, k] float32, expert ids [t, k])."""
+        routing = self.routing
+        logits = nn.functional.linear(x.float(), self.weight)  # [t, E]
+        if routing.method == "noaux_tc":
+            scores = logits.sigmoid()
+            # the bias balances the load: it decides which experts, never how much they weigh
+            choice = scores + self.e_score_correction_bias
+            choice = self._keep_best_groups(choice, lambda g: g.topk(2, dim=-1).values.sum(-1), float("-inf"))
+            ids = choice.topk(routing.top_k, dim=-1).indices
+            weights = scores.gather(1, ids)
+        else:
+            scores = logits.softmax(dim=-1)
+            if routing.method == "group_limited_greedy":
+                scores = self._keep_best_groups(scores, lambda g: g.amax(dim=-1), 0.0)
+            weights, ids = scores.topk(routing.top_k, dim=-1)
+        if routing.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * routing.routed_scaling_factor, ids
+
+    def _keep_best_groups(self, scores: torch.Tensor, group_score, fill: float) -> torch.Tensor:
+        """Only experts of the `topk_groups` best groups stay candidates; the others get `fill`."""
+        routing = self.routing
+        grouped = scores.unflatten(-1, (routing.num_groups, -1))  # [t, G, E/G]
+        best = group_score(grouped).topk(routing.topk_groups, dim=-1).indices  # [t, topk_groups]
+        keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=scores.device).scatter_(1, best, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), fill).flatten(1)
+
+
+class FusedMoE(nn.Module):
+    """The routed experts of one layer, partitioned over the TP ranks; forward returns this rank's partial sum.
+
+    Parameters hold this rank's experts stacked: w13_weight [E_l, 2*I, D] (gate rows, then up rows)
+    and w2_weight [E_l, D, I]. The loader takes checkpoint tensors one expert at a time.
+    """
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype, parallel: ParallelState
+    ) -> None:
+        super().__init__()
+        if num_experts % parallel.tp_size:
+            raise ValueError(
+                f"the model's {num_experts} routed experts do not divide over tensor_parallel_size={parallel.tp_size}: "
+                "choose a tp that divides the expert count"
+            )
+        self.num_local_experts = num_experts // parallel.tp_size
+        self.first_expert = parallel.tp_rank * self.num_local_experts
+        self.intermediate_size = intermediate_size
+        e_l, i, d = self.num_local_experts, intermediate_size, hidden_size
+        self.w13_weight = nn.Parameter(torch.empty(e_l, 2 * i, d, dtype=dtype), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(e_l, d, i, dtype=dtype), requires_grad=False)
+        self.w13_weight.weight_loader = self.weight_loader
+        self.w2_weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int | None]) -> None:
+        """shard_id = (expert, 0 for gate_proj / 1 for up_proj / None for down_proj); other ranks' experts are skipped."""
+        expert, part = shard_id
+        local = expert - self.first_expert
+        if not 0 <= local < self.num_local_experts:
+            return
+        target = param.data[local]
+        if part is not None:
+            target = target.narrow(0, part * self.intermediate_size, self.intermediate_size)
+        copy_whole(target, loaded)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [t, D], topk_weights / topk_ids [t, k] -> [t, D], the sum over this rank's experts only."""
+        out = torch.zeros_like(x)
+        local_ids = topk_ids - self.first_expert  # [t, k]
+        mine = (local_ids >= 0) & (local_ids < self.num_local_experts)
+        for expert in local_ids[mine].unique().tolist():
+            token, slot = (local_ids == expert).nonzero(as_tuple=True)  # [m], [m]
+            h = silu_and_mul(nn.functional.linear(x[token], self.w13_weight[expert]))  # [m, I]
+            y = nn.functional.linear(h, self.w2_weight[expert]) * topk_weights[token, slot, None]  # [m, D] float32
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+
+class PartialRowParallelLinear(RowParallelLinear):
+    """Row-parallel without its own all-reduce: the MoE block sums this partial with the
+    routed experts' partial and reduces both at once."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, parallel: ParallelState) -> None:
+        super().__init__(in_features, out_features, False, dtype, parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight)

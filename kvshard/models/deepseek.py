@@ -1,0 +1,316 @@
+"""DeepSeek-V2 / V3 decoders (Kimi K2 checkpoints are V3): Multi-head Latent Attention and MoE.
+
+MLA runs in its absorbed form (DESIGN.md section 4). The cache holds one latent
+per token, [c_kv | k_pe], shared by all heads; q_nope is taken into the latent
+space through W_UK, so attention scores are q_latent . [c_kv | k_pe] and the
+attention output is a latent that W_UV takes back to each head. The latent is a
+single "KV head", so any DCP size that divides TP shards it by sequence.
+
+Read top to bottom: projections -> attention -> MLP and MoE -> decoder layer ->
+model -> causal LM. Shapes: t = tokens in the step, D = hidden size, H_l = this
+rank's query heads, H_q = heads whose query this rank computes (H_l, or N*H_l
+with Q replication over a DCP group of N), c = kv_lora_rank, r = qk_rope_head_dim,
+n = qk_nope_head_dim, v = v_head_dim.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+from torch import nn
+
+from kvshard.attention.backend import DCPAttention, KVCacheLayer
+from kvshard.attention.metadata import AttentionMetadata
+from kvshard.kv.cache import KVCacheSpec
+from kvshard.layers.activation import silu_and_mul
+from kvshard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from kvshard.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from kvshard.layers.moe import FusedMoE, PartialRowParallelLinear, Routing, TopKRouter
+from kvshard.layers.norm import RMSNorm
+from kvshard.layers.rotary import RotaryEmbedding, apply_rotary
+from kvshard.parallel import ParallelState, tp_all_reduce
+
+# DeepSeek's q_a_layernorm and kv_a_layernorm keep the default epsilon, not rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+def softmax_scale(cfg) -> float:
+    """1/sqrt(n + r), the head dim before absorption, times YaRN's mscale^2 where the config asks for it."""
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    rope = cfg.rope_parameters or {}
+    if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
+        factor = rope["factor"]
+        mscale = 0.1 * rope["mscale_all_dim"] * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+def query_heads(cfg, parallel: ParallelState, replicate_q: bool) -> range:
+    """The heads whose query this rank computes: its own, or those of its whole DCP group.
+
+    DCP groups are contiguous slices of the TP ranks, so the group's heads are contiguous too.
+    """
+    per_rank = cfg.num_attention_heads // parallel.tp_size
+    if replicate_q:
+        per_group = per_rank * parallel.dcp_size
+        return range(parallel.dcp_group_index * per_group, (parallel.dcp_group_index + 1) * per_group)
+    return range(parallel.tp_rank * per_rank, (parallel.tp_rank + 1) * per_rank)
+
+
+class HeadParallelLinear(nn.Module):
+    """Column-parallel by attention heads over a given span of heads (q_proj, q_b_proj).
+
+    Without Q replication the span is the rank's own heads, as in ColumnParallelLinear;
+    with it, the heads of the rank's DCP group, so the Q all-gather is not needed.
+    """
+
+    def __init__(self, in_features: int, head_size: int, heads: range, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.head_size = head_size
+        self.heads = heads
+        self.weight = nn.Parameter(torch.empty(len(heads) * head_size, in_features, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        param.data.copy_(loaded.narrow(0, self.heads.start * self.head_size, len(self.heads) * self.head_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight)
+
+
+class LatentUpProjection(nn.Module):
+    """kv_b_proj [H*(n+v), c], kept in the two pieces the absorbed form uses.
+
+    One parameter: W_UK [H_q, n, c] for every head whose query this rank computes,
+    then W_UV [H_l, v, c] for its own heads (those whose output it keeps).
+    """
+
+    def __init__(self, cfg, q_heads: range, own_heads: range, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.q_heads, self.own_heads = q_heads, own_heads
+        self.nope_dim, self.v_dim, self.latent_dim = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        rows = len(q_heads) * self.nope_dim + len(own_heads) * self.v_dim
+        self.weight = nn.Parameter(torch.empty(rows, self.latent_dim, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        n = self.nope_dim
+        per_head = loaded.view(self.num_heads, n + self.v_dim, self.latent_dim)  # [H, n+v, c]
+        w_uk = per_head[self.q_heads.start : self.q_heads.stop, :n]  # [H_q, n, c]
+        w_uv = per_head[self.own_heads.start : self.own_heads.stop, n:]  # [H_l, v, c]
+        param.data.copy_(torch.cat([w_uk.flatten(0, 1), w_uv.flatten(0, 1)]))
+
+    def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """[t, H_q, n] -> [t, H_q, c]: q_nope . (W_UK c_kv) == (q_nope W_UK) . c_kv."""
+        w_uk = self.weight[: len(self.q_heads) * self.nope_dim].view(len(self.q_heads), self.nope_dim, self.latent_dim)
+        return torch.einsum("thn,hnc->thc", q_nope, w_uk)
+
+    def expand_output(self, latent: torch.Tensor) -> torch.Tensor:
+        """[t, H_l, c] -> [t, H_l, v]: the attention-weighted latent through each head's W_UV."""
+        w_uv = self.weight[len(self.q_heads) * self.nope_dim :].view(len(self.own_heads), self.v_dim, self.latent_dim)
+        return torch.einsum("thc,hvc->thv", latent, w_uv)
+
+
+class DeepseekV2MLAAttention(nn.Module):
+    def __init__(
+        self, cfg, rope_interleaved: bool, dtype: torch.dtype, parallel: ParallelState, replicate_q: bool
+    ) -> None:
+        super().__init__()
+        self.latent_dim, self.rope_dim = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        self.nope_dim = cfg.qk_nope_head_dim
+        self.rope_interleaved = rope_interleaved
+        self.replicate_q = replicate_q
+        self.q_lora = cfg.q_lora_rank is not None
+        q_heads = query_heads(cfg, parallel, replicate_q)
+        own_heads = query_heads(cfg, parallel, replicate_q=False)
+        self.num_q_heads = len(q_heads)
+        qk_head_dim = self.nope_dim + self.rope_dim
+        bias = bool(cfg.attention_bias)
+        if self.q_lora:  # Q through its own low-rank bottleneck (V3, V2 full size)
+            self.q_a_proj = ReplicatedLinear(cfg.hidden_size, cfg.q_lora_rank, bias, dtype)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, dtype)
+            self.q_b_proj = HeadParallelLinear(cfg.q_lora_rank, qk_head_dim, q_heads, dtype)
+        else:
+            self.q_proj = HeadParallelLinear(cfg.hidden_size, qk_head_dim, q_heads, dtype)
+        # the latent is shared by all heads: every rank computes it whole
+        self.kv_a_proj_with_mqa = ReplicatedLinear(cfg.hidden_size, self.latent_dim + self.rope_dim, bias, dtype)
+        self.kv_a_layernorm = RMSNorm(self.latent_dim, LATENT_NORM_EPS, dtype)
+        self.kv_b_proj = LatentUpProjection(cfg, q_heads, own_heads, dtype)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.v_head_dim, cfg.hidden_size, bias, dtype, parallel)
+        self.attn = DCPAttention(len(own_heads), softmax_scale(cfg), parallel)
+
+    def forward(self, x, cos, sin, cache: KVCacheLayer, meta: AttentionMetadata) -> torch.Tensor:
+        if self.q_lora:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))  # [t, H_q*(n+r)]
+        else:
+            q = self.q_proj(x)  # [t, H_q*(n+r)]
+        q_nope, q_pe = q.unflatten(-1, (self.num_q_heads, -1)).split([self.nope_dim, self.rope_dim], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.latent_dim, self.rope_dim], dim=-1)  # [t, c], [t, r]
+        c_kv = self.kv_a_layernorm(c_kv)  # cached normalised: the norm is part of the key and value
+        q_pe = apply_rotary(q_pe, cos, sin, self.rope_interleaved)  # [t, H_q, r]
+        k_pe = apply_rotary(k_pe.unsqueeze(1), cos, sin, self.rope_interleaved)  # [t, 1, r], cached rotated
+        q_latent = torch.cat([self.kv_b_proj.absorb_query(q_nope), q_pe], dim=-1)  # [t, H_q, c+r]
+        latent_kv = torch.cat([c_kv.unsqueeze(1), k_pe], dim=-1)  # [t, 1, c+r]: what the cache stores
+        o = self.attn.forward(
+            q_latent, latent_kv, latent_kv[..., : self.latent_dim], cache, meta, q_spans_dcp_group=self.replicate_q
+        )  # [t, H_l, c]
+        return self.o_proj(self.kv_b_proj.expand_output(o).flatten(1))  # [t, H_l*v] -> [t, D]
+
+
+class DeepseekV2MLP(nn.Module):
+    """SwiGLU MLP split over TP by its intermediate dim. As shared experts it leaves the
+    all-reduce to the MoE block (reduce_results=False)."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, parallel: ParallelState,
+        reduce_results: bool = True,
+    ) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size], False, dtype, parallel
+        )
+        if reduce_results:
+            self.down_proj = RowParallelLinear(intermediate_size, hidden_size, False, dtype, parallel)
+        else:
+            self.down_proj = PartialRowParallelLinear(intermediate_size, hidden_size, dtype, parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DeepseekV2MoE(nn.Module):
+    def __init__(self, cfg, routing: Routing, dtype: torch.dtype, parallel: ParallelState) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.gate = TopKRouter(cfg.hidden_size, cfg.n_routed_experts, routing)
+        self.experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype, parallel)
+        self.shared_experts = None
+        if cfg.n_shared_experts:
+            self.shared_experts = DeepseekV2MLP(
+                cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype, parallel, reduce_results=False
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.gate(x)  # [t, k], [t, k]
+        partial = self.experts(x, topk_weights, topk_ids)  # [t, D]: this rank's experts
+        if self.shared_experts is not None:
+            partial = partial + self.shared_experts(x)  # [t, D]: this rank's slice of the shared experts
+        return tp_all_reduce(partial, self.parallel)  # one all-reduce for both
+
+
+class DeepseekV2DecoderLayer(nn.Module):
+    def __init__(
+        self, cfg, layer_index: int, rope_interleaved: bool, routing: Routing | None, dtype: torch.dtype,
+        parallel: ParallelState, replicate_q: bool,
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = DeepseekV2MLAAttention(cfg, rope_interleaved, dtype, parallel, replicate_q)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        # the first first_k_dense_replace layers are dense, the rest MoE
+        if routing is not None and layer_index >= cfg.first_k_dense_replace:
+            self.mlp = DeepseekV2MoE(cfg, routing, dtype, parallel)
+        else:
+            self.mlp = DeepseekV2MLP(cfg.hidden_size, cfg.intermediate_size, dtype, parallel)
+
+    def forward(self, x, cos, sin, cache: KVCacheLayer, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekV2Model(nn.Module):
+    def __init__(
+        self, cfg, rope_interleaved: bool, routing: Routing | None, dtype: torch.dtype, parallel: ParallelState,
+        replicate_q: bool,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
+        self.layers = nn.ModuleList(
+            DeepseekV2DecoderLayer(cfg, i, rope_interleaved, routing, dtype, parallel, replicate_q)
+            for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class DeepseekV2ForCausalLM(nn.Module):
+    # checkpoint name -> (our fused parameter, shard): dense and shared-expert gate/up in one matmul
+    packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    # a routed expert's projection, after packed_modules has renamed gate/up
+    _expert_weight = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_up_proj|down_proj)\.weight")
+    _layer_index = re.compile(r"model\.layers\.(\d+)\.")
+
+    def __init__(self, cfg, dtype: torch.dtype, parallel: ParallelState, replicate_q: bool = False) -> None:
+        super().__init__()
+        if cfg.hidden_act != "silu":
+            raise ValueError(f"hidden_act={cfg.hidden_act!r} is not supported; kvshard's DeepSeek MLPs use silu")
+        if getattr(cfg, "mlp_bias", False):
+            raise ValueError("mlp_bias=True is not supported for DeepSeek models")
+        self.cfg = cfg
+        has_moe = bool(cfg.n_routed_experts) and cfg.first_k_dense_replace < cfg.num_hidden_layers
+        routing = self.routing(cfg) if has_moe else None
+        self.model = DeepseekV2Model(cfg, self.rope_interleaved(cfg), routing, dtype, parallel, replicate_q)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg, cfg.qk_rope_head_dim)
+
+    @staticmethod
+    def rope_interleaved(cfg) -> bool:
+        return True  # V2 rotates adjacent pairs (its complex-number RoPE)
+
+    @staticmethod
+    def routing(cfg) -> Routing:
+        # transformers' DeepSeek-V2 never renormalises the top-k weights (published V2
+        # checkpoints set norm_topk_prob false), so neither does kvshard.
+        return Routing(
+            top_k=cfg.num_experts_per_tok, method=cfg.topk_method, num_groups=cfg.n_group or 1,
+            topk_groups=cfg.topk_group or 1, norm_topk_prob=False, routed_scaling_factor=cfg.routed_scaling_factor,
+        )
+
+    def remap_weight_name(self, name: str, shard_id) -> tuple[str | None, object]:
+        """Routed experts' per-expert tensors go into their layer's stacked parameters;
+        layers past num_hidden_layers (V3's multi-token-prediction module) are not used."""
+        layer = self._layer_index.match(name)
+        if layer is not None and int(layer.group(1)) >= self.cfg.num_hidden_layers:
+            return None, None
+        expert = self._expert_weight.fullmatch(name)
+        if expert is None:
+            return name, shard_id
+        experts, index, projection = expert.groups()
+        if projection == "down_proj":
+            return f"{experts}.w2_weight", (int(index), None)
+        return f"{experts}.w13_weight", (int(index), shard_id)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        latent = self.cfg.kv_lora_rank
+        return KVCacheSpec(
+            self.cfg.num_hidden_layers, 1, key_dim=latent + self.cfg.qk_rope_head_dim, value_dim=latent,
+            value_in_key=True,
+        )
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, caches: list[KVCacheLayer]) -> torch.Tensor:
+        cos, sin = self.rotary.cos_sin(meta.positions)  # [t, r] each, global positions
+        x = self.model.embed_tokens(input_ids)  # [t, D]
+        for layer, cache in zip(self.model.layers, caches):
+            x = layer(x, cos, sin, cache, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head.logits(hidden)
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    @staticmethod
+    def rope_interleaved(cfg) -> bool:
+        return bool(getattr(cfg, "rope_interleave", True))
+
+    @staticmethod
+    def routing(cfg) -> Routing:
+        return Routing(
+            top_k=cfg.num_experts_per_tok, method="noaux_tc", num_groups=cfg.n_group or 1,
+            topk_groups=cfg.topk_group or 1, norm_topk_prob=bool(cfg.norm_topk_prob),
+            routed_scaling_factor=cfg.routed_scaling_factor,
+        )

@@ -1,0 +1,147 @@
+"""DCP changes where K/V live, never the result (DESIGN.md section 8).
+
+Every configuration runs the same greedy batch (prompts shorter and longer than
+one virtual block, mixed in one batch, some prefilled in chunks so that new
+tokens also attend to cached context through the DCP rhythm) and must give the
+tokens of transformers' `generate` and the log-probabilities of the same model
+without DCP. Each configuration starts its ranks once (module-scoped cache).
+"""
+
+from __future__ import annotations
+
+import pytest
+from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+from kvshard import LLM, SamplingParams
+from conftest import hf_greedy
+
+BLOCK = 4
+NEW_TOKENS = 32
+PROMPTS = [
+    [3, 1, 4],  # shorter than a virtual block at every dcp
+    [(7 * i) % 97 + 1 for i in range(40)],  # longer than a virtual block (4 * dcp tokens)
+    [(5 * i) % 89 + 2 for i in range(17)],
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
+
+# (tp, dcp, interleave, max_num_batched_tokens): tp in {1,2,4}, dcp in {1,2,4}, interleave in {1, B};
+# a 16-token budget chunks the 40-token prompt, so chunks attend to cached context across ranks.
+LLAMA_LAYOUTS = [
+    (1, 1, 1, None), (2, 2, 1, None), (2, 2, BLOCK, 16), (4, 1, 1, None),
+    (4, 2, 1, None), (4, 2, BLOCK, None), (4, 4, 1, 16), (4, 4, BLOCK, None),
+]
+
+
+def tiny(config_cls, **extra):
+    base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
+                initializer_range=0.2, tie_word_embeddings=False)
+    base.update(extra)
+    return config_cls(**base)
+
+
+MODELS = {
+    "llama": lambda: tiny(LlamaConfig, architectures=["LlamaForCausalLM"]),
+    "qwen2": lambda: tiny(Qwen2Config, num_key_value_heads=2, architectures=["Qwen2ForCausalLM"]),
+    "mistral": lambda: tiny(MistralConfig, sliding_window=None, tie_word_embeddings=True,
+                            architectures=["MistralForCausalLM"]),
+}
+
+
+class Run:
+    def __init__(self, outputs, peak_blocks: int, peak_tokens_per_rank: list[int], kv_bytes_per_slot: int,
+                 allocated_bytes: int, num_blocks: int):
+        self.tokens = [o.outputs[0].token_ids for o in outputs]
+        self.logprobs = [o.outputs[0].logprobs for o in outputs]
+        self.peak_blocks = peak_blocks
+        self.peak_tokens_per_rank = peak_tokens_per_rank
+        self.kv_bytes_per_slot = kv_bytes_per_slot
+        self.allocated_bytes = allocated_bytes
+        self.num_blocks = num_blocks
+
+
+@pytest.fixture(scope="module")
+def run(checkpoints):
+    cache: dict[tuple, Run] = {}
+
+    def get(model: str, tp: int, dcp: int, interleave: int = 1, budget: int | None = None) -> Run:
+        key = (model, tp, dcp, interleave, budget)
+        if key not in cache:
+            path = checkpoints(model, MODELS[model]())
+            with LLM(str(path), tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+                     dcp_kv_interleave_size=interleave, block_size=BLOCK, max_num_seqs=8,
+                     max_num_batched_tokens=budget, kv_cache_memory="1MiB") as llm:
+                engine = llm.engine
+                for i, prompt in enumerate(PROMPTS):
+                    engine.add_request(str(i), prompt, GREEDY)
+                done, peak_blocks, peak_tokens = {}, 0, []
+                while len(done) < len(PROMPTS):
+                    for out in engine.step():
+                        if out.finished:
+                            done[out.request_id] = out
+                    stats = engine.stats()
+                    if stats.kv_blocks_used > peak_blocks:
+                        peak_blocks, peak_tokens = stats.kv_blocks_used, stats.kv_tokens_per_dcp_rank
+                assert engine.stats().kv_blocks_used == 0
+                cache[key] = Run([done[str(i)] for i in range(len(PROMPTS))], peak_blocks, peak_tokens,
+                                 llm.config.kv_bytes_per_slot, engine.runner.kv_cache_bytes, llm.config.num_kv_blocks)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints):
+    made = {}
+
+    def get(model: str) -> list[list[int]]:
+        if model not in made:
+            made[model] = hf_greedy(checkpoints(model, MODELS[model]()), PROMPTS, NEW_TOKENS)
+        return made[model]
+
+    return get
+
+
+def assert_logprobs_close(got: list[list[dict]], want: list[list[dict]]) -> None:
+    for seq_got, seq_want in zip(got, want):
+        assert len(seq_got) == len(seq_want) == NEW_TOKENS
+        for step_got, step_want in zip(seq_got, seq_want):
+            assert step_got.keys() == step_want.keys()
+            for token, value in step_want.items():
+                assert step_got[token] == pytest.approx(value, abs=1e-4)
+
+
+@pytest.mark.parametrize("tp, dcp, interleave, budget", LLAMA_LAYOUTS)
+def test_llama_matches_transformers_and_no_dcp(run, reference, tp, dcp, interleave, budget):
+    result = run("llama", tp, dcp, interleave, budget)
+    assert result.tokens == reference("llama")
+    assert_logprobs_close(result.logprobs, run("llama", 1, 1).logprobs)
+
+
+@pytest.mark.parametrize("model, tp, dcp, interleave", [
+    ("qwen2", 1, 1, 1), ("qwen2", 4, 2, 1), ("mistral", 1, 1, 1), ("mistral", 4, 4, BLOCK),
+])
+def test_qwen2_and_mistral_match_transformers(run, reference, model, tp, dcp, interleave):
+    result = run(model, tp, dcp, interleave)
+    assert result.tokens == reference(model)
+    assert_logprobs_close(result.logprobs, run(model, 1, 1).logprobs)
+
+
+def test_per_rank_kv_memory_at_dcp_n_is_one_nth(run):
+    """Bytes of KV a rank holds for the same requests, from the engine's own block accounting."""
+    base = run("llama", 4, 1)
+    for dcp, interleave in [(2, 1), (4, 1), (4, BLOCK)]:
+        sharded = run("llama", 4, dcp, interleave)
+        assert sharded.kv_bytes_per_slot == base.kv_bytes_per_slot  # same bytes per stored token ...
+        used = sharded.peak_blocks * BLOCK * sharded.kv_bytes_per_slot
+        full = base.peak_blocks * BLOCK * base.kv_bytes_per_slot
+        # ... but 1/N of the tokens, up to one partly filled block per request
+        assert full / dcp <= used <= full / dcp + len(PROMPTS) * BLOCK * base.kv_bytes_per_slot
+        total = sum(base.peak_tokens_per_rank)
+        assert sum(sharded.peak_tokens_per_rank) == total
+        assert max(sharded.peak_tokens_per_rank) <= total / dcp + len(PROMPTS) * interleave
+
+
+def test_allocated_cache_equals_the_configured_budget(run):
+    result = run("llama", 4, 4, 1, 16)
+    assert result.allocated_bytes == result.num_blocks * BLOCK * result.kv_bytes_per_slot <= 2**20

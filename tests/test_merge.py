@@ -1,0 +1,82 @@
+"""The LSE merge on its own (DESIGN.md section 8)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvshard.attention.merge import attention_with_lse, merge_attention_states
+
+
+def _random_attention(seed: int, length: int, heads: int = 3, dim: int = 8):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 1, heads, dim, generator=g)
+    k = torch.randn(1, length, heads, dim, generator=g)
+    v = torch.randn(1, length, heads, dim, generator=g)
+    return q, k, v
+
+
+def test_one_part_comes_back_unchanged():
+    out = torch.randn(5, 4, 8)
+    lse = torch.randn(5, 4)
+    merged, merged_lse = merge_attention_states(out.unsqueeze(0), lse.unsqueeze(0))
+    assert torch.equal(merged, out)
+    assert torch.equal(merged_lse, lse)
+
+
+def test_equal_lses_average():
+    a, b = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
+    lse = torch.full((2, 3), 1.7)
+    merged, merged_lse = merge_attention_states(torch.stack([a, b]), torch.stack([lse, lse]))
+    torch.testing.assert_close(merged, (a + b) / 2)
+    torch.testing.assert_close(merged_lse, lse + math.log(2))
+
+
+def test_an_empty_part_contributes_nothing():
+    out = torch.randn(2, 3, 4)
+    lse = torch.randn(2, 3)
+    empty_out = torch.zeros(2, 3, 4)
+    empty_lse = torch.full((2, 3), float("-inf"))
+    merged, merged_lse = merge_attention_states(torch.stack([empty_out, out]), torch.stack([empty_lse, lse]))
+    torch.testing.assert_close(merged, out)
+    torch.testing.assert_close(merged_lse, lse)
+
+
+def test_all_parts_empty_gives_zero_not_nan():
+    merged, merged_lse = merge_attention_states(torch.zeros(3, 2, 4), torch.full((3, 2), float("-inf")))
+    assert torch.equal(merged, torch.zeros(2, 4))
+    assert torch.isneginf(merged_lse).all()
+
+
+def test_merged_shards_equal_full_attention_and_lse_equals_logsumexp_of_scores():
+    q, k, v = _random_attention(seed=0, length=13)
+    scale = 8 ** -0.5
+    full_mask = torch.ones(1, 1, 13, dtype=torch.bool)
+    full_out, full_lse = attention_with_lse(q, k, v, full_mask, scale)
+    scores = torch.einsum("hd,lhd->hl", q[0, 0], k[0]) * scale
+    torch.testing.assert_close(full_lse[0, 0], torch.logsumexp(scores, dim=-1))
+    # shard the keys round robin over 4 "ranks" (one of them gets no key at all)
+    parts = [list(range(r, 13, 4)) for r in range(4)] + [[]]
+    outs, lses = [], []
+    for idx in parts:
+        if idx:
+            o, l = attention_with_lse(q, k[:, idx], v[:, idx], torch.ones(1, 1, len(idx), dtype=torch.bool), scale)
+        else:
+            o, l = torch.zeros_like(full_out), torch.full_like(full_lse, float("-inf"))
+        outs.append(o)
+        lses.append(l)
+    merged, merged_lse = merge_attention_states(torch.stack(outs), torch.stack(lses))
+    torch.testing.assert_close(merged, full_out)
+    torch.testing.assert_close(merged_lse, full_lse)
+
+
+def test_grouped_query_heads_read_their_kv_head():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 2, 4, 8, generator=g)  # 4 query heads
+    k = torch.randn(1, 5, 2, 8, generator=g)  # 2 KV heads: heads 0,1 -> kv 0; 2,3 -> kv 1
+    v = torch.randn(1, 5, 2, 8, generator=g)
+    mask = torch.ones(1, 2, 5, dtype=torch.bool).tril(diagonal=3)
+    out, _ = attention_with_lse(q, k, v, mask, 0.3)
+    expanded, _ = attention_with_lse(q, k.repeat_interleave(2, dim=2), v.repeat_interleave(2, dim=2), mask, 0.3)
+    torch.testing.assert_close(out, expanded)
