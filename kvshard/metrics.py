@@ -1,0 +1,104 @@
+"""Prometheus metrics of one server, named as vLLM's with a `kvshard:` prefix.
+
+Engine gauges and totals come from the latest `EngineStats` the engine loop
+recorded (so a scrape never waits for a step); latencies are observed by the
+loop as tokens come out. Each server has its own registry.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvshard.config import EngineConfig
+from kvshard.engine.llm_engine import EngineStats
+
+# vLLM's buckets, in seconds
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                240.0, 480.0, 960.0, 1920.0, 7680.0)
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class ServerMetrics:
+    def __init__(self, config: EngineConfig, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.config = config
+        self._stats = EngineStats()
+        labels = ["model_name"]
+        self.ttft = Histogram("kvshard:time_to_first_token_seconds", "Time from arrival to the first token.",
+                              labels, buckets=_TTFT_BUCKETS, registry=self.registry).labels(model_name)
+        self.itl = Histogram("kvshard:inter_token_latency_seconds", "Time between two tokens of a request.",
+                             labels, buckets=_ITL_BUCKETS, registry=self.registry).labels(model_name)
+        self.e2e = Histogram("kvshard:e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             labels, buckets=_E2E_BUCKETS, registry=self.registry).labels(model_name)
+        self.request_success = Counter("kvshard:request_success", "Finished sequences, by finish reason.",
+                                       [*labels, "finished_reason"], registry=self.registry)
+        for reason in FINISH_REASONS:
+            self.request_success.labels(model_name, reason)
+        parallel = config.parallel
+        Info("kvshard:dcp_layout", "The parallel layout and KV capacity this server started with.",
+             registry=self.registry).info({
+                 "model_name": model_name,
+                 "tp": str(parallel.tensor_parallel_size),
+                 "dcp": str(parallel.decode_context_parallel_size),
+                 "interleave": str(parallel.dcp_kv_interleave_size),
+                 "block_size": str(config.cache.block_size),
+                 "num_kv_blocks_per_rank": str(config.num_kv_blocks),
+                 "kv_capacity_tokens": str(config.kv_capacity_tokens),
+                 "max_model_len": str(config.scheduler.max_model_len),
+             })
+        self.registry.register(self)  # collect() below: the engine's gauges and totals
+
+    def record_stats(self, stats: EngineStats) -> None:
+        self._stats = stats
+
+    def observe_finished(self, finish_reasons: list[str | None], e2e_seconds: float) -> None:
+        for reason in finish_reasons:
+            self.request_success.labels(self.model_name, reason or "abort").inc()
+        self.e2e.observe(e2e_seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def collect(self):
+        """Gauges and totals from the last recorded EngineStats, at scrape time."""
+        stats, name = self._stats, self.model_name
+        slots_per_rank = self.config.num_kv_blocks * self.config.cache.block_size
+
+        def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(metric, doc, labels=["model_name"])
+            family.add_metric([name], value)
+            return family
+
+        def counter(metric: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(metric, doc, labels=["model_name"])
+            family.add_metric([name], value)
+            return family
+
+        yield gauge("kvshard:num_requests_running", "Sequences in the running batch.", stats.num_running)
+        yield gauge("kvshard:num_requests_waiting", "Sequences waiting to be admitted.", stats.num_waiting)
+        yield gauge("kvshard:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full), same on every rank.",
+                    stats.kv_usage)
+        yield gauge("kvshard:kv_cache_blocks_used", "KV blocks in use per rank (virtual blocks).", stats.kv_blocks_used)
+        yield gauge("kvshard:kv_cache_blocks_total", "KV blocks per rank.", stats.kv_blocks_total)
+        per_rank_usage = GaugeMetricFamily(
+            "kvshard:dcp_rank_kv_cache_usage_perc",
+            "Fraction of a DCP rank's KV slots holding tokens of live requests.", labels=["model_name", "dcp_rank"])
+        per_rank_tokens = GaugeMetricFamily(
+            "kvshard:dcp_rank_kv_cache_tokens", "Tokens of live requests stored on a DCP rank.",
+            labels=["model_name", "dcp_rank"])
+        for dcp_rank, tokens in enumerate(stats.kv_tokens_per_dcp_rank):
+            per_rank_usage.add_metric([name, str(dcp_rank)], tokens / slots_per_rank)
+            per_rank_tokens.add_metric([name, str(dcp_rank)], tokens)
+        yield per_rank_usage
+        yield per_rank_tokens
+        yield counter("kvshard:num_preemptions", "Sequences preempted (KV freed, recomputed later).",
+                      stats.num_preemptions)
+        yield counter("kvshard:prompt_tokens", "Prompt tokens admitted (times n).", stats.prompt_tokens)
+        yield counter("kvshard:generation_tokens", "Tokens generated.", stats.generation_tokens)
+        yield counter("kvshard:engine_steps", "Engine steps run.", stats.steps)

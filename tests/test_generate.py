@@ -1,0 +1,109 @@
+"""The Python API and sampling, on one rank (fast): what a vLLM user expects of `LLM.generate`."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+from transformers import LlamaConfig
+
+from kvshard import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints):
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=128,
+                         initializer_range=0.2, eos_token_id=5, architectures=["LlamaForCausalLM"])
+    with LLM(str(checkpoints("generate-llama", config)), block_size=4, seed=1) as engine:
+        yield engine
+
+
+PROMPT = [10, 20, 30, 40]
+
+
+def tokens(llm, params, prompt=PROMPT):
+    return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+
+
+def test_same_seed_same_tokens_whatever_else_runs(llm):
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=16, ignore_eos=True)
+    alone = tokens(llm, params).token_ids
+    batch = llm.generate([PROMPT, [1, 2, 3], PROMPT], [params, SamplingParams(temperature=1.0, max_tokens=16), params],
+                         use_tqdm=False)
+    assert batch[0].outputs[0].token_ids == alone == batch[2].outputs[0].token_ids
+    other = tokens(llm, SamplingParams(temperature=1.0, seed=8, max_tokens=16, ignore_eos=True)).token_ids
+    assert other != alone
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(llm):
+    greedy = tokens(llm, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)).token_ids
+    assert tokens(llm, SamplingParams(temperature=1.5, top_k=1, seed=3, max_tokens=12, ignore_eos=True)).token_ids == greedy
+    assert tokens(llm, SamplingParams(temperature=1.5, top_p=1e-6, seed=3, max_tokens=12, ignore_eos=True)).token_ids == greedy
+
+
+def test_stop_token_ids_end_the_output_with_reason_stop(llm):
+    greedy = tokens(llm, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)).token_ids
+    stop_at = greedy[5]
+    out = tokens(llm, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_at]))
+    assert out.token_ids == greedy[: greedy.index(stop_at) + 1]
+    assert out.finish_reason == "stop"
+
+
+def test_eos_stops_unless_ignored(llm, monkeypatch):
+    greedy = tokens(llm, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)).token_ids
+    eos = greedy[4]
+    monkeypatch.setattr(llm.engine.config.model.hf_config, "eos_token_id", eos)
+    stopped = tokens(llm, SamplingParams(temperature=0, max_tokens=12))
+    assert stopped.token_ids == greedy[: greedy.index(eos) + 1]
+    assert stopped.finish_reason == "stop"
+    ignored = tokens(llm, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert ignored.token_ids == greedy and ignored.finish_reason == "length"
+
+
+def test_max_tokens_and_n(llm):
+    out = llm.generate([PROMPT], SamplingParams(n=3, temperature=1.0, seed=0, max_tokens=5, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert [len(c.token_ids) for c in out.outputs] == [5, 5, 5]
+    assert [c.finish_reason for c in out.outputs] == ["length"] * 3
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+def test_outputs_come_back_in_prompt_order_and_blocks_are_freed(llm):
+    prompts = [[i + 1] * (3 + 5 * i) for i in range(6)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == prompts
+    assert llm.engine.stats().kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ([], SamplingParams(), "prompt is empty"),
+    ([1000], SamplingParams(), r"token ids must be integers in \[0, 128\)"),
+    ([1] * 120, SamplingParams(max_tokens=20), "maximum context length is 128 tokens"),
+])
+def test_bad_requests_fail_before_anything_runs(llm, prompt, params, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate([PROMPT, prompt], params, use_tqdm=False)
+    assert llm.engine.has_unfinished_requests() is False
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": -1}, "temperature must be >= 0"),
+    ({"top_p": 0}, r"top_p must be in \(0, 1\]"),
+    ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
+    ({"n": 0}, "n must be an integer >= 1"),
+    ({"top_k": -5}, "top_k must be -1"),
+])
+def test_invalid_sampling_params_say_what_is_wrong(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_demo_model_generates_text_from_strings():
+    with LLM("kvshard-demo-gqa", max_model_len=256) as llm:
+        out = llm.generate(["Hello, world!"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                           use_tqdm=False)[0]
+        assert out.prompt == "Hello, world!"
+        assert len(out.outputs[0].token_ids) == 6
+        assert out.outputs[0].text == llm.get_tokenizer().decode(out.outputs[0].token_ids, skip_special_tokens=True)
+    assert multiprocessing.active_children() == []
