@@ -52,7 +52,7 @@ def test_all_parts_empty_gives_zero_not_nan():
 def test_merged_shards_equal_full_attention_and_lse_equals_logsumexp_of_scores():
     q, k, v = _random_attention(seed=0, length=13)
     scale = 8 ** -0.5
-    full_mask = torch.ones(1, 1, 13, dtype=torch.bool)
+    full_mask = torch.zeros(1, 1, 13)
     full_out, full_lse = attention_with_lse(q, k, v, full_mask, scale)
     scores = torch.einsum("hd,lhd->hl", q[0, 0], k[0]) * scale
     torch.testing.assert_close(full_lse[0, 0], torch.logsumexp(scores, dim=-1))
@@ -61,7 +61,7 @@ def test_merged_shards_equal_full_attention_and_lse_equals_logsumexp_of_scores()
     outs, lses = [], []
     for idx in parts:
         if idx:
-            o, l = attention_with_lse(q, k[:, idx], v[:, idx], torch.ones(1, 1, len(idx), dtype=torch.bool), scale)
+            o, l = attention_with_lse(q, k[:, idx], v[:, idx], torch.zeros(1, 1, len(idx)), scale)
         else:
             o, l = torch.zeros_like(full_out), torch.full_like(full_lse, float("-inf"))
         outs.append(o)
@@ -76,7 +76,14 @@ def test_grouped_query_heads_read_their_kv_head():
     q = torch.randn(1, 2, 4, 8, generator=g)  # 4 query heads
     k = torch.randn(1, 5, 2, 8, generator=g)  # 2 KV heads: heads 0,1 -> kv 0; 2,3 -> kv 1
     v = torch.randn(1, 5, 2, 8, generator=g)
-    mask = torch.ones(1, 2, 5, dtype=torch.bool).tril(diagonal=3)
-    out, _ = attention_with_lse(q, k, v, mask, 0.3)
-    expanded, _ = attention_with_lse(q, k.repeat_interleave(2, dim=2), v.repeat_interleave(2, dim=2), mask, 0.3)
+    bias = torch.zeros(1, 2, 5).masked_fill_(torch.ones(2, 5, dtype=torch.bool).triu(diagonal=4), float("-inf"))
+    out, _ = attention_with_lse(q, k, v, bias, 0.3)
+    expanded, _ = attention_with_lse(q, k.repeat_interleave(2, dim=2), v.repeat_interleave(2, dim=2), bias, 0.3)
     torch.testing.assert_close(out, expanded)
+
+
+def test_a_query_with_no_allowed_key_gets_zero_and_minus_infinity():
+    q, k, v = _random_attention(seed=2, length=4)
+    out, lse = attention_with_lse(q, k, v, torch.full((1, 1, 4), float("-inf")), 0.5)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.isneginf(lse).all()

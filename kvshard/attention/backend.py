@@ -1,16 +1,15 @@
 """The DCP decode rhythm (DESIGN.md section 4), one call per attention layer.
 
-New tokens attend to (a) the context already cached, sharded over the DCP
-group, and (b) each other, causally; the two parts are merged by LSE:
+First every rank writes the new tokens it owns into its cache. Then:
 
-  (a) AllGather Q over the group -> attention of all gathered heads over the
-      local shard, with LSE -> AllGather LSE, rescale, ReduceScatter the heads
-      back to their rank.
-  (b) local causal attention over the new tokens' own K/V (every rank of the
-      group computed them), for this rank's heads only.
-
-Then each rank writes the new tokens it owns into its cache. With dcp = 1 the
-collectives are identities and this is ordinary paged attention.
+  (a) cached context, sharded over the DCP group (for a decode this includes
+      its new token): AllGather Q over the group -> attention of all gathered
+      heads over the local shard, with LSE -> AllGather LSE, rescale,
+      ReduceScatter the heads back to their rank;
+  (b) for prefill chunks only: causal attention over the chunk's own K/V
+      (every rank of the group computed them), for this rank's heads;
+  and (a) and (b) are merged by LSE. With dcp = 1 the collectives are
+  identities and this is ordinary paged attention.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from kvshard.attention.merge import attention_with_lse, lse_weights, merge_attention_states
-from kvshard.attention.metadata import AttentionMetadata
+from kvshard.attention.metadata import AttentionGroup, AttentionMetadata
 from kvshard.parallel import ParallelState, dcp_all_gather, dcp_reduce_scatter
 
 
@@ -29,15 +28,23 @@ class KVCacheLayer:
     in which case only the key is written.
     """
 
-    def __init__(self, key: torch.Tensor, value: torch.Tensor) -> None:
+    def __init__(self, key: torch.Tensor, value: torch.Tensor, block_size: int) -> None:
         self.key = key
         self.value = value
+        self.block_size = block_size
         self.value_is_view = value.data_ptr() == key.data_ptr()
 
     def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         self.key.index_copy_(0, slots, key.to(self.key.dtype))
         if not self.value_is_view:
             self.value.index_copy_(0, slots, value.to(self.value.dtype))
+
+    def gather(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole blocks [g, nb] -> keys [g, nb*B, Hk, dk], values [g, nb*B, Hk, dv]."""
+        def by_block(cache: torch.Tensor) -> torch.Tensor:
+            return cache.unflatten(0, (-1, self.block_size))[blocks].flatten(1, 2)
+
+        return by_block(self.key), by_block(self.value)
 
 
 class DCPAttention:
@@ -56,29 +63,35 @@ class DCPAttention:
         q_spans_dcp_group: bool = False,
     ) -> torch.Tensor:
         state = self.parallel
-        if q_spans_dcp_group:
-            q_group = q
-            q = q.unflatten(1, (state.dcp_size, self.num_heads))[:, state.dcp_rank]
-        out, lse = self._attend_new(q, k, v, meta)
-        if meta.has_context:
-            if not q_spans_dcp_group:
-                q_group = dcp_all_gather(q, state).permute(1, 0, 2, 3).flatten(1, 2)  # [t, N*H_l, dk]
-            ctx_out, ctx_lse = self._attend_context(q_group, cache, meta)  # [t, N*H_l, dv], [t, N*H_l]
-            ctx_out, ctx_lse = self._merge_over_group(ctx_out, ctx_lse)  # [t, H_l, dv], [t, H_l]
-            out, _ = merge_attention_states(torch.stack([out, ctx_out]), torch.stack([lse, ctx_lse]))
         if meta.write_index.numel():
             cache.write(meta.write_slots, k[meta.write_index], v[meta.write_index])
+        q_group = q
+        if q_spans_dcp_group:
+            q = q.unflatten(1, (state.dcp_size, self.num_heads))[:, state.dcp_rank]
+        elif meta.uses_context and state.dcp_size > 1:
+            q_group = dcp_all_gather(q, state).permute(1, 0, 2, 3).flatten(1, 2)  # [t, N*H_l, dk]
+        out = lse = None
+        if meta.uses_context:
+            out, lse = self._attend_context(q_group, cache, meta)  # [t, N*H_l, dv], [t, N*H_l]
+            out, lse = self._merge_over_group(out, lse)  # [t, H_l, dv], [t, H_l]
+        if meta.has_prefill:
+            chunk_out, chunk_lse = self._attend_chunks(q, k, v, meta)
+            if out is None:
+                out = chunk_out
+            else:
+                out, _ = merge_attention_states(torch.stack([out, chunk_out]), torch.stack([lse, chunk_lse]))
         return out.to(q.dtype)
 
-    def _attend_new(self, q, k, v, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        t = q.shape[0]
-        out = q.new_empty((t, q.shape[1], v.shape[-1]), dtype=torch.float32)
-        lse = q.new_empty((t, q.shape[1]), dtype=torch.float32)
+    def _attend_chunks(self, q, k, v, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal attention inside each prefill chunk; decode rows stay empty (lse = -inf)."""
+        out = q.new_zeros((q.shape[0], q.shape[1], v.shape[-1]), dtype=torch.float32)
+        lse = q.new_full(q.shape[:2], float("-inf"), dtype=torch.float32)
         for group in meta.groups:
-            idx = group.token_index  # [g, s]
-            o, l = attention_with_lse(q[idx], k[idx], v[idx], group.new_mask, self.scale)
-            out[idx] = o
-            lse[idx] = l
+            if group.is_decode:
+                continue
+            rows = slice(group.start, group.end)
+            o, l = attention_with_lse(q[rows][None], k[rows][None], v[rows][None], group.causal_bias, self.scale)
+            out[rows], lse[rows] = o[0], l[0]
         return out, lse
 
     def _attend_context(self, q, cache: KVCacheLayer, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,14 +99,13 @@ class DCPAttention:
         out = q.new_zeros((t, heads, cache.value.shape[-1]), dtype=torch.float32)
         lse = q.new_full((t, heads), float("-inf"), dtype=torch.float32)
         for group in meta.groups:
-            if group.context_slots is None:  # this rank holds none of these requests' tokens yet
+            if group.context_blocks is None:  # this rank holds none of these requests' tokens yet
                 continue
-            idx = group.token_index
-            keys = cache.key[group.context_slots]  # [g, Lc, Hk, dk]
-            values = cache.value[group.context_slots]  # [g, Lc, Hk, dv]
-            o, l = attention_with_lse(q[idx], keys, values, group.context_mask, self.scale)
-            out[idx] = o
-            lse[idx] = l
+            rows = slice(group.start, group.end)
+            keys, values = cache.gather(group.context_blocks)  # [g, L, Hk, dk], [g, L, Hk, dv]
+            queries = q[rows].unflatten(0, (group.num_seqs, group.query_len))  # [g, s, H, dk]
+            o, l = attention_with_lse(queries, keys, values, group.context_bias, self.scale)
+            out[rows], lse[rows] = o.flatten(0, 1), l.flatten(0, 1)
         return out, lse
 
     def _merge_over_group(self, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,11 @@
-"""Per-step attention metadata: built once per step on each rank, read by every layer."""
+"""Per-step attention metadata: built once per step on each rank, read by every layer.
+
+Requests are attended in groups of consecutive rows of the flat token batch:
+a run of decodes (one new token each) forms one group; each prefill chunk is a
+group of its own. A decode's new token is written to the cache before
+attention, so it is simply part of the sharded context; a prefill chunk
+attends to itself causally and to the context cached before it.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +18,20 @@ from kvshard.kv.layout import DCPLayout
 
 @dataclass(frozen=True)
 class AttentionGroup:
-    """Requests whose new tokens are attended together: all decodes, or one prefill chunk."""
+    start: int  # rows [start, end) of the flat token batch
+    end: int
+    query_len: int  # new tokens per request: 1 for a decode group
+    causal_bias: torch.Tensor | None  # [1, s, s] among a prefill chunk's tokens; None for decodes
+    context_blocks: torch.Tensor | None  # [g, nb] this rank's blocks of the requests; None if it holds no token
+    context_bias: torch.Tensor | None  # [g, 1, nb * B]: 0 for this rank's cached tokens, -inf past them
 
-    token_index: torch.Tensor  # [g, s] rows of the flat token batch
-    new_mask: torch.Tensor  # [g, s, s] causal mask among the new tokens
-    context_slots: torch.Tensor | None  # [g, Lc] this rank's cached slots, None when no context here
-    context_mask: torch.Tensor | None  # [g, 1, Lc]
+    @property
+    def num_seqs(self) -> int:
+        return (self.end - self.start) // self.query_len
+
+    @property
+    def is_decode(self) -> bool:
+        return self.causal_bias is None
 
 
 @dataclass(frozen=True)
@@ -25,7 +40,8 @@ class AttentionMetadata:
     groups: list[AttentionGroup]
     write_index: torch.Tensor  # [w] new tokens this rank owns ...
     write_slots: torch.Tensor  # [w] ... and the slots they go to
-    has_context: bool  # any request has cached tokens: same answer on every rank
+    uses_context: bool  # some token attends to cached context: the same answer on every rank
+    has_prefill: bool
 
     @property
     def num_tokens(self) -> int:
@@ -43,54 +59,50 @@ class AttentionMetadata:
     ) -> "AttentionMetadata":
         num_seqs = len(query_lens)
         max_blocks = max(1, max(len(t) for t in block_tables))
-        tables = torch.zeros(num_seqs, max_blocks, dtype=torch.long)
-        for i, table in enumerate(block_tables):
-            tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+        tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.long)
         ctx = torch.tensor(context_lens, dtype=torch.long)
         qlens = torch.tensor(query_lens, dtype=torch.long)
         starts = torch.cumsum(qlens, 0) - qlens
 
         seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), qlens)
         positions = ctx[seq_of_token] + (torch.arange(int(qlens.sum())) - starts[seq_of_token])
-        owned = layout.owner_of(positions) == dcp_rank
-        write_index = owned.nonzero().squeeze(1)
+        write_index = (layout.owner_of(positions) == dcp_rank).nonzero().squeeze(1)
         write_slots = layout.slots_of(positions[write_index], tables[seq_of_token[write_index]])
 
-        local_ctx = layout.local_lens_of(ctx, dcp_rank)
-        decodes = [i for i in range(num_seqs) if query_lens[i] == 1]
-        prefills = [i for i in range(num_seqs) if query_lens[i] > 1]
+        # a decode reads its own new token from the cache (written first); a prefill chunk does not
+        is_decode = qlens == 1
+        local_ctx = layout.local_lens_of(ctx + is_decode.long(), dcp_rank)
         groups = []
-        if decodes:
-            groups.append(_group(decodes, 1, starts, local_ctx, tables, layout))
-        for i in prefills:
-            groups.append(_group([i], query_lens[i], starts, local_ctx, tables, layout))
+        i = 0
+        while i < num_seqs:
+            j = i + 1
+            if query_lens[i] == 1:
+                while j < num_seqs and query_lens[j] == 1:
+                    j += 1
+            groups.append(_group(i, j, query_lens[i], int(starts[i]), local_ctx, tables, layout, device))
+            i = j
         return cls(
             positions=positions.to(device),
-            groups=[_to(g, device) for g in groups],
+            groups=groups,
             write_index=write_index.to(device),
             write_slots=write_slots.to(device),
-            has_context=any(c > 0 for c in context_lens),
+            uses_context=bool(is_decode.any()) or any(c > 0 for c in context_lens),
+            has_prefill=not bool(is_decode.all()),
         )
 
 
-def _group(
-    seqs: list[int], query_len: int, starts: torch.Tensor, local_ctx: torch.Tensor,
-    tables: torch.Tensor, layout: DCPLayout,
-) -> AttentionGroup:
-    index = torch.tensor(seqs)
-    token_index = starts[index].unsqueeze(1) + torch.arange(query_len)  # [g, s]
-    new_mask = torch.ones(query_len, query_len, dtype=torch.bool).tril().expand(len(seqs), -1, -1)
-    lens = local_ctx[index]
+def _group(first: int, last: int, query_len: int, start: int, local_ctx: torch.Tensor, tables: torch.Tensor,
+           layout: DCPLayout, device: torch.device) -> AttentionGroup:
+    end = start + (last - first) * query_len
+    causal = None
+    if query_len > 1:
+        causal = torch.full((query_len, query_len), float("-inf")).triu_(1).unsqueeze(0).to(device)
+    lens = local_ctx[first:last]
     max_len = int(lens.max())
     if max_len == 0:
-        return AttentionGroup(token_index, new_mask, None, None)
-    slots = layout.local_slots_of(tables[index], max_len)  # [g, Lc]
-    mask = (torch.arange(max_len) < lens.unsqueeze(1)).unsqueeze(1)  # [g, 1, Lc]
-    return AttentionGroup(token_index, new_mask, slots, mask)
-
-
-def _to(group: AttentionGroup, device: torch.device) -> AttentionGroup:
-    if device.type == "cpu":
-        return group
-    move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-    return AttentionGroup(*(move(t) for t in (group.token_index, group.new_mask, group.context_slots, group.context_mask)))
+        return AttentionGroup(start, end, query_len, causal, None, None)
+    num_blocks = -(-max_len // layout.block_size)
+    blocks = tables[first:last, :num_blocks]
+    span = torch.arange(num_blocks * layout.block_size)
+    bias = torch.zeros(last - first, 1, span.numel()).masked_fill_((span >= lens.unsqueeze(1)).unsqueeze(1), float("-inf"))
+    return AttentionGroup(start, end, query_len, causal, blocks.to(device), bias.to(device))

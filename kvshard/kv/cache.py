@@ -35,5 +35,5 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, block_size: int, dtype
         value = key[..., : spec.value_dim] if spec.value_in_key else torch.zeros(
             slots, spec.num_kv_heads, spec.value_dim, dtype=dtype, device=device
         )
-        layers.append(KVCacheLayer(key, value))
+        layers.append(KVCacheLayer(key, value, block_size))
     return layers
