@@ -10,12 +10,15 @@ from transformers import LlamaConfig
 from kvshard import LLM, SamplingParams
 
 
-@pytest.fixture(scope="module")
-def llm(checkpoints):
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+def tiny_llama():
+    return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=128,
                          initializer_range=0.2, eos_token_id=5, architectures=["LlamaForCausalLM"])
-    with LLM(str(checkpoints("generate-llama", config)), block_size=4, seed=1) as engine:
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints):
+    with LLM(str(checkpoints("generate-llama", tiny_llama())), block_size=4, seed=1) as engine:
         yield engine
 
 
@@ -97,6 +100,21 @@ def test_bad_requests_fail_before_anything_runs(llm, prompt, params, message):
 def test_invalid_sampling_params_say_what_is_wrong(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_sharded_checkpoint_loads_the_same_weights(llm, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(llm.config.model.path, dtype=torch.float32)
+    model.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    want = tokens(llm, params)
+    with LLM(str(tmp_path), block_size=4) as sharded:
+        got = tokens(sharded, params)
+    assert got.token_ids == want.token_ids
+    assert got.logprobs == want.logprobs
 
 
 def test_demo_model_generates_text_from_strings():
