@@ -70,7 +70,13 @@ def init_parallel(
     if world == 1:
         return single_rank_state()
     host, port = master
-    store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
+    # Under torchrun the agent of node 0 already hosts a store at MASTER_ADDR:MASTER_PORT: every rank joins it.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and master == (
+        os.environ.get("MASTER_ADDR"), int(os.environ.get("MASTER_PORT", "0")))
+    store = dist.TCPStore(host, port, world, is_master=rank == 0 and not agent_store, timeout=COLLECTIVE_TIMEOUT,
+                          wait_for_workers=False)
+    if agent_store:  # keys of an earlier attempt (a torchrun restart) must not count as joined
+        store = dist.PrefixStore(f"kvshard/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
     store.set(f"kvshard/joined/{rank}", "1")
     if rank == 0:
         joined = [f"kvshard/joined/{r}" for r in range(world)]

@@ -6,8 +6,9 @@ step's outputs to the waiting handlers on the event loop. Handlers never take th
 engine's lock, so a slow step never stalls the HTTP side.
 
 When a rank dies (the step raises, or the watchdog on the event loop finds a
-rank process gone while the loop waits) or the loop stops, every request still open, running or waiting, gets the reason as
-an `EngineDeadError`, and new requests are refused with it: nobody hangs.
+rank process gone while the loop waits) or the loop stops, every request still
+open, running or waiting, gets the reason as an `EngineDeadError`, and new
+requests are refused with it: nobody hangs.
 """
 
 from __future__ import annotations
@@ -17,11 +18,10 @@ import logging
 import queue
 import threading
 import time
-import traceback
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from kvshard.engine.llm_engine import EngineDeadError, EngineStats, LLMEngine
+from kvshard.engine.llm_engine import EngineDeadError, LLMEngine
 from kvshard.metrics import ServerMetrics
 from kvshard.outputs import RequestOutput
 from kvshard.sampling_params import SamplingParams
@@ -62,7 +62,8 @@ class AsyncLLMEngine:
         self.metrics = metrics
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._requests: dict[str, _RequestState] = {}
-        self._lock = threading.Lock()  # guards _requests and _dead_reason
+        self._lock = threading.Lock()  # guards _requests, _refusal and _dead_reason
+        self._refusal: str | None = None  # why new requests are refused: death or shutdown
         self._dead_reason: str | None = None
         self._stopping = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -90,7 +91,7 @@ class AsyncLLMEngine:
 
     async def _watch_ranks(self) -> None:
         """Notice a dead rank even while the loop is idle or stuck in a collective."""
-        while self._dead_reason is None:
+        while self._refusal is None:
             await asyncio.sleep(HEALTH_CHECK_S)
             reason = self.engine.dead_reason
             if reason is not None:
@@ -98,8 +99,13 @@ class AsyncLLMEngine:
 
     @property
     def dead_reason(self) -> str | None:
-        """Why requests cannot be served, or None while the engine is healthy."""
+        """Why the engine died (a rank, a collective, a bug), or None while it is healthy."""
         return self._dead_reason
+
+    @property
+    def refusal(self) -> str | None:
+        """Why requests are refused now (the engine died or the server is stopping), or None."""
+        return self._refusal
 
     # --- requests (event loop side) -----------------------------------------------------
     async def generate(
@@ -111,8 +117,8 @@ class AsyncLLMEngine:
         """
         state = _RequestState(asyncio.Queue(), params.n)
         with self._lock:
-            if self._dead_reason is not None:
-                raise EngineDeadError(self._dead_reason)
+            if self._refusal is not None:
+                raise EngineDeadError(self._refusal)
             if request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._requests[request_id] = state
@@ -140,7 +146,7 @@ class AsyncLLMEngine:
     # --- the loop (engine thread) ---------------------------------------------------------
     def _run(self) -> None:
         try:
-            while not self._stopping.is_set() and self._dead_reason is None:
+            while not self._stopping.is_set() and self._refusal is None:
                 busy = self.engine.has_unfinished_requests()
                 if not self._apply_commands(wait=not busy):
                     break
@@ -151,10 +157,10 @@ class AsyncLLMEngine:
             logger.error("engine is dead: %s", error)
             self._fail(str(error))
         except Exception as error:  # a bug in the engine: every client must still get an answer
-            logger.error("engine loop failed:\n%s", traceback.format_exc())
+            logger.exception("engine loop failed")
             self._fail(f"the engine loop failed: {error!r}")
         else:
-            self._fail("the server is shutting down")
+            self._fail("the server is shutting down", dead=False)
 
     def _apply_commands(self, wait: bool) -> bool:
         """Apply queued adds and aborts (waiting a little for one when idle); False means stop."""
@@ -181,11 +187,6 @@ class AsyncLLMEngine:
                 state = self._requests.pop(command.request_id, None)
             if state is not None:
                 self._loop.call_soon_threadsafe(state.queue.put_nowait, error)
-            return
-        with self._lock:
-            aborted = command.request_id not in self._requests
-        if aborted:  # the client left before the engine saw the request
-            self.engine.abort_request(command.request_id)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -213,12 +214,14 @@ class AsyncLLMEngine:
             self.metrics.itl.observe(now - state.last_token_time)
         state.last_token_time, state.num_tokens = now, num_tokens
 
-    def _fail(self, reason: str) -> None:
-        """From now on every request, open or new, gets the first reason given."""
+    def _fail(self, reason: str, dead: bool = True) -> None:
+        """From now on every request, open or new, gets an error with the first reason given."""
         with self._lock:
-            if self._dead_reason is None:
+            if dead and self._dead_reason is None:
                 self._dead_reason = reason
-            reason = self._dead_reason
+            if self._refusal is None:
+                self._refusal = reason
+            reason = self._refusal
             open_requests = list(self._requests.values())
             self._requests.clear()
         error = EngineDeadError(reason)

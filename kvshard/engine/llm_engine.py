@@ -169,8 +169,7 @@ class LLMEngine:
                 broadcast_from_driver(plan, self.parallel)
                 logits = self.runner.execute(plan)
             except Exception as error:
-                self._dead_reason = f"a collective failed: {error}"
-                self._check_alive()  # name the dead rank when there is one
+                self._dead_reason = self._name_dead_rank() or f"a collective failed: {error}"
                 raise EngineDeadError(self._dead_reason) from error
             self.steps += 1
             self.scheduler.mark_computed(batch)
@@ -257,6 +256,20 @@ class LLMEngine:
                 self._dead_reason = str(error)
         if self._dead_reason is not None:
             raise EngineDeadError(self._dead_reason)
+
+    def _name_dead_rank(self, wait_s: float = 1.0) -> str | None:
+        """A peer's death breaks the collective a moment before its process can be reaped: wait briefly to name it."""
+        if self.local_ranks is None:
+            return None
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self.local_ranks.check_alive()
+            except RankDiedError as error:
+                return str(error)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
 
     @property
     def dead_reason(self) -> str | None:

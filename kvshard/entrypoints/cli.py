@@ -75,11 +75,13 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvshard.entrypoints.serve import add_serve_parser
     from kvshard.planner.cli import add_plan_parser
 
     parser = argparse.ArgumentParser(prog="kvshard", description="LLM serving with Decode Context Parallelism")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate_parser(subparsers)
+    add_serve_parser(subparsers)
     add_plan_parser(subparsers)
     return parser
 

@@ -1,0 +1,537 @@
+"""OpenAI-compatible HTTP API: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics.
+
+Every error a client can cause is answered with a 4xx in OpenAI's shape,
+`{"error": {"message", "type", "param", "code"}}`, before anything reaches the
+engine; a dead engine answers 503 with the reason. A client that goes away,
+streaming or not, has its request aborted and its KV blocks freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvshard.engine.async_engine import AsyncLLMEngine
+from kvshard.engine.llm_engine import EngineDeadError, LLMEngine
+from kvshard.metrics import ServerMetrics
+from kvshard.outputs import CompletionOutput, RequestOutput
+from kvshard.sampling_params import SamplingParams
+
+# Used when the tokenizer brings no chat template of its own.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+MAX_N = 128  # OpenAI's limit on choices per request
+
+
+class APIError(Exception):
+    """An error answered to the client in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def _engine_dead(reason: str) -> APIError:
+    return APIError(503, f"the engine is dead: {reason}", code="engine_dead", type="server_error")
+
+
+# --- protocol ---------------------------------------------------------------------------
+
+def _check_prompt(value: Any) -> Any:
+    """str | list[str] | list[int] | list[list[int]], with one message for every other shape."""
+    def is_ids(v: Any) -> bool:
+        return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+    if isinstance(value, str) or is_ids(value):
+        return value
+    if isinstance(value, list) and value and (all(isinstance(p, str) for p in value) or all(is_ids(p) for p in value)):
+        return value
+    raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of token-id lists")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields both endpoints take. Unknown fields are ignored, as vLLM does."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # vLLM's extension, as the two below
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Accepted only at their no-op values, so a client never gets silently different sampling.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    def check_supported(self) -> None:
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name) != 0:
+                raise APIError(400, f"{name} is not supported by kvshard; leave it at 0", name)
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported by kvshard", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+        if self.n > MAX_N:
+            raise APIError(400, f"n must be at most {MAX_N}, got {self.n}", "n")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        try:
+            return SamplingParams(
+                n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+                max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
+                ignore_eos=self.ignore_eos, logprobs=logprobs,
+            )
+        except ValueError as error:
+            message = str(error)
+            raise APIError(400, message, message.split()[0]) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: Annotated[Any, BeforeValidator(_check_prompt)]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise APIError(400, "echo is not supported by kvshard", "echo")
+        if self.suffix is not None:
+            raise APIError(400, "suffix is not supported by kvshard", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, "best_of other than n is not supported by kvshard", "best_of")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise APIError(400, "tools are not supported by kvshard", "tools")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise APIError(400, "response_format other than {'type': 'text'} is not supported by kvshard",
+                           "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+
+
+def _parse(model: type[BaseModel], body: bytes) -> Any:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as error:
+        first = error.errors()[0]
+        if first["type"] == "json_invalid":
+            raise APIError(400, f"the request body is not valid JSON: {first['ctx']['error']}") from None
+        # keep field names and list indices; drop the names pydantic gives to union members
+        path = [str(p) for p in first["loc"] if isinstance(p, int) or (p.isidentifier() and p.islower()
+                                                                      and p not in _TYPE_NAMES)]
+        message = first["msg"].removeprefix("Value error, ")
+        raise APIError(400, f"{'.'.join(path)}: {message}" if path else message, path[0] if path else None) from None
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+# --- generation -------------------------------------------------------------------------------
+
+@dataclass
+class _ChoiceDelta:
+    """New output of one choice since the last chunk."""
+
+    index: int  # prompt_index * n + the completion's index, as OpenAI numbers choices
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+
+
+async def _merged(engine: AsyncLLMEngine, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                  stream: bool) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of every prompt as they come, tagged with the prompt's index; closing this aborts the rest."""
+    outputs: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, prompt: list[int]) -> None:
+        try:
+            async with aclosing(engine.generate(f"{request_id}-{index}", prompt, params, stream)) as generator:
+                async for output in generator:
+                    outputs.put_nowait((index, output))
+        except Exception as error:
+            outputs.put_nowait((index, error))
+
+    tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+    try:
+        remaining = len(prompts)
+        while remaining:
+            index, item = await outputs.get()
+            if isinstance(item, Exception):
+                raise item
+            yield index, item
+            if item.finished:
+                remaining -= 1
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _deltas(engine: AsyncLLMEngine, request_id: str, prompts: list[list[int]],
+                  params: SamplingParams) -> AsyncIterator[_ChoiceDelta]:
+    """Streaming: each choice's text as it becomes final.
+
+    Held back until the choice ends: the last characters that might start a stop
+    string, and an incomplete UTF-8 character (decoded as U+FFFD for now).
+    """
+    holdback = max((len(s) for s in params.stop), default=1) - 1
+    sent_text: dict[int, str] = {}
+    sent_tokens: dict[int, int] = {}
+    finished: set[int] = set()
+    async for prompt_index, output in _merged(engine, request_id, prompts, params, stream=True):
+        for completion in output.outputs:
+            index = prompt_index * params.n + completion.index
+            if index in finished:
+                continue  # the request goes on for its other choices
+            text = completion.text
+            if completion.finished:
+                finished.add(index)
+            else:
+                text = text[: len(text) - holdback].rstrip("\ufffd")
+            delta = text[len(sent_text.get(index, "")):]
+            if not delta and not completion.finished:
+                continue
+            first = sent_tokens.get(index, 0)
+            sent_text[index], sent_tokens[index] = text, len(completion.token_ids)
+            yield _ChoiceDelta(index, delta, completion.token_ids[first:],
+                               completion.logprobs[first:] if completion.logprobs is not None else None,
+                               completion.finish_reason)
+
+
+async def _final_outputs(engine: AsyncLLMEngine, request_id: str, prompts: list[list[int]],
+                         params: SamplingParams) -> list[RequestOutput]:
+    final: dict[int, RequestOutput] = {}
+    async for index, output in _merged(engine, request_id, prompts, params, stream=False):
+        final[index] = output
+    return [final[i] for i in range(len(prompts))]
+
+
+async def _unless_disconnected(request: Request, work):
+    """Await `work`, but cancel it (aborting the request) if the client hangs up first."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        return None
+    return task.result()
+
+
+def _usage(prompts: list[list[int]], completion_tokens: int) -> dict:
+    prompt_tokens = sum(len(p) for p in prompts)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+# --- the app ----------------------------------------------------------------------------------
+
+class OpenAIServer:
+    """The routes over one engine. `app` is the FastAPI application; its lifespan starts the
+    engine loop and, at the end, stops every rank."""
+
+    def __init__(self, engine: LLMEngine, served_model_names: list[str], api_key: str | None = None) -> None:
+        self.model_names = served_model_names
+        self.tokenizer = engine.tokenizer
+        self.validate_prompt = engine.validate_prompt
+        self.max_model_len = engine.config.scheduler.max_model_len
+        self.model_root = str(engine.config.model.path)
+        self.metrics = ServerMetrics(engine.config, served_model_names[0])
+        self.engine = AsyncLLMEngine(engine, self.metrics)
+        self.api_key = api_key
+        self.app = self._build_app()
+
+    def _build_app(self) -> FastAPI:
+        @asynccontextmanager
+        async def lifespan(app: FastAPI):
+            self.engine.start()
+            try:
+                yield
+            finally:
+                self.engine.shutdown()
+
+        app = FastAPI(title="kvshard", lifespan=lifespan)
+        app.add_exception_handler(APIError, lambda request, error: error.response())
+        app.add_exception_handler(EngineDeadError, lambda request, error: _engine_dead(str(error)).response())
+        app.add_exception_handler(StarletteHTTPException, _http_error)
+        app.add_exception_handler(Exception, _internal_error)
+
+        app.get("/health")(self.health)
+        app.get("/metrics")(self.prometheus)
+        v1 = APIRouter(prefix="/v1", dependencies=[Depends(self.check_api_key)])
+        v1.get("/models")(self.models)
+        v1.post("/completions")(self.completions)
+        v1.post("/chat/completions")(self.chat_completions)
+        app.include_router(v1)
+        return app
+
+    # --- plain routes -------------------------------------------------------------------
+    async def health(self) -> Response:
+        reason = self.engine.refusal
+        if reason is not None:
+            return _engine_dead(reason).response()
+        return JSONResponse({"status": "ok"})
+
+    async def prometheus(self) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def check_api_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+    async def models(self) -> dict:
+        created = int(time.time())
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "kvshard", "root": self.model_root,
+             "max_model_len": self.max_model_len}
+            for name in self.model_names
+        ]}
+
+    # --- generation routes --------------------------------------------------------------
+    def _check_request(self, request: _GenerationRequest) -> None:
+        if request.model not in self.model_names:
+            raise APIError(404, f"The model `{request.model}` does not exist.", "model", "model_not_found")
+        request.check_supported()
+
+    def _tokenize(self, prompt: str | list[int], params: SamplingParams, param: str) -> list[int]:
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param)
+        try:
+            return self.validate_prompt(prompt, params)
+        except ValueError as error:
+            raise APIError(400, str(error), param) from None
+
+    def _check_alive(self) -> None:
+        if self.engine.refusal is not None:
+            raise _engine_dead(self.engine.refusal)
+
+    async def completions(self, request: Request) -> Response:
+        body = _parse(CompletionRequest, await request.body())
+        self._check_request(body)
+        params = body.sampling_params(body.max_tokens, body.logprobs)
+        raw = body.prompt
+        raw_prompts = [raw] if isinstance(raw, str) or not raw or isinstance(raw[0], int) else raw
+        prompts = [self._tokenize(p, params, "prompt") for p in raw_prompts]
+        self._check_alive()
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        envelope = {"id": request_id, "object": "text_completion", "created": created, "model": body.model}
+
+        if body.stream:
+            async def events() -> AsyncIterator[str]:
+                completion_tokens = 0
+                try:
+                    async for delta in _deltas(self.engine, request_id, prompts, params):
+                        completion_tokens += len(delta.token_ids)
+                        choice = {"index": delta.index, "text": delta.text,
+                                  "logprobs": self._completion_logprobs(delta.token_ids, delta.logprobs),
+                                  "finish_reason": delta.finish_reason}
+                        yield _sse({**envelope, "choices": [choice]})
+                    if body.include_usage:
+                        yield _sse({**envelope, "choices": [], "usage": _usage(prompts, completion_tokens)})
+                except EngineDeadError as error:
+                    yield _sse(_engine_dead(str(error)).body())
+                yield _sse("[DONE]")
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        outputs = await _unless_disconnected(request, _final_outputs(self.engine, request_id, prompts, params))
+        if outputs is None:
+            return Response(status_code=499)  # the client is gone
+        choices, completion_tokens = [], 0
+        for prompt_index, output in enumerate(outputs):
+            for c in output.outputs:
+                completion_tokens += len(c.token_ids)
+                choices.append({"index": prompt_index * params.n + c.index, "text": c.text,
+                                "logprobs": self._completion_logprobs(c.token_ids, c.logprobs),
+                                "finish_reason": c.finish_reason})
+        return JSONResponse({**envelope, "choices": choices, "usage": _usage(prompts, completion_tokens)})
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = _parse(ChatCompletionRequest, await request.body())
+        self._check_request(body)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+        prompts = [self._tokenize(self._render_chat(body), params, "messages")]
+        self._check_alive()
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        envelope = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": body.model}
+        top = body.top_logprobs or 0
+
+        if body.stream:
+            async def events() -> AsyncIterator[str]:
+                completion_tokens = 0
+                for index in range(params.n):
+                    choice = {"index": index, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}
+                    yield _sse({**envelope, "choices": [choice]})
+                try:
+                    async for delta in _deltas(self.engine, request_id, prompts, params):
+                        completion_tokens += len(delta.token_ids)
+                        choice = {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
+                                  "logprobs": self._chat_logprobs(delta.token_ids, delta.logprobs, top),
+                                  "finish_reason": delta.finish_reason}
+                        yield _sse({**envelope, "choices": [choice]})
+                    if body.include_usage:
+                        yield _sse({**envelope, "choices": [], "usage": _usage(prompts, completion_tokens)})
+                except EngineDeadError as error:
+                    yield _sse(_engine_dead(str(error)).body())
+                yield _sse("[DONE]")
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        outputs = await _unless_disconnected(request, _final_outputs(self.engine, request_id, prompts, params))
+        if outputs is None:
+            return Response(status_code=499)
+        completions: list[CompletionOutput] = outputs[0].outputs
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, top),
+                    "finish_reason": c.finish_reason} for c in completions]
+        usage = _usage(prompts, sum(len(c.token_ids) for c in completions))
+        return JSONResponse({**envelope, "object": "chat.completion", "choices": choices, "usage": usage})
+
+    # --- helpers ------------------------------------------------------------------------
+    def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer, so it cannot chat: use /v1/completions with token ids",
+                           "messages")
+        conversation = [{"role": m.role, "content": m.text} for m in body.messages]
+        template = None if getattr(self.tokenizer, "chat_template", None) else DEFAULT_CHAT_TEMPLATE
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation, chat_template=template, tokenize=False, add_generation_prompt=body.add_generation_prompt
+            )
+        except Exception as error:  # the template rejected the conversation (e.g. role order)
+            raise APIError(400, f"the chat template cannot render these messages: {error}", "messages") from None
+        # the template writes the special tokens itself
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None) -> dict | None:
+        if logprobs is None:
+            return None
+        tokens = [self._token_text(t) for t in token_ids]
+        offsets, offset = [], 0
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [entry[t] for t, entry in zip(token_ids, logprobs)],
+            "top_logprobs": [{self._token_text(i): lp for i, lp in entry.items()} for entry in logprobs],
+            "text_offset": offsets,
+        }
+
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None, top: int) -> dict | None:
+        if logprobs is None:
+            return None
+
+        def item(token_id: int, logprob: float) -> dict:
+            text = self._token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [
+            {**item(t, entry[t]),
+             "top_logprobs": [item(i, lp) for i, lp in sorted(entry.items(), key=lambda kv: -kv[1])[:top]]}
+            for t, entry in zip(token_ids, logprobs)
+        ]}
+
+
+async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+    messages = {404: f"Invalid URL ({request.method} {request.url.path})",
+                405: f"Method {request.method} is not allowed on {request.url.path}"}
+    return APIError(error.status_code, messages.get(error.status_code, str(error.detail))).response()
+
+
+async def _internal_error(request: Request, error: Exception) -> JSONResponse:
+    return APIError(500, f"internal error: {error!r}", type="server_error").response()
+
+

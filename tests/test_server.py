@@ -1,0 +1,353 @@
+"""`kvshard serve` at tp=2, dcp=2, spoken to as an OpenAI server: by the official client, httpx and /metrics.
+
+One server (module-scoped) answers most tests; a second one with a tiny KV budget
+shows preemption, and a two-"node" torchrun launch shows multi-node serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from test_server_harness import API_KEY, MODEL, ROOT, SERVE_ARGS, Server, serve_command
+
+PROMPTS = [f"Request {i}: " + "Decode context parallelism shards the key value cache. " * (i % 4) + "The capital of"
+           for i in range(32)]  # 5 to 45 tokens: shorter and longer than one virtual block (2 x 16 tokens)
+GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    running = Server([*SERVE_ARGS, "--served-model-name", MODEL], tmp_path_factory.mktemp("serve") / "log",
+                     api_key=API_KEY)
+    yield running
+    assert running.stop() == 0, running.log
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(client):
+    return AutoTokenizer.from_pretrained(client.models.list().data[0].root)
+
+
+def complete(client, prompt, max_tokens=8, **kwargs):
+    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, **{**GREEDY, **kwargs})
+
+
+def stream_text(chunks) -> tuple[str, list]:
+    chunks = list(chunks)
+    return "".join(c.choices[0].text for c in chunks if c.choices), chunks
+
+
+# --- the API --------------------------------------------------------------------------------
+
+def test_models_lists_the_served_name_and_max_model_len(client):
+    (model,) = client.models.list().data
+    assert model.id == MODEL
+    assert model.max_model_len == 512
+
+
+def test_completion_streamed_equals_completion_in_one_piece(client, tokenizer):
+    prompt = "The quick brown fox"
+    whole = complete(client, prompt, max_tokens=12)
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert whole.usage.completion_tokens == 12
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + 12
+
+    text, chunks = stream_text(complete(client, prompt, max_tokens=12, stream=True,
+                                        stream_options={"include_usage": True}))
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+def test_completion_takes_token_ids_and_counts_them(client, tokenizer):
+    ids = tokenizer.encode("Hello, world!")
+    by_ids = complete(client, ids)
+    assert by_ids.usage.prompt_tokens == len(ids)
+    assert by_ids.choices[0].text == complete(client, "Hello, world!").choices[0].text
+
+
+def test_several_prompts_with_n_choices_stream_as_numbered_choices(client):
+    prompts = ["Hello", "The quick brown fox"]
+    texts: dict[int, str] = {}
+    for chunk in complete(client, prompts, n=2, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    alone = [complete(client, p).choices[0].text for p in prompts]
+    assert texts == {0: alone[0], 1: alone[0], 2: alone[1], 3: alone[1]}  # greedy: the n choices agree
+
+
+def test_chat_streamed_equals_chat_in_one_piece(client, tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is DCP?"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=10, **GREEDY)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].finish_reason == "length"
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert whole.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
+    assert whole.usage.completion_tokens == 10
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert chunks[-1].usage == whole.usage
+
+
+def test_n_choices_with_a_seed_are_distinct_and_reproducible(client):
+    def sample():
+        return client.completions.create(model=MODEL, prompt="Hello", n=3, temperature=1.0, seed=11, max_tokens=8,
+                                         extra_body={"ignore_eos": True})
+
+    first, second = sample(), sample()
+    assert sorted(c.index for c in first.choices) == [0, 1, 2]
+    assert [c.text for c in sorted(first.choices, key=lambda c: c.index)] == \
+           [c.text for c in sorted(second.choices, key=lambda c: c.index)]
+    assert len({c.text for c in first.choices}) > 1
+    assert first.usage.completion_tokens == 24
+
+
+def test_stop_string_cuts_the_text_streamed_or_not(client):
+    # the demo model writes random bytes: take a prompt whose output has 3 plain characters after a few
+    for prompt in PROMPTS:
+        greedy = complete(client, prompt, max_tokens=16).choices[0].text
+        starts = [i for i in range(4, len(greedy) - 3)
+                  if greedy[i : i + 3].isprintable() and "\ufffd" not in greedy[i : i + 3]]
+        if starts:
+            break
+    stop = greedy[starts[0] : starts[0] + 3]
+    expected = greedy[: greedy.find(stop)]
+
+    cut = complete(client, prompt, max_tokens=16, stop=[stop])
+    assert cut.choices[0].text == expected
+    assert cut.choices[0].finish_reason == "stop"
+    text, _ = stream_text(complete(client, prompt, max_tokens=16, stop=stop, stream=True))
+    assert text == expected
+
+
+def test_logprobs_of_greedy_tokens_are_the_top_ones(client):
+    completion = complete(client, "Numbers: 0 1 2", max_tokens=5, logprobs=2).choices[0].logprobs
+    assert len(completion.tokens) == len(completion.token_logprobs) == len(completion.top_logprobs) == 5
+    for chosen, top in zip(completion.token_logprobs, completion.top_logprobs):
+        assert chosen <= 0 and chosen == pytest.approx(max(top.values()))
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                          logprobs=True, top_logprobs=3, **GREEDY).choices[0].logprobs
+    assert len(chat.content) == 5
+    for token in chat.content:
+        assert len(token.top_logprobs) == 3
+        assert token.logprob == pytest.approx(token.top_logprobs[0].logprob)
+
+
+# --- continuous batching -------------------------------------------------------------------
+
+def test_32_concurrent_streams_equal_one_at_a_time_and_free_all_kv(server, client):
+    one_at_a_time = [complete(client, p).choices[0].text for p in PROMPTS]
+    steps_before = server.metric("kvshard:engine_steps_total")
+
+    async def stream(aclient, prompt):
+        chunks = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=8, stream=True,
+                                                  stream_options={"include_usage": True}, **GREEDY)
+        text, usage = "", None
+        async for chunk in chunks:
+            text += "".join(c.text for c in chunk.choices)
+            usage = chunk.usage or usage
+        return text, usage
+
+    async def all_at_once():
+        async with server.async_client() as aclient:
+            return await asyncio.gather(*(stream(aclient, p) for p in PROMPTS))
+
+    results = asyncio.run(all_at_once())
+    assert [text for text, _ in results] == one_at_a_time
+    assert all(usage.completion_tokens == 8 for _, usage in results)
+    # batched: far fewer steps than the 32 x 8 a one-at-a-time run takes
+    assert server.metric("kvshard:engine_steps_total") - steps_before < 32 * 8 / 4
+    assert server.wait_for_metric("kvshard:kv_cache_usage_perc", lambda v: v == 0) == 0
+    assert server.metric("kvshard:num_requests_running") == server.metric("kvshard:num_requests_waiting") == 0
+    for dcp_rank in ("0", "1"):
+        assert server.metric("kvshard:dcp_rank_kv_cache_usage_perc", dcp_rank=dcp_rank) == 0
+
+
+@pytest.fixture(scope="module")
+def tight_server(tmp_path_factory):
+    # 8 virtual blocks of 2 x 16 tokens: 256 tokens in all, one request of max_model_len
+    args = [*SERVE_ARGS[:-4], "--max-model-len", "256", "--num-kv-blocks", "8"]
+    running = Server(args, tmp_path_factory.mktemp("tight") / "log")
+    yield running
+    assert running.stop() == 0, running.log
+
+
+def test_workload_beyond_the_kv_budget_completes_with_preemptions_and_same_outputs(server, tight_server):
+    prompts = PROMPTS[:8]  # 8 x (prompt + 48) tokens need ~24 virtual blocks; 8 exist
+
+    async def run(target):
+        async with target.async_client() as aclient:
+            completions = await asyncio.gather(*(
+                aclient.completions.create(model=MODEL, prompt=p, max_tokens=48, **GREEDY) for p in prompts))
+        return [c.choices[0].text for c in completions]
+
+    assert asyncio.run(run(tight_server)) == asyncio.run(run(server))
+    assert tight_server.metric("kvshard:num_preemptions_total") > 0
+    assert tight_server.metric("kvshard:kv_cache_usage_perc") == 0
+
+
+# --- metrics -----------------------------------------------------------------------------------
+
+def test_metrics_count_a_request(server, client):
+    before = server.metrics()
+    usage = complete(client, "Hello", max_tokens=6).usage
+    after = server.metrics()
+
+    def grew(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after[key] - before[key]
+
+    assert grew("kvshard:prompt_tokens_total") == usage.prompt_tokens
+    assert grew("kvshard:generation_tokens_total") == 6
+    assert grew("kvshard:request_success_total", finished_reason="length") == 1
+    assert grew("kvshard:time_to_first_token_seconds_count") == 1
+    assert grew("kvshard:inter_token_latency_seconds_count") == 5
+    assert grew("kvshard:e2e_request_latency_seconds_count") == 1
+    for name in ("kvshard:kv_cache_usage_perc", "kvshard:num_requests_running", "kvshard:num_requests_waiting",
+                 "kvshard:num_preemptions_total"):
+        assert (name, ()) in after
+
+
+def test_metrics_describe_the_dcp_layout(server):
+    info = next(dict(labels) for (name, labels) in server.metrics() if name == "kvshard:dcp_layout_info")
+    assert info == {"tp": "2", "dcp": "2", "interleave": "1", "block_size": "16", "num_kv_blocks_per_rank": "4096",
+                    "kv_capacity_tokens": str(4096 * 16 * 2), "max_model_len": "512"}
+
+
+# --- clients that leave ---------------------------------------------------------------------------
+
+def test_client_leaving_mid_stream_aborts_its_request_and_frees_its_blocks(server):
+    aborted = server.metric("kvshard:request_success_total", finished_reason="abort")
+    generated = server.metric("kvshard:generation_tokens_total")
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with server.http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        events = (line for line in response.iter_lines() if line.startswith("data: "))
+        for _ in range(3):
+            next(events)
+        assert server.metric("kvshard:kv_cache_usage_perc") > 0
+        assert server.metric("kvshard:num_requests_running") == 1
+    # the connection is closed here, 3 tokens into 400
+    assert server.wait_for_metric("kvshard:kv_cache_usage_perc", lambda v: v == 0, timeout=5) == 0
+    assert server.metric("kvshard:num_requests_running") == 0
+    assert server.metric("kvshard:request_success_total", finished_reason="abort") == aborted + 1
+    assert server.metric("kvshard:generation_tokens_total") - generated < 200
+
+
+def test_client_timing_out_on_a_long_completion_aborts_it(server):
+    aborted = server.metric("kvshard:request_success_total", finished_reason="abort")
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        server.http.post("/v1/completions", json=body, timeout=1.0)
+    assert server.wait_for_metric("kvshard:request_success_total", lambda v: v == aborted + 1, timeout=5,
+                                  finished_reason="abort") == aborted + 1
+    assert server.wait_for_metric("kvshard:kv_cache_usage_perc", lambda v: v == 0, timeout=5) == 0
+
+
+# --- bad requests --------------------------------------------------------------------------------
+
+OK = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+BAD_REQUESTS = {
+    # name: (method, path, body (dict, or raw bytes), headers, status, param named in the answer)
+    "malformed JSON": ("POST", "/v1/completions", b'{"model": ', {}, 400, None),
+    "body not an object": ("POST", "/v1/completions", b"[1, 2]", {}, 400, None),
+    "missing model": ("POST", "/v1/completions", {"prompt": "Hello"}, {}, 400, "model"),
+    "missing prompt": ("POST", "/v1/completions", {"model": MODEL}, {}, 400, "prompt"),
+    "prompt of the wrong type": ("POST", "/v1/completions", {**OK, "prompt": {"text": "Hello"}}, {}, 400, "prompt"),
+    "max_tokens not an integer": ("POST", "/v1/completions", {**OK, "max_tokens": "ten"}, {}, 400, "max_tokens"),
+    "negative max_tokens": ("POST", "/v1/completions", {**OK, "max_tokens": -1}, {}, 400, "max_tokens"),
+    "huge max_tokens": ("POST", "/v1/completions", {**OK, "max_tokens": 10**6}, {}, 400, "prompt"),
+    "prompt longer than max_model_len": ("POST", "/v1/completions", {**OK, "prompt": [5] * 600}, {}, 400, "prompt"),
+    "empty prompt": ("POST", "/v1/completions", {**OK, "prompt": ""}, {}, 400, "prompt"),
+    "token id outside the vocabulary": ("POST", "/v1/completions", {**OK, "prompt": [10**6]}, {}, 400, "prompt"),
+    "negative temperature": ("POST", "/v1/completions", {**OK, "temperature": -0.5}, {}, 400, "temperature"),
+    "top_p above 1": ("POST", "/v1/completions", {**OK, "top_p": 1.5}, {}, 400, "top_p"),
+    "top_p of 0": ("POST", "/v1/completions", {**OK, "top_p": 0}, {}, 400, "top_p"),
+    "n of 0": ("POST", "/v1/completions", {**OK, "n": 0}, {}, 400, "n"),
+    "n above 128": ("POST", "/v1/completions", {**OK, "n": 1000}, {}, 400, "n"),
+    "logprobs above 20": ("POST", "/v1/completions", {**OK, "logprobs": 50}, {}, 400, "logprobs"),
+    "empty stop string": ("POST", "/v1/completions", {**OK, "stop": [""]}, {}, 400, "stop"),
+    "seed not an integer": ("POST", "/v1/completions", {**OK, "seed": "abc"}, {}, 400, "seed"),
+    "stream_options without stream": ("POST", "/v1/completions", {**OK, "stream_options": {"include_usage": True}},
+                                      {}, 400, "stream_options"),
+    "unsupported penalty": ("POST", "/v1/completions", {**OK, "frequency_penalty": 0.5}, {}, 400,
+                            "frequency_penalty"),
+    "echo": ("POST", "/v1/completions", {**OK, "echo": True}, {}, 400, "echo"),
+    "unknown model": ("POST", "/v1/completions", {**OK, "model": "gpt-9"}, {}, 404, "model"),
+    "wrong API key": ("POST", "/v1/completions", OK, {"Authorization": "Bearer wrong"}, 401, None),
+    "no API key": ("GET", "/v1/models", None, {"Authorization": ""}, 401, None),
+    "unknown route": ("POST", "/v1/embeddings", OK, {}, 404, None),
+    "wrong method": ("GET", "/v1/completions", None, {}, 405, None),
+    "chat without messages": ("POST", "/v1/chat/completions", {**CHAT, "messages": []}, {}, 400, "messages"),
+    "chat with an unknown role": ("POST", "/v1/chat/completions",
+                                  {**CHAT, "messages": [{"role": "wizard", "content": "Hi"}]}, {}, 400, "messages"),
+    "chat content of the wrong type": ("POST", "/v1/chat/completions",
+                                       {**CHAT, "messages": [{"role": "user", "content": 5}]}, {}, 400, "messages"),
+    "chat with tools": ("POST", "/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, {}, 400, "tools"),
+    "chat max_completion_tokens of 0": ("POST", "/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, {},
+                                        400, "max_tokens"),
+    "chat top_logprobs without logprobs": ("POST", "/v1/chat/completions", {**CHAT, "top_logprobs": 2}, {}, 400,
+                                           "top_logprobs"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys())
+def test_bad_request_gets_a_clear_4xx_and_the_server_keeps_serving(server, client, case):
+    method, path, body, headers, status, param = case
+    content = body if isinstance(body, bytes) else None
+    response = server.http.request(method, path, content=content, json=None if content is not None else body,
+                                   headers=headers)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and error["type"] == "invalid_request_error"
+    assert error["param"] == param, error
+    assert complete(client, "Hello", max_tokens=2).choices[0].finish_reason == "length"
+
+
+# --- multi-node -------------------------------------------------------------------------------------
+
+def test_two_torchrun_nodes_serve_what_one_node_serves(server, client, tmp_path):
+    from kvshard.engine.workers import free_port
+
+    master_port = free_port()
+
+    def node(rank: int) -> list[str]:
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                    "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(master_port)]
+        return torchrun + serve_command(*SERVE_ARGS, "--port", "0")[1:]
+
+    with open(tmp_path / "node1.log", "wb") as node1_log:
+        node1 = subprocess.Popen(node(1), cwd=ROOT, stdout=node1_log, stderr=subprocess.STDOUT, env=os.environ)
+        node0 = None
+        try:
+            node0 = Server([], tmp_path / "node0.log", command=node(0))
+            assert "ranks: 2 (tp=2, dcp=2" in node0.log
+            two_nodes = node0.client()
+            for prompt in PROMPTS[:4]:
+                assert complete(two_nodes, prompt).choices[0].text == complete(client, prompt).choices[0].text
+        finally:
+            if node0 is not None:
+                node0.stop()
+            try:
+                node1.wait(30)  # rank 1 leaves when rank 0 shuts down
+            finally:
+                node1.kill()

@@ -1,0 +1,129 @@
+"""A real `kvshard serve` process for the server tests (no tests here).
+
+The server runs as a subprocess exactly as a user starts it, on a port the OS
+picks (`--port 0`, read back from the URL line it prints), and is reached over
+HTTP only: by the official `openai` client, httpx, and the Prometheus text.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "kvshard-demo-gqa"  # Llama architecture, 1 KV head: tp=2, dcp=2 is a valid layout
+API_KEY = "test-key"
+# tp=2, dcp=2 on the demo model, sized for a shared 2-core machine
+SERVE_ARGS = [MODEL, "--tensor-parallel-size", "2", "--decode-context-parallel-size", "2",
+              "--max-model-len", "512", "--kv-cache-memory", "64MiB"]
+
+
+def serve_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvshard.entrypoints.cli", "serve", *args]
+
+
+class Server:
+    """`kvshard serve ARGS --port 0` in a subprocess, up and healthy once constructed."""
+
+    def __init__(self, args: list[str], log_path: Path, api_key: str | None = None, command: list[str] | None = None,
+                 startup_timeout: float = 180) -> None:
+        self.api_key = api_key
+        self.log_path = log_path
+        extra = ["--api-key", api_key] if api_key else []
+        self._log = open(log_path, "wb")
+        self.process = subprocess.Popen(command or serve_command(*args, *extra, "--port", "0"), cwd=ROOT,
+                                        stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ,
+                                                                                         "PYTHONUNBUFFERED": "1"})
+        self.url = self._wait_for_url(startup_timeout)
+        self.http = httpx.Client(base_url=self.url, timeout=60,
+                                 headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+        self._wait_healthy(startup_timeout)
+
+    def _wait_for_url(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = re.search(r"serving .* at (http://\S+)/v1 ", self.log)
+            if match:
+                return match.group(1)
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log}")
+            time.sleep(0.2)
+        raise TimeoutError(f"server printed no URL within {timeout}s:\n{self.log}")
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if self.http.get("/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log}")
+            time.sleep(0.2)
+        raise TimeoutError(f"server not healthy within {timeout}s:\n{self.log}")
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0, **kwargs)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0)
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        """{(sample name, sorted labels without model_name): value}"""
+        text = self.http.get("/metrics").text
+        values = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
+                values[(sample.name, labels)] = sample.value
+        return values
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.metrics()[(name, tuple(sorted(labels.items())))]
+
+    def wait_for_metric(self, name: str, predicate, timeout: float = 10, **labels: str) -> float:
+        deadline = time.monotonic() + timeout
+        while True:
+            value = self.metric(name, **labels)
+            if predicate(value) or time.monotonic() > deadline:
+                return value
+            time.sleep(0.05)
+
+    def rank_pids(self) -> list[int]:
+        """Child processes that run ranks > 0 (multiprocessing 'spawn' children, not its resource tracker)."""
+        pids = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+                cmdline = (stat.parent / "cmdline").read_bytes()
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == self.process.pid and b"spawn_main" in cmdline:
+                pids.append(int(stat.parent.name))
+        return pids
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.http.close()
+        self._log.close()
+        return self.process.returncode
