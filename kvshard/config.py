@@ -305,8 +305,6 @@ def _validate_parallel(parallel: ParallelConfig, model: ModelConfig) -> None:
             f"the model has {heads} attention heads, not divisible by tensor_parallel_size={tp}: "
             "choose a tp that divides the head count"
         )
-    if parallel.dcp_replicate_q and not model.is_mla:
-        raise ConfigError("dcp_replicate_q applies to MLA models only: drop --dcp-replicate-q for this GQA model")
     if model.is_mla:
         return
     kv_heads = model.num_kv_heads

@@ -39,7 +39,6 @@ def two_kv_heads(checkpoints):
         ({"kv_cache_memory": "lots"}, "is not a size"),
         ({"kv_cache_memory": "1KiB"}, "fewer than one request of max_model_len"),
         ({"max_model_len": 100000}, "exceeds the model's max_position_embeddings"),
-        ({"dcp_replicate_q": True}, "MLA models only"),
         ({"dtype": "int3"}, "dtype='int3' is not supported"),
     ],
 )

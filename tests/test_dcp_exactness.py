@@ -64,12 +64,13 @@ class Run:
 def run(checkpoints):
     cache: dict[tuple, Run] = {}
 
-    def get(model: str, tp: int, dcp: int, interleave: int = 1, budget: int | None = None) -> Run:
-        key = (model, tp, dcp, interleave, budget)
+    def get(model: str, tp: int, dcp: int, interleave: int = 1, budget: int | None = None,
+            replicate_q: bool = False) -> Run:
+        key = (model, tp, dcp, interleave, budget, replicate_q)
         if key not in cache:
             path = checkpoints(model, MODELS[model]())
             with LLM(str(path), tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-                     dcp_kv_interleave_size=interleave, block_size=BLOCK, max_num_seqs=8,
+                     dcp_kv_interleave_size=interleave, dcp_replicate_q=replicate_q, block_size=BLOCK, max_num_seqs=8,
                      max_num_batched_tokens=budget, kv_cache_memory="1MiB") as llm:
                 engine = llm.engine
                 for i, prompt in enumerate(PROMPTS):
@@ -125,6 +126,14 @@ def test_qwen2_and_mistral_match_transformers(run, reference, model, tp, dcp, in
     result = run(model, tp, dcp, interleave)
     assert result.tokens == reference(model)
     assert_logprobs_close(result.logprobs, run(model, 1, 1).logprobs)
+
+
+@pytest.mark.parametrize("tp, dcp, interleave, budget", [(4, 4, 1, 16), (4, 2, BLOCK, None)])
+def test_replicated_queries_change_nothing(run, tp, dcp, interleave, budget):
+    """Each rank computes its whole group's queries instead of all-gathering them."""
+    result = run("llama", tp, dcp, interleave, budget, replicate_q=True)
+    assert result.tokens == run("llama", tp, dcp, interleave, budget).tokens
+    assert_logprobs_close(result.logprobs, run("llama", 1, 1).logprobs)
 
 
 def test_per_rank_kv_memory_at_dcp_n_is_one_nth(run):

@@ -20,6 +20,11 @@ from kvshard.attention.merge import attention_with_lse, lse_weights, merge_atten
 from kvshard.attention.metadata import AttentionGroup, AttentionMetadata
 from kvshard.parallel import ParallelState, dcp_all_gather, dcp_reduce_scatter
 
+# Below this many bytes of partial output per rank, a merge costs its collectives' latency, not
+# their bandwidth: one all-gather of [output | lse] replaces the LSE all-gather + ReduceScatter
+# pair, at the price of moving every head instead of one rank's share.
+FUSED_MERGE_MAX_BYTES = 256 * 1024
+
 
 class KVCacheLayer:
     """One layer's cache on one rank: key [slots, Hk, dk] and value [slots, Hk, dv].
@@ -113,8 +118,17 @@ class DCPAttention:
         state = self.parallel
         if state.dcp_size == 1:
             return out, lse
+        if out.numel() * out.element_size() <= FUSED_MERGE_MAX_BYTES:
+            return self._merge_by_one_gather(out, lse)
         total = torch.logsumexp(dcp_all_gather(lse, state), dim=0)  # [t, N*H_l]
         scaled = out * lse_weights(lse, total).unsqueeze(-1)  # [t, N*H_l, dv]
         per_rank = scaled.unflatten(1, (state.dcp_size, self.num_heads)).transpose(0, 1)  # [N, t, H_l, dv]
         mine = dcp_reduce_scatter(per_rank, state)  # [t, H_l, dv]
         return mine, total.unflatten(1, (state.dcp_size, self.num_heads))[:, state.dcp_rank]
+
+    def _merge_by_one_gather(self, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        state = self.parallel
+        mine = slice(state.dcp_rank * self.num_heads, (state.dcp_rank + 1) * self.num_heads)
+        packed = torch.cat([out, lse.unsqueeze(-1)], dim=-1)  # [t, N*H_l, dv + 1]
+        gathered = dcp_all_gather(packed, state)[:, :, mine]  # [N, t, H_l, dv + 1]
+        return merge_attention_states(gathered[..., :-1], gathered[..., -1])

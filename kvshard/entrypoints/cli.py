@@ -24,7 +24,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="consecutive tokens per rank (default: $KVSHARD_DCP_KV_INTERLEAVE_SIZE, "
                              "$VLLM_DCP_KV_INTERLEAVE_SIZE, or 1)")
     parser.add_argument("--dcp-replicate-q", action="store_true",
-                        help="MLA: compute Q for the whole DCP group on every rank and skip its all-gather")
+                        help="compute the queries of the whole DCP group on every rank and skip their all-gather")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory", default=None, help="KV budget per rank, e.g. 64MiB (default 1GiB)")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per rank (overrides --kv-cache-memory)")
@@ -75,6 +75,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvshard.bench.cli import add_bench_parser
     from kvshard.entrypoints.serve import add_serve_parser
     from kvshard.planner.cli import add_plan_parser
 
@@ -82,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate_parser(subparsers)
     add_serve_parser(subparsers)
+    add_bench_parser(subparsers)
     add_plan_parser(subparsers)
     return parser
 

@@ -26,19 +26,23 @@ def head_dim_of(cfg) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg, qkv_bias: bool, o_bias: bool, dtype: torch.dtype, parallel: ParallelState) -> None:
+    def __init__(
+        self, cfg, qkv_bias: bool, o_bias: bool, dtype: torch.dtype, parallel: ParallelState, replicate_q: bool
+    ) -> None:
         super().__init__()
         d = head_dim_of(cfg)
+        self.replicate_q = replicate_q
         self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads, qkv_bias, dtype, parallel
+            cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads, qkv_bias, dtype, parallel, replicate_q
         )
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, o_bias, dtype, parallel)
-        self.attn = DCPAttention(self.qkv_proj.num_heads, d**-0.5, parallel)
+        self.attn = DCPAttention(cfg.num_attention_heads // parallel.tp_size, d**-0.5, parallel)
 
     def forward(self, x, cos, sin, cache: KVCacheLayer, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # [t, H_l, d], [t, Hk_l, d], [t, Hk_l, d]
+        # q: [t, H_l, d], or [t, N*H_l, d] (the whole DCP group's heads) with replicate_q
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # k, v: [t, Hk_l, d]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = self.attn.forward(q, k, v, cache, meta)  # [t, H_l, d]
+        o = self.attn.forward(q, k, v, cache, meta, q_spans_dcp_group=self.replicate_q)  # [t, H_l, d]
         return self.o_proj(o.flatten(1))  # [t, D]
 
 
@@ -55,10 +59,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, qkv_bias: bool, o_bias: bool, dtype: torch.dtype, parallel: ParallelState) -> None:
+    def __init__(
+        self, cfg, qkv_bias: bool, o_bias: bool, dtype: torch.dtype, parallel: ParallelState, replicate_q: bool
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(cfg, qkv_bias, o_bias, dtype, parallel)
+        self.self_attn = LlamaAttention(cfg, qkv_bias, o_bias, dtype, parallel, replicate_q)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, dtype, parallel)
 
@@ -68,11 +74,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg, qkv_bias: bool, o_bias: bool, dtype: torch.dtype, parallel: ParallelState) -> None:
+    def __init__(
+        self, cfg, qkv_bias: bool, o_bias: bool, dtype: torch.dtype, parallel: ParallelState, replicate_q: bool
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, qkv_bias, o_bias, dtype, parallel) for _ in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, qkv_bias, o_bias, dtype, parallel, replicate_q) for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -84,11 +92,11 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg, dtype: torch.dtype, parallel: ParallelState) -> None:
+    def __init__(self, cfg, dtype: torch.dtype, parallel: ParallelState, replicate_q: bool = False) -> None:
         super().__init__()
         qkv_bias, o_bias = self.attention_biases(cfg)
         self.cfg = cfg
-        self.model = LlamaModel(cfg, qkv_bias, o_bias, dtype, parallel)
+        self.model = LlamaModel(cfg, qkv_bias, o_bias, dtype, parallel, replicate_q)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
