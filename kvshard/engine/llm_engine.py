@@ -179,6 +179,7 @@ class LLMEngine:
     def _process_samples(self, seqs: list[Sequence], logits: torch.Tensor | None) -> list[RequestOutput]:
         if not seqs:
             return []
+        logits = logits.cpu()  # sampling and per-request generators live on the host
         tokens = sample(logits, seqs, self.default_generator)
         logprobs = top_logprobs(logits, tokens, [s.params.logprobs for s in seqs]) if any(
             s.params.logprobs is not None for s in seqs
