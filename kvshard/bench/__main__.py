@@ -1,0 +1,5 @@
+import sys
+
+from kvshard.bench.cli import main
+
+sys.exit(main())

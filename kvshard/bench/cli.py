@@ -1,0 +1,321 @@
+"""`kvshard bench serve | dcp | throughput | decode-floor`.
+
+kvshard's main CLI calls `add_bench_parser(subparsers)`; `python -m kvshard.bench`
+calls `main()` (handy from a peer engine's virtual environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from kvshard.bench.workloads import WORKLOADS, WorkloadSpec
+from kvshard.config import ConfigError
+from kvshard.entrypoints.cli import add_engine_args, engine_kwargs
+
+
+def add_bench_parser(subparsers) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks: serving load, the TP vs TP+DCP experiment, "
+                                                "offline throughput, decode against its bandwidth floor")
+    commands = bench.add_subparsers(dest="bench_command", required=True)
+    for add in (_add_serve, _add_dcp, _add_throughput, _add_decode_floor):
+        add(commands)
+
+
+def _reporting_errors(run):
+    """A benchmark that cannot run (server down, request rejected) ends with one line and exit 1."""
+    def wrapped(args: argparse.Namespace) -> int:
+        from kvshard.bench.serve import BenchmarkError
+        from kvshard.bench.server import ServerStartError
+
+        try:
+            return run(args)
+        except (BenchmarkError, ServerStartError) as error:
+            print(f"kvshard bench: error: {error}", file=sys.stderr)
+            return 1
+
+    return wrapped
+
+
+def _add_workload_args(parser: argparse.ArgumentParser, workload: str, input_len: int, output_len: int,
+                       range_ratio: float) -> None:
+    group = parser.add_argument_group("workload")
+    group.add_argument("--workload", choices=WORKLOADS, default=workload,
+                       help=f"random lengths around --input-len/--output-len, or agentic: the seed's bimodal "
+                            f"long-context shape scaled by --context-scale (default {workload})")
+    group.add_argument("--input-len", type=int, default=input_len, help=f"random: prompt tokens (default {input_len})")
+    group.add_argument("--output-len", type=int, default=output_len,
+                       help=f"random: output tokens (default {output_len})")
+    group.add_argument("--range-ratio", type=float, default=range_ratio,
+                       help=f"random: lengths uniform in [len*(1-r), len*(1+r)] (default {range_ratio})")
+    group.add_argument("--context-scale", type=_scale, default=1.0,
+                       help="agentic: multiply the input lengths, e.g. 1/1024 (1 = 64K-1M long, 2K-64K short; default 1)")
+    group.add_argument("--output-scale", type=_scale, default=None,
+                       help="agentic: multiply the output lengths (median 400 at 1; default: --context-scale)")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help="token ids are drawn from [0, V) (default: the model's, when MODEL is local)")
+
+
+def _workload_spec(args: argparse.Namespace, vocab_size: int) -> WorkloadSpec:
+    return WorkloadSpec(
+        kind=args.workload, vocab_size=vocab_size, seed=args.seed, input_len=args.input_len, output_len=args.output_len,
+        range_ratio=args.range_ratio, context_scale=args.context_scale, output_scale=args.output_scale,
+    )
+
+
+def model_vocab_size(model: str) -> int:
+    """vocab_size from the config.json of a local checkpoint or built-in demo model."""
+    from kvshard.models.registry import resolve_model_path
+
+    config = json.loads((resolve_model_path(model) / "config.json").read_text())
+    return int(config["vocab_size"])
+
+
+def _vocab_size(args: argparse.Namespace, *models: str | None) -> int:
+    """--vocab-size, else that of the first of `models` found on this machine."""
+    if args.vocab_size is not None:
+        return args.vocab_size
+    for model in models:
+        if model is None:
+            continue
+        try:
+            return model_vocab_size(model)
+        except (ConfigError, OSError, KeyError):
+            continue
+    raise ConfigError("cannot find the model's config.json on this machine to read its vocabulary size: "
+                      "pass --vocab-size")
+
+
+def _scale(text: str) -> float:
+    """A positive factor: 0.25 or 1/4."""
+    try:
+        numerator, _, denominator = text.partition("/")
+        value = float(numerator) / float(denominator or 1)
+    except (ValueError, ZeroDivisionError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a scale factor: use e.g. 0.25 or 1/1024") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the scale must be positive")
+    return value
+
+
+def _positive_ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, e.g. 1,2,4,8")
+    return values
+
+
+def _timestamp() -> str:
+    return datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+# --- serve -------------------------------------------------------------------------------------
+
+def _add_serve(commands) -> None:
+    parser = commands.add_parser("serve", help="load generator against an OpenAI-compatible server",
+                                 description="Send token-id completions (streamed, ignore_eos) to a running server "
+                                             "and report throughput, TTFT/TPOT/ITL and the server's peak KV usage "
+                                             "and running requests from its /metrics.")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default %(default)s)")
+    parser.add_argument("--model", default=None, help="served model name (default: the server's first model); "
+                                                      "also where the vocabulary size is read when it is local")
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: no limit)")
+    parser.add_argument("--request-rate", type=float, default=math.inf,
+                        help="Poisson arrivals per second (default inf: all at once)")
+    parser.add_argument("--num-ranks", type=int, default=None,
+                        help="ranks serving, for tok/s per rank (default: tp from the server's layout info metric)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--metrics-interval", type=float, default=0.25, help="seconds between /metrics scrapes")
+    parser.add_argument("--result-file", default=None, help="write the result as JSON here")
+    parser.add_argument("--no-progress", action="store_true")
+    _add_workload_args(parser, "random", input_len=1024, output_len=128, range_ratio=0.0)
+    parser.set_defaults(func=_reporting_errors(_run_serve))
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from kvshard.bench.report import format_serve_result, write_json
+    from kvshard.bench.serve import run_serve_benchmark
+
+    from kvshard.bench.serve import served_model_root
+
+    roots = [] if args.vocab_size is not None else [served_model_root(args.base_url, args.model, args.api_key)]
+    spec = _workload_spec(args, _vocab_size(args, args.model, *roots))
+    requests = spec.requests(args.num_prompts)
+    print(f"workload: {spec.describe()}; {len(requests)} requests")
+    result = run_serve_benchmark(
+        args.base_url, requests, model=args.model, max_concurrency=args.max_concurrency,
+        request_rate=args.request_rate, seed=args.seed, num_ranks=args.num_ranks, api_key=args.api_key,
+        metrics_interval=args.metrics_interval, progress=not args.no_progress,
+    )
+    result["workload"] = spec.describe()
+    print(format_serve_result(result))
+    if args.result_file:
+        print(f"result: {write_json(args.result_file, result)}")
+    return 1 if result["failed"] else 0
+
+
+# --- dcp ---------------------------------------------------------------------------------------
+
+def _add_dcp(commands) -> None:
+    parser = commands.add_parser(
+        "dcp", help="the seed's experiment: TP alone vs TP + DCP at the same per-rank KV budget",
+        description="Start `kvshard serve` with tp alone and with tp plus each --dcp, at the same per-rank KV "
+                    "budget; run the same requests at each --concurrency; print max concurrency reached, tok/s "
+                    "per rank, KV usage and what limits each layout; save a PNG plot and the JSON.",
+    )
+    parser.add_argument("model", nargs="?", default="kvshard-demo", help="checkpoint directory or demo model")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=2)
+    parser.add_argument("--dcp", type=int, nargs="+", default=[2], help="DCP sizes to compare with tp alone")
+    parser.add_argument("--kv-cache-memory", default="8MiB", help="KV budget per rank, the same for every layout")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="default: the longest request the workload can draw")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="high, so that only KV limits the batch")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--concurrency", type=_positive_ints, default=[1, 2, 4, 8, 16],
+                        help="client concurrencies to sweep (default 1,2,4,8,16)")
+    parser.add_argument("--prompts-per-concurrency", type=int, default=2,
+                        help="each point sends concurrency x this many requests (default 2)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-dir", default=None, help="where the JSON, PNG and server logs go "
+                                                           "(default bench-results/dcp-TIMESTAMP)")
+    parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument("--metrics-interval", type=float, default=0.25, help="seconds between /metrics scrapes")
+    parser.add_argument("--no-progress", action="store_true")
+    _add_workload_args(parser, "agentic", input_len=1024, output_len=128, range_ratio=0.0)
+    parser.set_defaults(func=_reporting_errors(_run_dcp))
+
+
+def _run_dcp(args: argparse.Namespace) -> int:
+    from kvshard.bench.dcp import DCPExperiment, format_dcp_table, format_points_table, run_dcp_experiment
+    from kvshard.bench.report import plot_dcp_sweep, write_json
+
+    if args.prompts_per_concurrency < 1:
+        raise ConfigError("--prompts-per-concurrency must be at least 1")
+    spec = _workload_spec(args, _vocab_size(args, args.model))
+    max_model_len = args.max_model_len or spec.max_request_len()
+    flags = ["--max-model-len", str(max_model_len), "--block-size", str(args.block_size), "--dtype", args.dtype,
+             "--seed", str(args.seed)]
+    if args.max_num_batched_tokens is not None:
+        flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    output_dir = Path(args.output_dir or f"bench-results/dcp-{_timestamp()}")
+    experiment = DCPExperiment(
+        model=args.model, tp=args.tensor_parallel_size, dcps=args.dcp, concurrencies=sorted(set(args.concurrency)),
+        workload=spec, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs, server_flags=flags,
+        prompts_per_concurrency=args.prompts_per_concurrency, output_dir=output_dir,
+        startup_timeout=args.startup_timeout, metrics_interval=args.metrics_interval, progress=not args.no_progress,
+    )
+    print(f"workload: {spec.describe()}; max-model-len {max_model_len:,}; KV {args.kv_cache_memory} per rank")
+    result = run_dcp_experiment(experiment)
+    print()
+    print(format_points_table(result))
+    print()
+    print(format_dcp_table(result))
+    print(f"\nresult: {write_json(output_dir / 'dcp.json', result)}")
+    print(f"plot:   {plot_dcp_sweep(result, output_dir / 'dcp.png')}")
+    failed = sum(p["failed"] for c in result["configs"] for p in c["points"])
+    return 1 if failed else 0
+
+
+# --- throughput ----------------------------------------------------------------------------------
+
+def _add_throughput(commands) -> None:
+    from kvshard.bench.throughput import ENGINES
+
+    parser = commands.add_parser("throughput", help="offline throughput of N random requests (kvshard or vLLM)",
+                                 description="Generate N random token-id requests (seeded lengths, ignore_eos) "
+                                             "with kvshard.LLM, or with vLLM's LLM for --engine vllm, and print "
+                                             "requests/s, output tok/s and total tok/s.")
+    add_engine_args(parser)
+    parser.add_argument("--engine", choices=ENGINES, default="kvshard")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--vllm-enforce-eager", action="store_true", help="vLLM: no torch.compile")
+    parser.add_argument("--result-file", default=None)
+    parser.add_argument("--no-progress", action="store_true")
+    _add_workload_args(parser, "random", input_len=512, output_len=128, range_ratio=0.5)
+    parser.set_defaults(func=_reporting_errors(_run_throughput))
+
+
+def _run_throughput(args: argparse.Namespace) -> int:
+    from kvshard.bench.report import write_json
+    from kvshard.bench.throughput import format_throughput, run_kvshard, run_vllm, throughput_result
+    from kvshard.config import parse_memory_size
+    from kvshard.models.registry import resolve_model_path
+
+    spec = _workload_spec(args, _vocab_size(args, args.model))
+    requests = spec.requests(args.num_prompts)
+    kwargs = engine_kwargs(args)
+    if kwargs["max_model_len"] is None:
+        kwargs["max_model_len"] = spec.max_request_len()
+    print(f"workload: {spec.describe()}; {len(requests)} requests")
+    if args.engine == "kvshard":
+        elapsed, output_tokens, config = run_kvshard(args.model, kwargs, requests, not args.no_progress)
+    else:
+        vllm_kwargs = {
+            "tensor_parallel_size": kwargs["tensor_parallel_size"], "max_model_len": kwargs["max_model_len"],
+            "max_num_seqs": kwargs["max_num_seqs"],
+            "max_num_batched_tokens": kwargs["max_num_batched_tokens"] or max(512, kwargs["max_num_seqs"]),
+            "kv_cache_memory_bytes": parse_memory_size(kwargs["kv_cache_memory"] or "1GiB"),
+            "dtype": kwargs["dtype"], "seed": kwargs["seed"],  # block size: vLLM CPU needs a multiple of 32
+            "enforce_eager": args.vllm_enforce_eager,
+        }
+        if kwargs["decode_context_parallel_size"] > 1:
+            vllm_kwargs["decode_context_parallel_size"] = kwargs["decode_context_parallel_size"]
+        elapsed, output_tokens, config = run_vllm(str(resolve_model_path(args.model)), vllm_kwargs, requests,
+                                                  not args.no_progress)
+    result = throughput_result(args.engine, args.model, requests, elapsed, output_tokens, config)
+    print(format_throughput(result))
+    if args.result_file:
+        print(f"result: {write_json(args.result_file, result)}")
+    return 0
+
+
+# --- decode-floor ---------------------------------------------------------------------------------
+
+def _add_decode_floor(commands) -> None:
+    parser = commands.add_parser("decode-floor", help="a large-batch decode step against its memory-bandwidth floor",
+                                 description="Time decode steps of --batch-size requests of --context-len tokens and "
+                                             "compare them with (weights + live KV bytes) / measured copy bandwidth.")
+    add_engine_args(parser)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--context-len", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=16, help="decode steps timed (median reported)")
+    parser.add_argument("--result-file", default=None)
+    parser.set_defaults(func=_reporting_errors(_run_decode_floor))
+
+
+def _run_decode_floor(args: argparse.Namespace) -> int:
+    from kvshard.bench.decode_floor import format_decode_floor, measure_decode_floor
+    from kvshard.bench.report import write_json
+
+    kwargs = engine_kwargs(args)
+    kwargs["max_num_seqs"] = max(kwargs["max_num_seqs"], args.batch_size)
+    if kwargs["max_model_len"] is None:
+        kwargs["max_model_len"] = args.context_len + args.steps + 8
+    result = measure_decode_floor(args.model, kwargs, args.batch_size, args.context_len, args.steps)
+    print(format_decode_floor(result))
+    if args.result_file:
+        print(f"result: {write_json(args.result_file, result)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvshard.bench")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    add_bench_parser(subparsers)
+    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return args.func(args)
+    except (ConfigError, ValueError) as error:
+        print(f"kvshard bench: error: {error}", file=sys.stderr)
+        return 2

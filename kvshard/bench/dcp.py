@@ -1,0 +1,196 @@
+"""`kvshard bench dcp`: the seed's experiment, TP alone against TP + DCP, in one command.
+
+For each layout (tp alone, then tp with each requested dcp) a `kvshard serve`
+starts with the same per-rank KV budget; the same requests run at rising client
+concurrency; /metrics says how many requests the server actually ran at once
+and how full its KV cache was. The table then gives, per layout, the seed's
+columns: the maximum concurrency reached, output tok/s per rank, KV usage, and
+what limits it. A layout is *KV-limited* when the server ran fewer requests
+than the client offered while its KV cache was (nearly) full or it preempted;
+otherwise every offered request ran and compute is the limit.
+"""
+
+from __future__ import annotations
+
+import signal
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from kvshard.bench.report import format_table
+from kvshard.bench.serve import request_list_digest, run_serve_benchmark
+from kvshard.bench.server import ServerProcess
+from kvshard.bench.workloads import WorkloadSpec
+
+KV_FULL = 0.9  # peak KV usage from which a held-back request counts as KV-limited
+_POINT_FIELDS = ("duration_s", "completed", "failed", "total_input_tokens", "total_output_tokens",
+                 "request_throughput", "output_throughput", "total_token_throughput",
+                 "output_throughput_per_rank", "total_token_throughput_per_rank",
+                 "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
+                 "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "errors", "server")
+
+
+@dataclass(frozen=True)
+class DCPExperiment:
+    model: str
+    tp: int
+    dcps: list[int]
+    concurrencies: list[int]
+    workload: WorkloadSpec
+    kv_cache_memory: str
+    max_num_seqs: int
+    server_flags: list[str] = field(default_factory=list)  # engine flags besides tp, dcp, KV and max-num-seqs
+    prompts_per_concurrency: int = 2
+    output_dir: Path = Path("bench-results")
+    startup_timeout: float = 300.0
+    metrics_interval: float = 0.25
+    progress: bool = True
+
+    def layouts(self) -> list[tuple[int, int]]:
+        return [(self.tp, 1)] + [(self.tp, d) for d in self.dcps if d != 1]
+
+
+def layout_label(tp: int, dcp: int) -> str:
+    return f"TP={tp}" if dcp == 1 else f"TP={tp} + DCP={dcp}"
+
+
+def limit_of(point: dict, max_num_seqs: int) -> str:
+    """What held the server's batch back at this point.
+
+    KV memory: it preempted, or requests waited while the KV cache was (nearly) full.
+    max-num-seqs: requests waited with the batch at its configured size. Otherwise
+    every request the server could take ran: compute (the step time) is the limit.
+    """
+    server = point["server"]
+    if server["preemptions"] > 0 or (server["peak_waiting"] > 0 and server["peak_kv_usage"] >= KV_FULL):
+        return "KV memory"
+    if server["peak_waiting"] > 0 and server["peak_running"] >= max_num_seqs:
+        return "max-num-seqs"
+    return "compute"
+
+
+def summarize_config(points: list[dict]) -> dict:
+    best = max(points, key=lambda p: p["output_throughput_per_rank"] or 0.0)
+    top = points[-1]
+    return {
+        "max_concurrency_reached": max(p["server"]["peak_running"] for p in points),
+        "max_mean_running": max(p["server"]["mean_running"] for p in points),
+        "best_output_throughput_per_rank": best["output_throughput_per_rank"],
+        "best_at_concurrency": best["concurrency"],
+        "kv_usage_at_best": best["server"]["peak_kv_usage"],
+        "limited_by": top["limited_by"],
+        "peak_waiting_at_top": top["server"]["peak_waiting"],
+        "preemptions_at_top": top["server"]["preemptions"],
+    }
+
+
+@contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM unwinds like Ctrl-C, so the server is stopped either way."""
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_dcp_experiment(experiment: DCPExperiment, log=print) -> dict:
+    requests = experiment.workload.requests(max(experiment.concurrencies) * experiment.prompts_per_concurrency)
+    configs = []
+    with _sigterm_as_interrupt():
+        for tp, dcp in experiment.layouts():
+            label = layout_label(tp, dcp)
+            flags = ["--tensor-parallel-size", str(tp), "--dcp", str(dcp),
+                     "--kv-cache-memory", experiment.kv_cache_memory,
+                     "--max-num-seqs", str(experiment.max_num_seqs), *experiment.server_flags]
+            server = ServerProcess(experiment.model, flags, experiment.output_dir / f"server-tp{tp}-dcp{dcp}.log",
+                                   experiment.startup_timeout)
+            log(f"== {label}: kvshard serve {experiment.model} {' '.join(flags)}")
+            points = []
+            with server:
+                for concurrency in experiment.concurrencies:
+                    batch = requests[: concurrency * experiment.prompts_per_concurrency]
+                    result = run_serve_benchmark(server.base_url, batch, max_concurrency=concurrency, num_ranks=tp,
+                                                 metrics_interval=experiment.metrics_interval,
+                                                 progress=experiment.progress, label=f"{label} c={concurrency}")
+                    point = {"concurrency": concurrency, "num_prompts": len(batch),
+                             **{k: result[k] for k in _POINT_FIELDS}}
+                    point["limited_by"] = limit_of(point, experiment.max_num_seqs)
+                    points.append(point)
+                    s = point["server"]
+                    log(f"   c={concurrency:<4} running peak {s['peak_running']:>3} (mean {s['mean_running']:.1f}), "
+                        f"waiting peak {s['peak_waiting']:>3}, KV peak {s['peak_kv_usage']:.0%}, "
+                        f"preemptions {s['preemptions']}, {point['output_throughput_per_rank']:.1f} out tok/s/rank"
+                        + (f", {point['failed']} FAILED: {point['errors'][0]}" if point["failed"] else ""))
+                layout_info = points[0]["server"]["layout"]
+            configs.append({"label": label, "tp": tp, "dcp": dcp, "base_url": server.base_url, "layout": layout_info,
+                            "server_log": str(server.log_path), "points": points,
+                            **summarize_config(points)})
+    baseline = configs[0]
+    for config in configs[1:]:
+        config["vs_tp_only"] = {
+            "max_concurrency": _ratio(config["max_concurrency_reached"], baseline["max_concurrency_reached"]),
+            "max_mean_running": _ratio(config["max_mean_running"], baseline["max_mean_running"]),
+            "output_throughput_per_rank": _ratio(config["best_output_throughput_per_rank"],
+                                                 baseline["best_output_throughput_per_rank"]),
+        }
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "model": experiment.model,
+        "kv_cache_memory": experiment.kv_cache_memory,
+        "max_num_seqs": experiment.max_num_seqs,
+        "server_flags": experiment.server_flags,
+        "workload": experiment.workload.describe(),
+        "workload_spec": asdict(experiment.workload),
+        "concurrencies": experiment.concurrencies,
+        "prompts_per_concurrency": experiment.prompts_per_concurrency,
+        "requests_digest": request_list_digest(requests),
+        "configs": configs,
+    }
+
+
+def _ratio(value: float | None, base: float | None) -> float | None:
+    return value / base if value and base else None
+
+
+def format_dcp_table(result: dict) -> str:
+    """The seed's table, one row per layout, then the ratios against TP alone."""
+    rows = []
+    for c in result["configs"]:
+        layout = c["layout"]
+        capacity = f"{int(layout['kv_capacity_tokens']):,}" if layout.get("kv_capacity_tokens") else "?"
+        limit = c["limited_by"]
+        if limit == "KV memory":
+            limit += f" (waiting {c['peak_waiting_at_top']}, {c['preemptions_at_top']} preemptions)"
+        rows.append([c["label"], capacity, str(c["max_concurrency_reached"]), f"{c['max_mean_running']:.1f}",
+                     f"{c['best_output_throughput_per_rank']:.1f} (c={c['best_at_concurrency']})",
+                     f"{c['kv_usage_at_best']:.0%}", limit])
+    lines = [format_table(["configuration", "KV capacity (tokens)", "max concurrency", "mean running",
+                           "out tok/s per rank", "KV usage", "limited by"], rows),
+             "max concurrency: peak of kvshard:num_requests_running over the sweep; mean running: its time "
+             "average at the busiest point; out tok/s per rank: the best point (its concurrency in brackets)"]
+    for c in result["configs"][1:]:
+        ratio = c["vs_tp_only"]
+        lines.append(f"{c['label']} vs {result['configs'][0]['label']}: max concurrency "
+                     f"{_times(ratio['max_concurrency'])} (mean running {_times(ratio['max_mean_running'])}), "
+                     f"out tok/s per rank {_times(ratio['output_throughput_per_rank'])}")
+    return "\n".join(lines)
+
+
+def format_points_table(result: dict) -> str:
+    """Every point of the sweep."""
+    rows = []
+    for c in result["configs"]:
+        for p in c["points"]:
+            s = p["server"]
+            rows.append([c["label"], str(p["concurrency"]), f"{s['peak_running']} / {s['mean_running']:.1f}",
+                         str(s["peak_waiting"]), f"{s['peak_kv_usage']:.0%}", str(s["preemptions"]),
+                         f"{p['output_throughput_per_rank']:.1f}", f"{p['median_ttft_ms']:,.0f}",
+                         f"{p['median_tpot_ms']:,.0f}", f"{p['duration_s']:.1f}", p["limited_by"]])
+    return format_table(["configuration", "concurrency", "running peak/mean", "waiting peak", "KV peak",
+                         "preempt", "out tok/s/rank", "TTFT p50 ms", "TPOT p50 ms", "time s", "limited by"], rows)
+
+
+def _times(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"

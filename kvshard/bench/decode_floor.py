@@ -1,0 +1,115 @@
+"""`kvshard bench decode-floor`: one decode step at a large batch against its memory-bandwidth floor.
+
+A decode step must read every weight once and the live KV of every request
+once; nothing can make it faster than those bytes divided by the machine's
+memory bandwidth. The bandwidth is measured here as a large torch tensor copy
+(bytes read + bytes written per second, best of a few), the step by running
+`batch_size` requests of `context_len` tokens to their decode phase and timing
+single engine steps. The ratio step / floor says how far the engine is from
+the hardware: 1.0 would be perfect.
+
+Counted per rank (rank 0, in this process): all parameters except the token
+embedding table, of which a step reads one row per request; and the KV of
+every request's context on this rank (`kv_bytes_per_token_per_rank` times the
+context tokens). A MoE model is counted with all its experts (a large batch
+routes to nearly all of them). Activations and the new tokens' KV writes are
+left out: small at these sizes, and leaving them out only lowers the floor.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import torch
+
+from kvshard.bench.workloads import WorkloadSpec
+
+
+def copy_bandwidth(num_bytes: int = 2**30, repeats: int = 5) -> float:
+    """Bytes per second (read + written) of the best of `repeats` copies of a `num_bytes` float32 tensor."""
+    source = torch.ones(num_bytes // 4, dtype=torch.float32)
+    target = torch.empty_like(source)
+    target.copy_(source)  # first touch: page faults are not bandwidth
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.numel() * source.element_size() / best
+
+
+def weight_bytes_per_step(model: torch.nn.Module, batch_size: int) -> int:
+    total = 0
+    for name, parameter in model.named_parameters():
+        row_bytes = parameter.shape[-1] * parameter.element_size()
+        if "embed_tokens" in name:  # an embedding lookup reads one row per request
+            total += min(batch_size, parameter.shape[0]) * row_bytes
+        else:
+            total += parameter.numel() * parameter.element_size()
+    return total
+
+
+def measure_decode_floor(model: str, engine_kwargs: dict, batch_size: int, context_len: int, steps: int,
+                         warmup_steps: int = 3, bandwidth_bytes: int = 2**30) -> dict:
+    from kvshard import LLM, SamplingParams
+
+    bandwidth = copy_bandwidth(bandwidth_bytes)
+    with LLM(model, **engine_kwargs) as llm:
+        engine, config = llm.engine, llm.config
+        spec = WorkloadSpec("random", config.model.hf_config.vocab_size, engine_kwargs.get("seed", 0),
+                            input_len=context_len, output_len=warmup_steps + steps + 1)
+        params = SamplingParams(temperature=0.0, max_tokens=warmup_steps + steps + 1, ignore_eos=True)
+        generated: dict[str, int] = {}
+        for request in spec.requests(batch_size):
+            request_id = f"floor-{uuid.uuid4().hex[:8]}"
+            engine.add_request(request_id, request.prompt_token_ids, params)
+            generated[request_id] = 0
+
+        def step() -> None:
+            for output in engine.step():
+                generated[output.request_id] = len(output.outputs[0].token_ids)
+
+        while min(generated.values()) == 0:  # prefill: until every request has its first token
+            step()
+        for _ in range(warmup_steps):
+            step()
+        times, kv_tokens = [], []
+        for _ in range(steps):
+            kv_tokens.append(sum(context_len + n for n in generated.values()))  # tokens this step attends to
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        if min(generated.values()) < warmup_steps + steps or len(generated) != batch_size:
+            raise RuntimeError("a request left the decode batch while timing (preempted?): raise --kv-cache-memory")
+        weights = weight_bytes_per_step(engine.runner.model, batch_size)
+        kv_per_token = config.kv_bytes_per_token_per_rank
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    step_s = sorted(times)[len(times) // 2]
+    kv_bytes = kv_per_token * sorted(kv_tokens)[len(kv_tokens) // 2]
+    floor_s = (weights + kv_bytes) / bandwidth
+    return {
+        "model": model, "engine_config": {k: v for k, v in engine_kwargs.items() if v is not None},
+        "threads": torch.get_num_threads(),
+        "batch_size": batch_size, "context_len": context_len, "steps": steps,
+        "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "weight_bytes_per_step": weights, "kv_bytes_per_step": kv_bytes,
+        "floor_ms": floor_s * 1e3, "median_step_ms": step_s * 1e3,
+        "min_step_ms": min(times) * 1e3, "ratio_to_floor": step_s / floor_s,
+        "decode_tokens_per_s": batch_size / step_s,
+    }
+
+
+def format_decode_floor(result: dict) -> str:
+    mib = 2**20
+    return "\n".join([
+        f"copy bandwidth (read + write): {result['copy_bandwidth_gb_s']:.1f} GB/s",
+        f"bytes per decode step per rank: weights {result['weight_bytes_per_step'] / mib:.1f} MiB + "
+        f"KV {result['kv_bytes_per_step'] / mib:.1f} MiB "
+        f"({result['batch_size']} requests of ~{result['context_len']:,} tokens)",
+        f"floor: {result['floor_ms']:.2f} ms per step; measured: {result['median_step_ms']:.2f} ms median "
+        f"({result['min_step_ms']:.2f} ms best, {result['threads']} threads) "
+        f"-> {result['ratio_to_floor']:.1f}x the floor, {result['decode_tokens_per_s']:.0f} decode tok/s",
+    ])

@@ -1,0 +1,254 @@
+"""`kvshard bench serve`: a load generator for any OpenAI-compatible server, as `vllm bench serve`.
+
+Each request is a token-id prompt sent to /v1/completions with `ignore_eos` and
+`max_tokens` = its output length, streamed, so the client sees when every chunk
+arrives: time to first token (TTFT), inter-token latency (ITL, between chunks)
+and time per output token (TPOT, (latency - TTFT) / (tokens - 1)). Requests
+arrive as a Poisson process of `request_rate` per second (inf: all at once),
+at most `max_concurrency` in flight. Meanwhile a thread scrapes the server's
+/metrics for the peak KV usage and the peak number of running requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+import httpx
+from tqdm import tqdm
+
+from kvshard.bench.metrics import MetricsPoller, ServerSnapshot
+from kvshard.bench.workloads import BenchRequest
+
+
+class BenchmarkError(RuntimeError):
+    """The benchmark cannot run (server unreachable, request rejected); the message says why."""
+
+
+@dataclass
+class RequestOutcome:
+    input_len: int
+    success: bool = False
+    output_len: int = 0  # the server's usage.completion_tokens, else the chunks received
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)  # seconds between consecutive chunks
+    error: str = ""
+
+
+def request_list_digest(requests: list[BenchRequest]) -> str:
+    """A short fingerprint of the prompts and output lengths: equal digests, identical requests."""
+    digest = hashlib.sha256()
+    for request in requests:
+        digest.update(json.dumps([request.prompt_token_ids, request.output_len]).encode())
+    return digest.hexdigest()[:16]
+
+
+def completion_payload(model: str, request: BenchRequest) -> dict:
+    return {
+        "model": model, "prompt": request.prompt_token_ids, "max_tokens": request.output_len,
+        "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+    }
+
+
+async def send_request(client: httpx.AsyncClient, url: str, model: str, request: BenchRequest,
+                       headers: dict[str, str]) -> RequestOutcome:
+    outcome = RequestOutcome(request.input_len)
+    chunks = 0
+    usage_tokens: int | None = None
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=completion_payload(model, request), headers=headers) as response:
+            if response.status_code != 200:
+                outcome.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:300]}"
+                return outcome
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    outcome.error = str(event["error"].get("message", event["error"]))
+                    return outcome
+                now = time.perf_counter()
+                if event.get("choices"):
+                    if chunks == 0:
+                        outcome.ttft = now - start
+                    else:
+                        outcome.itl.append(now - last)
+                    last = now
+                    chunks += 1
+                if event.get("usage"):
+                    usage_tokens = event["usage"]["completion_tokens"]
+    except (httpx.HTTPError, json.JSONDecodeError) as error:
+        outcome.error = f"{type(error).__name__}: {error}"
+        return outcome
+    outcome.latency = time.perf_counter() - start
+    outcome.output_len = usage_tokens if usage_tokens is not None else chunks
+    outcome.success = chunks > 0
+    if not outcome.success:
+        outcome.error = "the stream ended without a token"
+    return outcome
+
+
+async def _arrivals(requests: list[BenchRequest], request_rate: float, seed: int):
+    """Yield requests at Poisson arrival times (exponential gaps), or all at once for inf."""
+    rng = random.Random(seed)
+    for i, request in enumerate(requests):
+        if i and math.isfinite(request_rate):
+            await asyncio.sleep(rng.expovariate(request_rate))
+        yield request
+
+
+async def _run(base_url: str, model: str, requests: list[BenchRequest], max_concurrency: int | None,
+               request_rate: float, seed: int, headers: dict[str, str], poller: MetricsPoller,
+               progress: bool, label: str) -> tuple[list[RequestOutcome], float]:
+    url = f"{base_url}/v1/completions"
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    bar = tqdm(total=len(requests), desc=label, unit="req", disable=not progress, dynamic_ncols=True)
+
+    async def one(client: httpx.AsyncClient, request: BenchRequest) -> RequestOutcome:
+        if limit is None:
+            outcome = await send_request(client, url, model, request, headers)
+        else:
+            async with limit:
+                outcome = await send_request(client, url, model, request, headers)
+        snapshot = poller.latest
+        if snapshot is not None:
+            bar.set_postfix(running=int(snapshot.running), waiting=int(snapshot.waiting),
+                            kv=f"{snapshot.kv_usage:.0%}", refresh=False)
+        bar.update(1)
+        return outcome
+
+    connections = httpx.Limits(max_connections=max_concurrency or len(requests), max_keepalive_connections=None)
+    timeout = httpx.Timeout(None, connect=30.0)
+    try:
+        async with httpx.AsyncClient(timeout=timeout, limits=connections) as client:
+            start = time.perf_counter()
+            tasks = [asyncio.create_task(one(client, r)) async for r in _arrivals(requests, request_rate, seed)]
+            outcomes = await asyncio.gather(*tasks)
+            return list(outcomes), time.perf_counter() - start
+    finally:
+        bar.close()
+
+
+def served_model_root(base_url: str, model: str | None, api_key: str | None = None) -> str | None:
+    """The checkpoint path a server reports for `model` (or its first model) in /v1/models, if any."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        listed = httpx.get(f"{base_url.rstrip('/')}/v1/models", headers=headers, timeout=10.0).json()["data"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
+    entry = next((m for m in listed if model is None or m.get("id") == model), None)
+    return entry.get("root") if entry else None
+
+
+def probe(base_url: str, model: str | None, headers: dict[str, str]) -> str:
+    """Check the server answers a tiny token-id completion; return the model name to use."""
+    with httpx.Client(timeout=httpx.Timeout(120.0, connect=10.0)) as client:
+        try:
+            if model is None:
+                listed = client.get(f"{base_url}/v1/models", headers=headers)
+                listed.raise_for_status()
+                model = listed.json()["data"][0]["id"]
+            response = client.post(f"{base_url}/v1/completions", headers=headers, json={
+                "model": model, "prompt": [1, 2, 3, 4], "max_tokens": 2, "ignore_eos": True, "temperature": 0.0})
+        except httpx.HTTPError as error:
+            raise BenchmarkError(f"cannot reach the server at {base_url}: {error}") from None
+        if response.status_code != 200:
+            raise BenchmarkError(f"the server rejected a test request (HTTP {response.status_code}): "
+                                 f"{response.text[:300]}")
+    return model
+
+
+def run_serve_benchmark(
+    base_url: str,
+    requests: list[BenchRequest],
+    model: str | None = None,
+    max_concurrency: int | None = None,
+    request_rate: float = math.inf,
+    seed: int = 0,
+    num_ranks: int | None = None,
+    api_key: str | None = None,
+    metrics_interval: float = 0.25,
+    progress: bool = True,
+    label: str = "bench serve",
+) -> dict:
+    """Send every request, wait for all, and return the result (see `summarize`)."""
+    if not requests:
+        raise BenchmarkError("no requests to send: --num-prompts must be at least 1")
+    if max_concurrency is not None and max_concurrency < 1:
+        raise BenchmarkError(f"--max-concurrency must be at least 1, got {max_concurrency}")
+    if not request_rate > 0:
+        raise BenchmarkError(f"--request-rate must be positive (inf: all at once), got {request_rate}")
+    base_url = base_url.rstrip("/")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    model = probe(base_url, model, headers)
+    with MetricsPoller(base_url, metrics_interval) as poller:
+        outcomes, duration = asyncio.run(_run(base_url, model, requests, max_concurrency, request_rate, seed,
+                                              headers, poller, progress, label))
+    first = poller.trace.snapshots[0] if poller.trace.snapshots else ServerSnapshot()
+    result = summarize(outcomes, duration, num_ranks or first.num_ranks)
+    result.update({
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "base_url": base_url, "model": model, "num_prompts": len(requests),
+        "max_concurrency": max_concurrency, "request_rate": request_rate if math.isfinite(request_rate) else "inf",
+        "requests_digest": request_list_digest(requests),
+        "server": {**poller.trace.summary(), "scrape_failures": poller.failures, "layout": first.layout},
+    })
+    return result
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def _stats(name: str, seconds: list[float]) -> dict:
+    ms = [s * 1000 for s in seconds]
+    return {
+        f"mean_{name}_ms": sum(ms) / len(ms) if ms else 0.0,
+        f"median_{name}_ms": _percentile(ms, 50),
+        f"p99_{name}_ms": _percentile(ms, 99),
+    }
+
+
+def summarize(outcomes: list[RequestOutcome], duration: float, num_ranks: int | None) -> dict:
+    """Throughputs over the whole run and latency statistics over the successful requests."""
+    done = [o for o in outcomes if o.success]
+    output_tokens = sum(o.output_len for o in done)
+    input_tokens = sum(o.input_len for o in done)
+    tpot = [(o.latency - o.ttft) / (o.output_len - 1) for o in done if o.output_len > 1]
+    result = {
+        "duration_s": duration,
+        "completed": len(done),
+        "failed": len(outcomes) - len(done),
+        "errors": sorted({o.error for o in outcomes if not o.success})[:5],
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(done) / duration,
+        "output_throughput": output_tokens / duration,
+        "total_token_throughput": (input_tokens + output_tokens) / duration,
+        "num_ranks": num_ranks,
+        "output_throughput_per_rank": output_tokens / duration / num_ranks if num_ranks else None,
+        "total_token_throughput_per_rank": (input_tokens + output_tokens) / duration / num_ranks if num_ranks else None,
+    }
+    result.update(_stats("ttft", [o.ttft for o in done]))
+    result.update(_stats("tpot", tpot))
+    result.update(_stats("itl", [t for o in done for t in o.itl]))
+    result.update(_stats("e2el", [o.latency for o in done]))
+    return result

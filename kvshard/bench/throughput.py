@@ -1,0 +1,104 @@
+"""`kvshard bench throughput`: offline throughput, as nano-vllm's bench.py and `vllm bench throughput`.
+
+N random token-id requests (lengths drawn from the seed), generated in full
+(`ignore_eos`, greedy) by one engine in one `generate` call after a short
+warm-up; the result is requests/s, output tok/s and total tok/s. `--engine
+vllm` runs the same request list through vLLM's offline `LLM` instead; vLLM is
+imported only then, so it may live in another virtual environment:
+
+    PYTHONPATH=/path/to/kvshard /path/to/vllm-venv/bin/python -m kvshard.bench throughput --engine vllm ...
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from datetime import datetime, timezone
+
+from kvshard.bench.serve import request_list_digest
+from kvshard.bench.workloads import BenchRequest
+
+ENGINES = ("kvshard", "vllm")
+_WARMUP = [BenchRequest(list(range(2, 34)), 8), BenchRequest(list(range(3, 19)), 8)]
+
+
+def run_kvshard(model: str, engine_kwargs: dict, requests: list[BenchRequest], progress: bool = True) -> tuple[float, int, dict]:
+    """(seconds, output tokens, engine description) for one kvshard generate call."""
+    from kvshard import LLM, SamplingParams
+
+    def params(r: BenchRequest) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+
+    with LLM(model, **engine_kwargs) as llm:
+        llm.generate([r.prompt_token_ids for r in _WARMUP], [params(r) for r in _WARMUP], use_tqdm=False)
+        start = time.perf_counter()
+        outputs = llm.generate([r.prompt_token_ids for r in requests], [params(r) for r in requests], use_tqdm=progress)
+        elapsed = time.perf_counter() - start
+        config = llm.config
+        described = {
+            "tensor_parallel_size": config.parallel.tensor_parallel_size,
+            "decode_context_parallel_size": config.parallel.decode_context_parallel_size,
+            "max_num_seqs": config.scheduler.max_num_seqs,
+            "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+            "max_model_len": config.scheduler.max_model_len,
+            "kv_capacity_tokens": config.kv_capacity_tokens,
+            "dtype": str(config.model.dtype).removeprefix("torch."),
+        }
+    return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs), described
+
+
+def run_vllm(model_path: str, engine_kwargs: dict, requests: list[BenchRequest], progress: bool = True) -> tuple[float, int, dict]:
+    """The same through vLLM (prefix caching off: kvshard has none, and the prompts share nothing)."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    def params(r: BenchRequest) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+
+    llm = LLM(model_path, enable_prefix_caching=False, **engine_kwargs)
+    try:
+        llm.generate([TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in _WARMUP],
+                     [params(r) for r in _WARMUP], use_tqdm=False)
+        start = time.perf_counter()
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in requests],
+                               [params(r) for r in requests], use_tqdm=progress)
+        elapsed = time.perf_counter() - start
+    finally:
+        del llm
+    return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs), dict(engine_kwargs, enable_prefix_caching=False)
+
+
+def engine_version(engine: str) -> str:
+    if engine == "vllm":
+        import vllm
+
+        return vllm.__version__
+    import kvshard
+
+    return kvshard.__version__
+
+
+def throughput_result(engine: str, model: str, requests: list[BenchRequest], elapsed: float, output_tokens: int,
+                      engine_config: dict) -> dict:
+    input_tokens = sum(r.input_len for r in requests)
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "engine": engine, "engine_version": engine_version(engine), "engine_config": engine_config,
+        "model": model, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "num_requests": len(requests), "requests_digest": request_list_digest(requests),
+        "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
+        "expected_output_tokens": sum(r.output_len for r in requests),
+        "elapsed_s": elapsed,
+        "requests_per_s": len(requests) / elapsed,
+        "output_tokens_per_s": output_tokens / elapsed,
+        "total_tokens_per_s": (input_tokens + output_tokens) / elapsed,
+    }
+
+
+def format_throughput(result: dict) -> str:
+    return (f"Throughput ({result['engine']} {result['engine_version']}, {result['num_requests']} requests, "
+            f"digest {result['requests_digest']}): {result['requests_per_s']:.2f} requests/s, "
+            f"{result['total_tokens_per_s']:.2f} total tokens/s, {result['output_tokens_per_s']:.2f} output tokens/s "
+            f"({result['total_output_tokens']:,} of {result['expected_output_tokens']:,} output tokens "
+            f"in {result['elapsed_s']:.2f} s)")

@@ -1,0 +1,146 @@
+"""Request lists for the benchmarks: token-id prompts and output lengths, reproducible from a seed.
+
+Prompts are random token ids, so no tokenizer is needed and every engine gets
+exactly the same tokens. Request `i` depends only on the seed and on requests
+`0..i-1`: the first k requests of a list of 64 are the list of k, which lets a
+concurrency sweep and a peer engine replay the identical prefix.
+
+This module uses the standard library only, so a peer engine's virtual
+environment can import it without kvshard's dependencies.
+
+The agentic workload follows the shape measured in the seed article (an
+agentic coding workload on Kimi K2.6): inputs are bimodal, 53% of them at least
+64K tokens (up to 1M), 47% under 64K; outputs are short, median ~400 tokens.
+The article gives no more than that, so these are the distributions chosen
+(at scale 1; `context_scale` multiplies input lengths, `output_scale` outputs):
+
+- long inputs, probability 0.53: log-uniform on [65,536, 1,048,576] tokens
+  (every doubling from 64K to 1M equally likely);
+- short inputs, probability 0.47: log-uniform on [2,048, 65,536) tokens
+  (an agent's system prompt and tool definitions alone are a few thousand);
+- outputs: log-normal with median 400 tokens and sigma 0.5, clipped to
+  [50, 1,600] (a quarter of requests above ~560, 1% above ~1,280).
+
+Log-uniform inputs make the long half's median ~256K and its mean ~340K
+tokens: the KV cache, not the compute, decides how many requests fit.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+AGENTIC_LONG_FRACTION = 0.53
+AGENTIC_LONG_RANGE = (65_536, 1_048_576)  # tokens, inclusive
+AGENTIC_SHORT_RANGE = (2_048, 65_536)  # tokens, upper bound exclusive
+AGENTIC_OUTPUT_MEDIAN = 400
+AGENTIC_OUTPUT_SIGMA = 0.5
+AGENTIC_OUTPUT_RANGE = (50, 1_600)
+
+WORKLOADS = ("random", "agentic")
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    output_len: int  # max_tokens, generated in full (ignore_eos)
+    long_context: bool = False  # agentic: drawn from the long mode
+
+    @property
+    def input_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """Everything that decides a request list; the same spec and seed give the same list."""
+
+    kind: str = "random"  # random | agentic
+    vocab_size: int = 512
+    seed: int = 0
+    input_len: int = 512  # random
+    output_len: int = 128  # random
+    range_ratio: float = 0.0  # random: lengths uniform in [len * (1 - r), len * (1 + r)]
+    context_scale: float = 1.0  # agentic
+    output_scale: float | None = None  # agentic; None: the context scale
+
+    def __post_init__(self) -> None:
+        if self.kind not in WORKLOADS:
+            raise ValueError(f"workload {self.kind!r} is unknown: use one of {', '.join(WORKLOADS)}")
+        if self.vocab_size < 2:
+            raise ValueError(f"vocab size must be at least 2, got {self.vocab_size}")
+        if self.kind == "random":
+            if self.input_len < 1 or self.output_len < 1:
+                raise ValueError("--input-len and --output-len must be at least 1")
+            if not 0 <= self.range_ratio < 1:
+                raise ValueError(f"--range-ratio must be in [0, 1), got {self.range_ratio}")
+        elif self.context_scale <= 0 or self.effective_output_scale <= 0:
+            raise ValueError("--context-scale and --output-scale must be positive")
+
+    @property
+    def effective_output_scale(self) -> float:
+        return self.context_scale if self.output_scale is None else self.output_scale
+
+    def max_request_len(self) -> int:
+        """The longest prompt + output this spec can draw: the server's --max-model-len must hold it."""
+        if self.kind == "random":
+            return _upper(self.input_len, self.range_ratio) + _upper(self.output_len, self.range_ratio)
+        scale = self.context_scale
+        return _scaled(AGENTIC_LONG_RANGE[1], scale) + _scaled(AGENTIC_OUTPUT_RANGE[1], self.effective_output_scale)
+
+    def requests(self, num: int) -> list[BenchRequest]:
+        rng = random.Random(self.seed)
+        draw = self._draw_random if self.kind == "random" else self._draw_agentic
+        return [draw(rng) for _ in range(num)]
+
+    def describe(self) -> str:
+        if self.kind == "random":
+            spread = f" (+-{self.range_ratio:.0%})" if self.range_ratio else ""
+            return f"random: {self.input_len} in / {self.output_len} out{spread}, seed {self.seed}"
+        lo_long, hi_long = (_scaled(x, self.context_scale) for x in AGENTIC_LONG_RANGE)
+        lo_short = _scaled(AGENTIC_SHORT_RANGE[0], self.context_scale)
+        median_out = _scaled(AGENTIC_OUTPUT_MEDIAN, self.effective_output_scale)
+        return (f"agentic x{_fraction(self.context_scale)}: {AGENTIC_LONG_FRACTION:.0%} long inputs {lo_long:,}-{hi_long:,}, "
+                f"the rest {lo_short:,}-{lo_long - 1:,} tokens; outputs median {median_out:,}; seed {self.seed}")
+
+    # --- one request -------------------------------------------------------------------
+    def _tokens(self, rng: random.Random, n: int) -> list[int]:
+        return rng.choices(range(self.vocab_size), k=n)
+
+    def _draw_random(self, rng: random.Random) -> BenchRequest:
+        input_len = _uniform_len(rng, self.input_len, self.range_ratio)
+        output_len = _uniform_len(rng, self.output_len, self.range_ratio)
+        return BenchRequest(self._tokens(rng, input_len), output_len)
+
+    def _draw_agentic(self, rng: random.Random) -> BenchRequest:
+        long_context = rng.random() < AGENTIC_LONG_FRACTION
+        low, high = AGENTIC_LONG_RANGE if long_context else AGENTIC_SHORT_RANGE
+        tokens = math.exp(rng.uniform(math.log(low), math.log(high)))
+        if not long_context:
+            tokens = min(tokens, high - 1)
+        input_len = _scaled(tokens, self.context_scale)
+        output = rng.lognormvariate(math.log(AGENTIC_OUTPUT_MEDIAN), AGENTIC_OUTPUT_SIGMA)
+        output = min(max(output, AGENTIC_OUTPUT_RANGE[0]), AGENTIC_OUTPUT_RANGE[1])
+        output_len = _scaled(output, self.effective_output_scale)
+        return BenchRequest(self._tokens(rng, input_len), output_len, long_context)
+
+
+def _fraction(scale: float) -> str:
+    """1/1024 rather than 0.000976562."""
+    inverse = 1 / scale
+    return f"1/{round(inverse)}" if scale < 1 and abs(inverse - round(inverse)) < 1e-9 else f"{scale:g}"
+
+
+def _scaled(tokens: float, scale: float) -> int:
+    return max(1, round(tokens * scale))
+
+
+def _upper(length: int, ratio: float) -> int:
+    return max(1, math.floor(length * (1 + ratio)))
+
+
+def _uniform_len(rng: random.Random, length: int, ratio: float) -> int:
+    if ratio == 0:
+        return length
+    return rng.randint(max(1, math.ceil(length * (1 - ratio))), _upper(length, ratio))
