@@ -44,11 +44,27 @@ def _gqa_config():
     )
 
 
+def _mla_config():
+    """DeepSeek-V3 in miniature: latent attention (one latent "KV head", so any DCP size that
+    divides TP works) and a small MoE with grouped routing after one dense layer."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=8, q_lora_rank=64, kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=32,
+        v_head_dim=32, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        moe_intermediate_size=128, n_group=2, topk_group=1, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, initializer_range=0.05,
+        architectures=["DeepseekV3ForCausalLM"],
+    )
+
+
 # name -> config factory; "kvshard-demo" is the default model of every command
 DEMO_CONFIGS = {
+    "kvshard-demo-mla": _mla_config,
     "kvshard-demo-gqa": _gqa_config,
 }
-DEMO_ALIASES = {DEFAULT_DEMO_MODEL: "kvshard-demo-gqa"}
+DEMO_ALIASES = {DEFAULT_DEMO_MODEL: "kvshard-demo-mla"}
 DEMO_MODELS = [DEFAULT_DEMO_MODEL, *DEMO_CONFIGS]
 
 

@@ -1,0 +1,292 @@
+"""MLA models (DeepSeek-V2/V3, Kimi K2) with the latent cache sharded by sequence.
+
+Three tiny random checkpoints, written by transformers' own save_pretrained, are
+the reference: kvshard must produce the tokens (and log-probabilities) of
+transformers' greedy `generate`, with and without DCP, with and without Q
+replication, while each rank stores 1/N of the latent cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DeepseekV2Config, DeepseekV3Config
+
+from kvshard import LLM, SamplingParams
+from kvshard.config import EngineConfig
+
+BLOCK_SIZE = 4  # a virtual block at dcp=4 is 16 tokens: the longer prompts span several
+NEW_TOKENS = 32
+PROMPT_LENGTHS = [3, 21, 37]
+LOGPROB_TOP = 5
+
+_SHAPE = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
+    num_key_value_heads=8, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+    max_position_embeddings=256, bos_token_id=0, eos_token_id=1,
+    # large weights keep greedy choices well apart, so float rounding cannot flip them
+    initializer_range=0.3,
+)
+_MOE = dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1)
+# name -> (config, weight seed); seeds chosen so that transformers' greedy choices are
+# at least 1e-2 apart in log-probability (kvshard's rounding differs by ~1e-5)
+CONFIGS = {
+    # V3 as DeepSeek-V3 / Kimi K2 ship it: Q LoRA, sigmoid routing with correction bias over
+    # expert groups, renormalised and scaled weights, interleaved RoPE, YaRN with mscale.
+    "v3-moe": (DeepseekV3Config(
+        **_SHAPE, **_MOE, q_lora_rank=24, n_shared_experts=1, n_group=4, topk_group=2, norm_topk_prob=True,
+        routed_scaling_factor=2.5, rope_interleave=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.8},
+    ), 3),
+    # V3 with every layer dense, Q projected directly, RoPE on halves, no scaling.
+    "v3-dense": (DeepseekV3Config(
+        **_SHAPE, q_lora_rank=None, first_k_dense_replace=3, rope_interleave=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ), 0),
+    # V2(-Lite): softmax routing limited to the best groups, two shared experts, YaRN as V2 ships it.
+    "v2-moe": (DeepseekV2Config(
+        **_SHAPE, **_MOE, q_lora_rank=None, n_shared_experts=2, topk_method="group_limited_greedy", n_group=4,
+        topk_group=2, routed_scaling_factor=1.5,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
+                         "original_max_position_embeddings": 128, "mscale": 0.707, "mscale_all_dim": 0.707},
+    ), 1),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    dcp: int
+    interleave: int = 1
+    replicate_q: bool = False
+
+    def __str__(self) -> str:
+        return f"tp{self.tp}-dcp{self.dcp}-i{self.interleave}" + ("-replicate_q" if self.replicate_q else "")
+
+
+# Each tp=4 start costs ~10 s here, so the layouts cover the features instead of the full cross
+# product: every config runs unsharded (tp=1, the DCP baseline) and at tp=4 with dcp=2 and dcp=4,
+# one of them with interleave 1 and the other with interleave = block size, alternating between
+# configs. Q replication runs on the MoE config at dcp=2, where there are two DCP groups, so the
+# second group's slice of heads is exercised. tp=4 without DCP (4 replicated latents) runs on the
+# dense config, which also carries the accounting checks at dcp 1, 2 and 4.
+RUNS: dict[str, list[Layout]] = {
+    "v3-moe": [Layout(1, 1), Layout(4, 2, 1, replicate_q=True), Layout(4, 4, BLOCK_SIZE)],
+    "v3-dense": [Layout(1, 1), Layout(4, 1), Layout(4, 2, BLOCK_SIZE), Layout(4, 4, 1)],
+    "v2-moe": [Layout(1, 1), Layout(4, 2, 1), Layout(4, 4, BLOCK_SIZE)],
+}
+SHARDED_RUNS = [(name, layout) for name, layouts in RUNS.items() for layout in layouts if layout.tp > 1]
+ALL_RUNS = [(name, layout) for name, layouts in RUNS.items() for layout in layouts]
+ACCOUNTING_PROMPT_LEN = 32  # a multiple of dcp * block size: every DCP rank holds exactly 1/N of it
+
+
+def _prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(2, 128, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+
+
+def _save_checkpoint(config, seed: int, directory: Path) -> Path:
+    """Random weights, with norms and the routing bias moved off their neutral init so that
+    a mix-up between them (or ignoring the bias) changes the output."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("norm.weight"):
+                tensor.uniform_(0.5, 1.5)
+            elif name.endswith("e_score_correction_bias"):
+                tensor.uniform_(-0.3, 0.3)
+    model.generation_config.eos_token_id = None  # greedy references run to max_new_tokens
+    model.save_pretrained(directory)
+    return directory
+
+
+@dataclass
+class Generation:
+    tokens: list[list[int]]
+    logprobs: list[list[dict[int, float]]]  # per prompt, per new token: {token_id: logprob}
+
+
+def _hf_generation(directory: Path, prompts: list[list[int]]) -> Generation:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    tokens, logprobs = [], []
+    for prompt in prompts:
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+            pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+        )
+        step_logprobs = [step[0].float().log_softmax(-1) for step in out.logits]  # NEW_TOKENS x [V]
+        top2 = torch.stack(step_logprobs).topk(2, dim=-1).values
+        assert (top2[:, 0] - top2[:, 1]).min() > 1e-2, "the reference has a near-tie: pick another seed"
+        tokens.append(out.sequences[0, len(prompt):].tolist())
+        logprobs.append([{i: float(row[i]) for i in range(row.shape[0])} for row in step_logprobs])
+    return Generation(tokens, logprobs)
+
+
+@dataclass
+class Run:
+    generation: Generation
+    config: EngineConfig
+    kv_cache_bytes: int  # allocated on rank 0
+    kv_tokens_per_dcp_rank: list[int]  # with one request of ACCOUNTING_PROMPT_LEN tokens in the cache
+    q_rows_on_rank0: int  # output rows of rank 0's Q projection (first layer)
+
+
+def _run(directory: Path, layout: Layout, prompts: list[list[int]]) -> Run:
+    with LLM(
+        str(directory), tensor_parallel_size=layout.tp, decode_context_parallel_size=layout.dcp,
+        dcp_kv_interleave_size=layout.interleave, dcp_replicate_q=layout.replicate_q, block_size=BLOCK_SIZE,
+        max_model_len=128, num_kv_blocks=64, max_num_seqs=4,
+        max_num_batched_tokens=16,  # long prompts prefill in chunks that attend to the sharded cache
+    ) as llm:
+        outputs = llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=LOGPROB_TOP),
+            use_tqdm=False,
+        )
+        engine = llm.engine
+        engine.add_request("accounting", list(range(2, 2 + ACCOUNTING_PROMPT_LEN)), SamplingParams(max_tokens=4))
+        live = engine.requests["accounting"].seqs[0]
+        while live.num_computed_tokens < ACCOUNTING_PROMPT_LEN:  # prefilled, still running
+            engine.step()
+        kv_tokens = engine.stats().kv_tokens_per_dcp_rank
+        engine.abort_request("accounting")
+        attention = engine.runner.model.model.layers[0].self_attn
+        q_proj = attention.q_b_proj if attention.q_lora else attention.q_proj
+        return Run(
+            Generation([o.outputs[0].token_ids for o in outputs], [o.outputs[0].logprobs for o in outputs]),
+            llm.config, engine.runner.kv_cache_bytes, kv_tokens, q_proj.weight.shape[0],
+        )
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return _prompts()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = _save_checkpoint(*CONFIGS[name], tmp_path_factory.mktemp(name))
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint, prompts):
+    made: dict[str, Generation] = {}
+
+    def get(name: str) -> Generation:
+        if name not in made:
+            made[name] = _hf_generation(checkpoint(name), prompts)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def run(checkpoint, prompts):
+    """run(config name, layout) -> Run, each engine started once per module."""
+    made: dict[tuple[str, Layout], Run] = {}
+
+    def get(name: str, layout: Layout) -> Run:
+        if (name, layout) not in made:
+            made[name, layout] = _run(checkpoint(name), layout, prompts)
+        return made[name, layout]
+
+    return get
+
+
+def _assert_logprobs_close(got: list[list[dict[int, float]]], want: list[list[dict[int, float]]], atol: float) -> None:
+    for prompt_index, (got_steps, want_steps) in enumerate(zip(got, want)):
+        assert len(got_steps) == len(want_steps) == NEW_TOKENS
+        for step, (got_step, want_step) in enumerate(zip(got_steps, want_steps)):
+            for token, logprob in got_step.items():
+                assert logprob == pytest.approx(want_step[token], abs=atol), (
+                    f"prompt {prompt_index}, new token {step}, candidate {token}"
+                )
+
+
+@pytest.mark.parametrize("name, layout", ALL_RUNS, ids=[f"{n}-{l}" for n, l in ALL_RUNS])
+def test_greedy_tokens_match_transformers(run, reference, name, layout):
+    got, want = run(name, layout).generation, reference(name)
+    assert got.tokens == want.tokens
+    # absorbed vs expanded attention: same math, other float rounding
+    _assert_logprobs_close(got.logprobs, want.logprobs, atol=1e-3)
+
+
+@pytest.mark.parametrize("name, layout", SHARDED_RUNS, ids=[f"{n}-{l}" for n, l in SHARDED_RUNS])
+def test_sharded_run_equals_unsharded_run(run, name, layout):
+    sharded, single = run(name, layout).generation, run(name, Layout(1, 1)).generation
+    assert sharded.tokens == single.tokens
+    assert [[set(step) for step in steps] for steps in sharded.logprobs] == [
+        [set(step) for step in steps] for steps in single.logprobs
+    ]  # the same top-k candidates ...
+    _assert_logprobs_close(sharded.logprobs, single.logprobs, atol=2e-4)  # ... with the same log-probabilities
+
+
+def test_replicated_q_projects_the_whole_dcp_group_and_changes_nothing(run):
+    cfg = CONFIGS["v3-moe"][0]
+    replicated = run("v3-moe", Layout(4, 2, 1, replicate_q=True))
+    heads_per_rank = cfg.num_attention_heads // 4
+    qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    assert replicated.q_rows_on_rank0 == 2 * heads_per_rank * qk_head_dim  # both ranks' heads, no Q all-gather
+    assert run("v3-moe", Layout(4, 4, BLOCK_SIZE)).q_rows_on_rank0 == heads_per_rank * qk_head_dim
+    single = run("v3-moe", Layout(1, 1)).generation
+    assert replicated.generation.tokens == single.tokens
+    _assert_logprobs_close(replicated.generation.logprobs, single.logprobs, atol=2e-4)
+
+
+def _latent_bytes_per_token(name: str) -> int:
+    cfg = CONFIGS[name][0]
+    return cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4  # float32, [c_kv | k_pe]
+
+
+@pytest.mark.parametrize("dcp", [2, 4])
+def test_per_rank_latent_bytes_are_one_nth_of_dcp1(run, dcp):
+    layouts = {layout.dcp: layout for layout in RUNS["v3-dense"] if layout.tp == 4}
+    base, sharded = run("v3-dense", layouts[1]), run("v3-dense", layouts[dcp])
+    full = _latent_bytes_per_token("v3-dense")
+    assert base.config.kv_bytes_per_token_per_rank == full
+    assert sharded.config.kv_bytes_per_token_per_rank == full / dcp
+    # what rank 0 allocated: the latent only (the value is a view of it), the same memory at every dcp ...
+    for r in (base, sharded):
+        assert r.kv_cache_bytes == r.config.num_kv_blocks * BLOCK_SIZE * full
+    # ... holding dcp times the tokens, so the bytes one token costs a rank shrink by 1/dcp
+    assert sharded.config.kv_capacity_tokens == dcp * base.config.kv_capacity_tokens
+    assert sharded.kv_cache_bytes / sharded.config.kv_capacity_tokens == full / dcp
+    # a live request: each DCP rank stores exactly 1/dcp of its tokens
+    assert base.kv_tokens_per_dcp_rank == [ACCOUNTING_PROMPT_LEN]
+    assert sharded.kv_tokens_per_dcp_rank == [ACCOUNTING_PROMPT_LEN // dcp] * dcp
+
+
+def test_tp_without_dcp_reports_a_full_latent_copy_on_every_rank(run):
+    tp_only = run("v3-dense", Layout(4, 1))
+    full = _latent_bytes_per_token("v3-dense")
+    assert tp_only.config.kv_bytes_per_slot == full  # not full / 4: the latent cannot be split by heads
+    assert tp_only.config.kv_bytes_per_token_per_rank == full
+    assert tp_only.config.kv_capacity_tokens == tp_only.config.num_kv_blocks * BLOCK_SIZE
+    assert f"KV bytes per token per rank: {full:,.1f}" in tp_only.config.layout_report()
+    assert "MLA" in tp_only.config.layout_report()
+
+
+def test_default_demo_is_a_small_deepseek_v3_moe():
+    config = EngineConfig.create("kvshard-demo", tensor_parallel_size=2, decode_context_parallel_size=2)
+    hf = config.model.hf_config
+    assert config.model.architecture == "DeepseekV3ForCausalLM" and config.model.is_mla
+    assert (hf.n_routed_experts, hf.num_experts_per_tok, hf.n_shared_experts, hf.first_k_dense_replace) == (8, 2, 1, 1)
+    assert config.kv_bytes_per_token_per_rank == hf.num_hidden_layers * (hf.kv_lora_rank + hf.qk_rope_head_dim) * 4 / 2
+    with LLM("kvshard-demo", max_model_len=256, num_kv_blocks=32) as llm:
+        out = llm.generate(["Hello, world!"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8
