@@ -147,6 +147,12 @@ class EngineConfig:
         return max(1, self.model.num_kv_heads // self.parallel.tensor_parallel_size)
 
     @property
+    def kv_copies_per_token(self) -> int:
+        """How many ranks store the same K/V of a token: the ranks holding one KV head, over dcp."""
+        holders = max(1, self.parallel.tensor_parallel_size // self.model.num_kv_heads)
+        return holders // self.parallel.decode_context_parallel_size
+
+    @property
     def kv_bytes_per_token_per_rank(self) -> float:
         """Average bytes one token costs on one rank: a group stores each token once."""
         return self.kv_bytes_per_slot / self.parallel.decode_context_parallel_size
@@ -193,6 +199,8 @@ class EngineConfig:
             f"KV capacity: {self.kv_capacity_tokens:,} tokens",
             f"Maximum concurrency for {self.scheduler.max_model_len:,} tokens per request: "
             f"{self.max_concurrency:.2f}x",
+            f"KV copies of each token across the {p.world_size} rank(s): {self.kv_copies_per_token}"
+            + (" (replicated: raise --dcp to shard instead)" if self.kv_copies_per_token > 1 else ""),
         ]
         return "\n".join(lines)
 
@@ -343,9 +351,7 @@ def load_model_config(model: str | os.PathLike, dtype: str | torch.dtype = "auto
     if not any(path.glob("*.safetensors")):
         raise ConfigError(f"model directory {path} has no *.safetensors weights")
 
-    from transformers import AutoConfig
-
-    hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    hf_config = _load_hf_config(path, raw, supported[0])
     checkpoint_dtype = raw.get("dtype") or raw.get("torch_dtype")
     architecture = supported[0]
     return ModelConfig(
@@ -356,3 +362,21 @@ def load_model_config(model: str | os.PathLike, dtype: str | torch.dtype = "auto
         max_position_embeddings=hf_config.max_position_embeddings,
         is_mla=architecture in MLA_ARCHITECTURES,
     )
+
+
+def _load_hf_config(path: Path, raw: dict, architecture: str):
+    """transformers' config class for the checkpoint, never its remote code.
+
+    Kimi K2 checkpoints name their own `model_type` (served by remote code) but are the
+    DeepSeek-V3 architecture: the config of the architecture kvshard runs reads them.
+    """
+    from transformers import AutoConfig, DeepseekV2Config, DeepseekV3Config
+
+    by_architecture = {"DeepseekV3ForCausalLM": DeepseekV3Config, "DeepseekV2ForCausalLM": DeepseekV2Config}
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except ValueError:
+        if architecture not in by_architecture:
+            raise ConfigError(f"transformers cannot read {path / 'config.json'} (model_type {raw.get('model_type')!r})") from None
+        fields = {k: v for k, v in raw.items() if k not in ("auto_map", "model_type")}
+        return by_architecture[architecture](**fields)

@@ -100,3 +100,24 @@ def test_memory_sizes_parse_with_units():
     assert parse_memory_size("64MiB") == 64 * 2**20
     assert parse_memory_size("2GB") == 2 * 10**9
     assert parse_memory_size(1234) == 1234
+
+
+def test_kimi_k2_config_is_read_as_deepseek_v3_without_remote_code(checkpoints, tmp_path):
+    import shutil
+
+    from transformers import DeepseekV3Config
+
+    source = checkpoints("config-v3", DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+        max_position_embeddings=256, architectures=["DeepseekV3ForCausalLM"]))
+    shutil.copytree(source, tmp_path, dirs_exist_ok=True)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw.update(model_type="kimi_k2", auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config"})
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    config = EngineConfig.create(tmp_path, tensor_parallel_size=4, decode_context_parallel_size=2)
+    assert config.model.is_mla
+    assert config.kv_bytes_per_slot == 1 * (16 + 8) * 4  # one layer, one latent of kv_lora + rope, float32
+    assert "KV copies of each token across the 4 rank(s): 2 (replicated" in config.layout_report()
+    full = EngineConfig.create(tmp_path, tensor_parallel_size=4, decode_context_parallel_size=4)
+    assert "KV copies of each token across the 4 rank(s): 1" in full.layout_report()
