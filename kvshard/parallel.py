@@ -173,3 +173,11 @@ def broadcast_from_driver(obj: Any, state: ParallelState) -> Any:
     holder = [obj]
     dist.broadcast_object_list(holder, src=0, group=state.control_group)
     return holder[0]
+
+
+def exchange_heartbeat(state: ParallelState) -> None:
+    """A round trip through every rank: one whose peer is gone raises instead of returning.
+
+    (A broadcast alone can succeed into a dead peer's socket buffer.)
+    """
+    dist.all_reduce(torch.zeros(1), group=state.control_group)

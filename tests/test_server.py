@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import time
 import subprocess
 import sys
 
@@ -344,10 +346,38 @@ def test_two_torchrun_nodes_serve_what_one_node_serves(server, client, tmp_path)
             two_nodes = node0.client()
             for prompt in PROMPTS[:4]:
                 assert complete(two_nodes, prompt).choices[0].text == complete(client, prompt).choices[0].text
+            # the other node vanishes while the server idles: no local process handle sees it,
+            # the idle heartbeat must
+            for pid in [node1.pid, *descendants(node1.pid)]:  # the launcher starts its ranks in sessions of their own
+                os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while node0.http.get("/health").status_code == 200:
+                assert time.monotonic() < deadline, "an idle server did not notice a lost node within 10 s"
+                time.sleep(0.2)
+            assert node0.http.get("/health").status_code == 503
         finally:
             if node0 is not None:
                 node0.stop()
             try:
-                node1.wait(30)  # rank 1 leaves when rank 0 shuts down
+                node1.wait(30)
             finally:
                 node1.kill()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found

@@ -152,6 +152,8 @@ class AsyncLLMEngine:
                     break
                 if self.engine.has_unfinished_requests():
                     self._deliver(self.engine.step())
+                else:
+                    self.engine.heartbeat()  # an idle server still notices a rank lost on another node
                 self.metrics.record_stats(self.engine.stats())
         except EngineDeadError as error:
             logger.error("engine is dead: %s", error)

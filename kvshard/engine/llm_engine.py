@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvshard.config import EngineConfig
-from kvshard.engine.model_runner import ModelRunner, StepPlan, configure_threads
+from kvshard.engine.model_runner import HEARTBEAT, ModelRunner, StepPlan, configure_threads
 from kvshard.engine.sampler import sample, top_logprobs
 from kvshard.engine.scheduler import ScheduledBatch, Scheduler
 from kvshard.engine.sequence import Sequence, SequenceStatus
@@ -23,7 +23,7 @@ from kvshard.engine.workers import LocalRanks, RankDiedError, pick_device
 from kvshard.kv.block_pool import BlockPool
 from kvshard.kv.layout import DCPLayout
 from kvshard.outputs import CompletionOutput, RequestOutput
-from kvshard.parallel import broadcast_from_driver, init_parallel, shutdown_parallel
+from kvshard.parallel import broadcast_from_driver, exchange_heartbeat, init_parallel, shutdown_parallel
 from kvshard.sampling_params import SamplingParams
 
 
@@ -80,6 +80,7 @@ class LLMEngine:
             raise
         self._dead_reason: str | None = None
         self._closed = False
+        self._last_contact = time.monotonic()  # of the last plan every rank received
         try:
             self.runner = ModelRunner(config, self.parallel, self.device)
         except BaseException:
@@ -165,6 +166,7 @@ class LLMEngine:
             if batch is None:
                 return []
             plan = _plan(batch)
+            self._last_contact = time.monotonic()
             try:
                 broadcast_from_driver(plan, self.parallel)
                 logits = self.runner.execute(plan)
@@ -247,6 +249,21 @@ class LLMEngine:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def heartbeat(self, every_s: float = 1.0) -> None:
+        """Send an empty plan to every rank (at most every `every_s`), so a rank that died while
+        the engine idles is found now, also one that no local process handle can see."""
+        if self.parallel.world_size == 1 or time.monotonic() - self._last_contact < every_s:
+            return
+        self._check_alive()
+        self._last_contact = time.monotonic()
+        with self._lock:
+            try:
+                broadcast_from_driver(HEARTBEAT, self.parallel)
+                exchange_heartbeat(self.parallel)
+            except Exception as error:
+                self._dead_reason = self._name_dead_rank() or f"a rank stopped answering: {error}"
+                raise EngineDeadError(self._dead_reason) from error
 
     # --- health and accounting -------------------------------------------------------------
     def _check_alive(self) -> None:

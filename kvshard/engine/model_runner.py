@@ -16,6 +16,10 @@ from kvshard.models.registry import model_class
 from kvshard.parallel import ParallelState
 
 
+# A plan that runs nothing: rank 0 sends it when idle to learn that every rank still answers.
+HEARTBEAT = "heartbeat"
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """What rank 0 tells every rank to run: small, plain Python, broadcast once per step."""

@@ -15,8 +15,8 @@ import traceback
 import torch
 
 from kvshard.config import EngineConfig
-from kvshard.engine.model_runner import ModelRunner, configure_threads
-from kvshard.parallel import broadcast_from_driver, init_parallel, shutdown_parallel
+from kvshard.engine.model_runner import HEARTBEAT, ModelRunner, configure_threads
+from kvshard.parallel import broadcast_from_driver, exchange_heartbeat, init_parallel, shutdown_parallel
 
 
 class RankDiedError(RuntimeError):
@@ -42,7 +42,10 @@ def run_worker(config: EngineConfig, rank: int, master: tuple[str, int]) -> None
             plan = broadcast_from_driver(None, state)
             if plan is None:
                 break
-            runner.execute(plan)
+            if plan == HEARTBEAT:
+                exchange_heartbeat(state)
+            else:
+                runner.execute(plan)
     finally:
         shutdown_parallel(state)
 
