@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from kvshard.attention.merge import attention_with_lse, lse_weights, merge_attention_states
-from kvshard.attention.metadata import AttentionGroup, AttentionMetadata
+from kvshard.attention.metadata import AttentionMetadata
 from kvshard.parallel import ParallelState, dcp_all_gather, dcp_reduce_scatter
 
 # Below this many bytes of partial output per rank, a merge costs its collectives' latency, not

@@ -18,7 +18,7 @@ from kvshard.config import EngineConfig
 from kvshard.engine.model_runner import HEARTBEAT, ModelRunner, StepPlan, configure_threads
 from kvshard.engine.sampler import sample, top_logprobs
 from kvshard.engine.scheduler import ScheduledBatch, Scheduler
-from kvshard.engine.sequence import Sequence, SequenceStatus
+from kvshard.engine.sequence import Sequence
 from kvshard.engine.workers import LocalRanks, RankDiedError, pick_device
 from kvshard.kv.block_pool import BlockPool
 from kvshard.kv.layout import DCPLayout

@@ -24,6 +24,7 @@ from torch import nn
 from kvshard.attention.backend import DCPAttention, KVCacheLayer
 from kvshard.attention.metadata import AttentionMetadata
 from kvshard.kv.cache import KVCacheSpec
+from kvshard.models.causal_lm import CausalLM
 from kvshard.layers.activation import silu_and_mul
 from kvshard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvshard.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -235,7 +236,7 @@ class DeepseekV2Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(CausalLM):
     # checkpoint name -> (our fused parameter, shard): dense and shared-expert gate/up in one matmul
     packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     # a routed expert's projection, after packed_modules has renamed gate/up
@@ -290,16 +291,6 @@ class DeepseekV2ForCausalLM(nn.Module):
             self.cfg.num_hidden_layers, 1, key_dim=latent + self.cfg.qk_rope_head_dim, value_dim=latent,
             value_in_key=True,
         )
-
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, caches: list[KVCacheLayer]) -> torch.Tensor:
-        cos, sin = self.rotary.cos_sin(meta.positions)  # [t, r] each, global positions
-        x = self.model.embed_tokens(input_ids)  # [t, D]
-        for layer, cache in zip(self.model.layers, caches):
-            x = layer(x, cos, sin, cache, meta)
-        return self.model.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return self.lm_head.logits(hidden)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -13,6 +13,7 @@ from torch import nn
 from kvshard.attention.backend import DCPAttention, KVCacheLayer
 from kvshard.attention.metadata import AttentionMetadata
 from kvshard.kv.cache import KVCacheSpec
+from kvshard.models.causal_lm import CausalLM
 from kvshard.layers.activation import silu_and_mul
 from kvshard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvshard.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -85,7 +86,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     # checkpoint name -> (our fused parameter, shard) for projections stored as one matmul
     packed_modules = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -111,16 +112,6 @@ class LlamaForCausalLM(nn.Module):
     def kv_cache_spec(self) -> KVCacheSpec:
         d = head_dim_of(self.cfg)
         return KVCacheSpec(self.cfg.num_hidden_layers, self.kv_heads_per_rank, key_dim=d, value_dim=d, value_in_key=False)
-
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, caches: list[KVCacheLayer]) -> torch.Tensor:
-        cos, sin = self.rotary.cos_sin(meta.positions)
-        x = self.model.embed_tokens(input_ids)  # [t, D]
-        for layer, cache in zip(self.model.layers, caches):
-            x = layer(x, cos, sin, cache, meta)
-        return self.model.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return self.lm_head.logits(hidden)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
