@@ -27,7 +27,8 @@ def add_bench_parser(subparsers) -> None:
 
 
 def _reporting_errors(run):
-    """A benchmark that cannot run (server down, request rejected) ends with one line and exit 1."""
+    """A benchmark that cannot run (server down, request rejected) ends with one line and exit 1;
+    an interrupted one with one line and exit 130."""
     def wrapped(args: argparse.Namespace) -> int:
         from kvshard.bench.serve import BenchmarkError
         from kvshard.bench.server import ServerStartError
@@ -37,12 +38,15 @@ def _reporting_errors(run):
         except (BenchmarkError, ServerStartError) as error:
             print(f"kvshard bench: error: {error}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM; every server started has been stopped on the way out
+            print("kvshard bench: interrupted", file=sys.stderr)
+            return 130
 
     return wrapped
 
 
 def _add_workload_args(parser: argparse.ArgumentParser, workload: str, input_len: int, output_len: int,
-                       range_ratio: float) -> None:
+                       range_ratio: float, context_scale: str = "1", output_scale: str | None = None) -> None:
     group = parser.add_argument_group("workload")
     group.add_argument("--workload", choices=WORKLOADS, default=workload,
                        help=f"random lengths around --input-len/--output-len, or agentic: the seed's bimodal "
@@ -52,10 +56,12 @@ def _add_workload_args(parser: argparse.ArgumentParser, workload: str, input_len
                        help=f"random: output tokens (default {output_len})")
     group.add_argument("--range-ratio", type=float, default=range_ratio,
                        help=f"random: lengths uniform in [len*(1-r), len*(1+r)] (default {range_ratio})")
-    group.add_argument("--context-scale", type=_scale, default=1.0,
-                       help="agentic: multiply the input lengths, e.g. 1/1024 (1 = 64K-1M long, 2K-64K short; default 1)")
-    group.add_argument("--output-scale", type=_scale, default=None,
-                       help="agentic: multiply the output lengths (median 400 at 1; default: --context-scale)")
+    group.add_argument("--context-scale", type=_scale, default=_scale(context_scale),
+                       help=f"agentic: multiply the input lengths, e.g. 1/1024 "
+                            f"(1 = 64K-1M long, 2K-64K short; default {context_scale})")
+    group.add_argument("--output-scale", type=_scale, default=output_scale and _scale(output_scale),
+                       help=f"agentic: multiply the output lengths (median 400 at 1; "
+                            f"default: {output_scale or '--context-scale'})")
     group.add_argument("--vocab-size", type=int, default=None,
                        help="token ids are drawn from [0, V) (default: the model's, when MODEL is local)")
 
@@ -127,7 +133,8 @@ def _add_serve(commands) -> None:
     parser.add_argument("--model", default=None, help="served model name (default: the server's first model); "
                                                       "also where the vocabulary size is read when it is local")
     parser.add_argument("--num-prompts", type=int, default=100)
-    parser.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: no limit)")
+    parser.add_argument("--max-concurrency", type=int, default=None,
+                        help="requests in flight at most (default: no limit)")
     parser.add_argument("--request-rate", type=float, default=math.inf,
                         help="Poisson arrivals per second (default inf: all at once)")
     parser.add_argument("--num-ranks", type=int, default=None,
@@ -175,7 +182,8 @@ def _add_dcp(commands) -> None:
     parser.add_argument("model", nargs="?", default="kvshard-demo", help="checkpoint directory or demo model")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=2)
     parser.add_argument("--dcp", type=int, nargs="+", default=[2], help="DCP sizes to compare with tp alone")
-    parser.add_argument("--kv-cache-memory", default="8MiB", help="KV budget per rank, the same for every layout")
+    parser.add_argument("--kv-cache-memory", default="7MiB",
+                        help="KV budget per rank, the same for every layout (default 7MiB)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="default: the longest request the workload can draw")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="high, so that only KV limits the batch")
@@ -192,7 +200,9 @@ def _add_dcp(commands) -> None:
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--metrics-interval", type=float, default=0.25, help="seconds between /metrics scrapes")
     parser.add_argument("--no-progress", action="store_true")
-    _add_workload_args(parser, "agentic", input_len=1024, output_len=128, range_ratio=0.0)
+    # defaults: the experiment of BENCHMARKS.md, sized for the demo model on a 2-core CPU
+    _add_workload_args(parser, "agentic", input_len=1024, output_len=128, range_ratio=0.0,
+                       context_scale="1/512", output_scale="1/2")
     parser.set_defaults(func=_reporting_errors(_run_dcp))
 
 
@@ -239,6 +249,8 @@ def _add_throughput(commands) -> None:
     add_engine_args(parser)
     parser.add_argument("--engine", choices=ENGINES, default="kvshard")
     parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="generate the same requests this many times in one engine; report the median")
     parser.add_argument("--vllm-enforce-eager", action="store_true", help="vLLM: no torch.compile")
     parser.add_argument("--result-file", default=None)
     parser.add_argument("--no-progress", action="store_true")
@@ -252,6 +264,8 @@ def _run_throughput(args: argparse.Namespace) -> int:
     from kvshard.config import parse_memory_size
     from kvshard.models.registry import resolve_model_path
 
+    if args.repeats < 1:
+        raise ConfigError("--repeats must be at least 1")
     spec = _workload_spec(args, _vocab_size(args, args.model))
     requests = spec.requests(args.num_prompts)
     kwargs = engine_kwargs(args)
@@ -259,7 +273,7 @@ def _run_throughput(args: argparse.Namespace) -> int:
         kwargs["max_model_len"] = spec.max_request_len()
     print(f"workload: {spec.describe()}; {len(requests)} requests")
     if args.engine == "kvshard":
-        elapsed, output_tokens, config = run_kvshard(args.model, kwargs, requests, not args.no_progress)
+        times, output_tokens, config = run_kvshard(args.model, kwargs, requests, args.repeats, not args.no_progress)
     else:
         vllm_kwargs = {
             "tensor_parallel_size": kwargs["tensor_parallel_size"], "max_model_len": kwargs["max_model_len"],
@@ -271,9 +285,9 @@ def _run_throughput(args: argparse.Namespace) -> int:
         }
         if kwargs["decode_context_parallel_size"] > 1:
             vllm_kwargs["decode_context_parallel_size"] = kwargs["decode_context_parallel_size"]
-        elapsed, output_tokens, config = run_vllm(str(resolve_model_path(args.model)), vllm_kwargs, requests,
-                                                  not args.no_progress)
-    result = throughput_result(args.engine, args.model, requests, elapsed, output_tokens, config)
+        times, output_tokens, config = run_vllm(str(resolve_model_path(args.model)), vllm_kwargs, requests,
+                                                args.repeats, not args.no_progress)
+    result = throughput_result(args.engine, args.model, requests, times, output_tokens, config)
     print(format_throughput(result))
     if args.result_file:
         print(f"result: {write_json(args.result_file, result)}")

@@ -5,9 +5,9 @@ starts with the same per-rank KV budget; the same requests run at rising client
 concurrency; /metrics says how many requests the server actually ran at once
 and how full its KV cache was. The table then gives, per layout, the seed's
 columns: the maximum concurrency reached, output tok/s per rank, KV usage, and
-what limits it. A layout is *KV-limited* when the server ran fewer requests
-than the client offered while its KV cache was (nearly) full or it preempted;
-otherwise every offered request ran and compute is the limit.
+what limits it. A point is *KV-limited* when the server preempted requests, or
+requests waited while its KV cache was (nearly) full; otherwise the server ran
+what it could take and compute (the step time) is the limit.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from kvshard.bench.report import format_table
+from kvshard.bench.report import format_number, format_table
 from kvshard.bench.serve import request_list_digest, run_serve_benchmark
 from kvshard.bench.server import ServerProcess
 from kvshard.bench.workloads import WorkloadSpec
@@ -116,6 +116,8 @@ def run_dcp_experiment(experiment: DCPExperiment, log=print) -> dict:
                                                  progress=experiment.progress, label=f"{label} c={concurrency}")
                     point = {"concurrency": concurrency, "num_prompts": len(batch),
                              **{k: result[k] for k in _POINT_FIELDS}}
+                    steps = point["server"]["engine_steps"]
+                    point["mean_step_ms"] = point["duration_s"] * 1000 / steps if steps else None
                     point["limited_by"] = limit_of(point, experiment.max_num_seqs)
                     points.append(point)
                     s = point["server"]
@@ -187,9 +189,12 @@ def format_points_table(result: dict) -> str:
             rows.append([c["label"], str(p["concurrency"]), f"{s['peak_running']} / {s['mean_running']:.1f}",
                          str(s["peak_waiting"]), f"{s['peak_kv_usage']:.0%}", str(s["preemptions"]),
                          f"{p['output_throughput_per_rank']:.1f}", f"{p['median_ttft_ms']:,.0f}",
-                         f"{p['median_tpot_ms']:,.0f}", f"{p['duration_s']:.1f}", p["limited_by"]])
+                         f"{p['median_tpot_ms']:,.0f}", format_number(p.get("mean_step_ms"), 0),
+                         f"{p['duration_s']:.1f}", p["limited_by"]])
     return format_table(["configuration", "concurrency", "running peak/mean", "waiting peak", "KV peak",
-                         "preempt", "out tok/s/rank", "TTFT p50 ms", "TPOT p50 ms", "time s", "limited by"], rows)
+                         "preempt", "out tok/s/rank", "TTFT p50 ms", "TPOT p50 ms", "ms/step", "time s",
+                         "limited by"], rows)
+
 
 
 def _times(value: float | None) -> str:

@@ -26,7 +26,7 @@ import torch
 from kvshard.bench.workloads import WorkloadSpec
 
 
-def copy_bandwidth(num_bytes: int = 2**30, repeats: int = 5) -> float:
+def copy_bandwidth(num_bytes: int = 2**30, repeats: int = 10) -> float:
     """Bytes per second (read + written) of the best of `repeats` copies of a `num_bytes` float32 tensor."""
     source = torch.ones(num_bytes // 4, dtype=torch.float32)
     target = torch.empty_like(source)

@@ -24,6 +24,7 @@ _FIELDS = {
     "num_preemptions": "preemptions",
     "prompt_tokens": "prompt_tokens",
     "generation_tokens": "generation_tokens",
+    "engine_steps": "engine_steps",  # kvshard only
 }
 _LAYOUT_INFO = "dcp_layout_info"  # kvshard:dcp_layout_info{tp=..., dcp=..., ...} 1 (an Info metric)
 
@@ -39,6 +40,7 @@ class ServerSnapshot:
     preemptions: float = 0.0
     prompt_tokens: float = 0.0
     generation_tokens: float = 0.0
+    engine_steps: float = 0.0
     layout: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -110,18 +112,25 @@ class MetricsTrace:
     def mean_kv_usage(self) -> float:
         return self._time_average("kv_usage")
 
-    @property
-    def preemptions(self) -> int:
-        """Preemptions during the trace (the counter's growth)."""
+    def _growth(self, name: str) -> int:
+        """How much a counter grew during the trace."""
         if not self.snapshots:
             return 0
-        return int(self.snapshots[-1].preemptions - self.snapshots[0].preemptions)
+        return int(getattr(self.snapshots[-1], name) - getattr(self.snapshots[0], name))
+
+    @property
+    def preemptions(self) -> int:
+        return self._growth("preemptions")
+
+    @property
+    def engine_steps(self) -> int:
+        return self._growth("engine_steps")
 
     def summary(self) -> dict:
         return {
             "peak_kv_usage": self.peak_kv_usage, "mean_kv_usage": self.mean_kv_usage,
             "peak_running": self.peak_running, "mean_running": self.mean_running,
-            "peak_waiting": self.peak_waiting, "preemptions": self.preemptions,
+            "peak_waiting": self.peak_waiting, "preemptions": self.preemptions, "engine_steps": self.engine_steps,
             "num_scrapes": len(self.snapshots),
         }
 

@@ -16,7 +16,7 @@ def format_table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(headers), "  ".join("-" * w for w in widths), *(line(r) for r in rows)])
 
 
-def _number(value: float | None, digits: int = 2) -> str:
+def format_number(value: float | None, digits: int = 2) -> str:
     return "n/a" if value is None else f"{value:,.{digits}f}"
 
 
@@ -28,33 +28,34 @@ def format_serve_result(result: dict) -> str:
         ("Failed requests", str(result["failed"])),
         ("Maximum request concurrency", str(result["max_concurrency"] or "unlimited")),
         ("Request rate (req/s)", str(result["request_rate"])),
-        ("Benchmark duration (s)", _number(result["duration_s"])),
+        ("Benchmark duration (s)", format_number(result["duration_s"])),
         ("Total input tokens", f"{result['total_input_tokens']:,}"),
         ("Total generated tokens", f"{result['total_output_tokens']:,}"),
-        ("Request throughput (req/s)", _number(result["request_throughput"], 3)),
-        ("Output token throughput (tok/s)", _number(result["output_throughput"])),
-        ("Total token throughput (tok/s)", _number(result["total_token_throughput"])),
-        (f"Output tok/s per rank ({result['num_ranks'] or '?'} ranks)", _number(result["output_throughput_per_rank"])),
-        ("Total tok/s per rank", _number(result["total_token_throughput_per_rank"])),
+        ("Request throughput (req/s)", format_number(result["request_throughput"], 3)),
+        ("Output token throughput (tok/s)", format_number(result["output_throughput"])),
+        ("Total token throughput (tok/s)", format_number(result["total_token_throughput"])),
+        (f"Output tok/s per rank ({result['num_ranks'] or '?'} ranks)",
+         format_number(result["output_throughput_per_rank"])),
+        ("Total tok/s per rank", format_number(result["total_token_throughput_per_rank"])),
     ]
     for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
                         ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
         rows.append((f"---{title}---", ""))
         for stat in ("mean", "median", "p99"):
-            rows.append((f"{stat.capitalize()} {name.upper()} (ms)", _number(result[f"{stat}_{name}_ms"])))
+            rows.append((f"{stat.capitalize()} {name.upper()} (ms)", format_number(result[f"{stat}_{name}_ms"])))
     rows += [
         ("---Server (/metrics)---", ""),
         ("Peak KV cache usage", f"{server['peak_kv_usage']:.1%}"),
         ("Peak running requests", str(server["peak_running"])),
-        ("Mean running requests", _number(server["mean_running"], 1)),
+        ("Mean running requests", format_number(server["mean_running"], 1)),
         ("Peak waiting requests", str(server["peak_waiting"])),
         ("Preemptions", str(server["preemptions"])),
     ]
     if server["scrape_failures"]:
         rows.append(("Failed scrapes", str(server["scrape_failures"])))
-    lines = ["{s:{c}^60}".format(s=" Serving Benchmark Result ", c="=")]
+    lines = [" Serving Benchmark Result ".center(60, "=")]
     for key, value in rows:
-        lines.append(f"{key:<48}{value:>12}" if not key.startswith("---") else "{s:{c}^60}".format(s=key.strip("-"), c="-"))
+        lines.append(key.strip("-").center(60, "-") if key.startswith("---") else f"{key:<48}{value:>12}")
     lines.append("=" * 60)
     for error in result["errors"]:
         lines.append(f"error: {error}")

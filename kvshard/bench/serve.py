@@ -66,7 +66,8 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, request:
     try:
         async with client.stream("POST", url, json=completion_payload(model, request), headers=headers) as response:
             if response.status_code != 200:
-                outcome.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:300]}"
+                body = (await response.aread()).decode(errors="replace")
+                outcome.error = f"HTTP {response.status_code}: {body[:300]}"
                 return outcome
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
@@ -140,32 +141,38 @@ async def _run(base_url: str, model: str, requests: list[BenchRequest], max_conc
         bar.close()
 
 
-def served_model_root(base_url: str, model: str | None, api_key: str | None = None) -> str | None:
-    """The checkpoint path a server reports for `model` (or its first model) in /v1/models, if any."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+def _auth(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def list_models(base_url: str, api_key: str | None = None) -> list[dict]:
+    """The server's /v1/models entries (id, and for kvshard and vLLM the checkpoint path as root)."""
     try:
-        listed = httpx.get(f"{base_url.rstrip('/')}/v1/models", headers=headers, timeout=10.0).json()["data"]
-    except (httpx.HTTPError, ValueError, KeyError):
-        return None
-    entry = next((m for m in listed if model is None or m.get("id") == model), None)
+        response = httpx.get(f"{base_url.rstrip('/')}/v1/models", headers=_auth(api_key), timeout=10.0)
+        response.raise_for_status()
+        return response.json()["data"]
+    except (httpx.HTTPError, ValueError, KeyError) as error:
+        raise BenchmarkError(f"cannot list the models of the server at {base_url}: {error}") from None
+
+
+def served_model_root(base_url: str, model: str | None, api_key: str | None = None) -> str | None:
+    """The checkpoint path a server reports for `model` (or its first model), if it reports one."""
+    entry = next((m for m in list_models(base_url, api_key) if model is None or m.get("id") == model), None)
     return entry.get("root") if entry else None
 
 
-def probe(base_url: str, model: str | None, headers: dict[str, str]) -> str:
+def probe(base_url: str, model: str | None, api_key: str | None) -> str:
     """Check the server answers a tiny token-id completion; return the model name to use."""
-    with httpx.Client(timeout=httpx.Timeout(120.0, connect=10.0)) as client:
-        try:
-            if model is None:
-                listed = client.get(f"{base_url}/v1/models", headers=headers)
-                listed.raise_for_status()
-                model = listed.json()["data"][0]["id"]
-            response = client.post(f"{base_url}/v1/completions", headers=headers, json={
-                "model": model, "prompt": [1, 2, 3, 4], "max_tokens": 2, "ignore_eos": True, "temperature": 0.0})
-        except httpx.HTTPError as error:
-            raise BenchmarkError(f"cannot reach the server at {base_url}: {error}") from None
-        if response.status_code != 200:
-            raise BenchmarkError(f"the server rejected a test request (HTTP {response.status_code}): "
-                                 f"{response.text[:300]}")
+    if model is None:
+        model = list_models(base_url, api_key)[0]["id"]
+    try:
+        response = httpx.post(f"{base_url}/v1/completions", headers=_auth(api_key), timeout=120.0, json={
+            "model": model, "prompt": [1, 2, 3, 4], "max_tokens": 2, "ignore_eos": True, "temperature": 0.0})
+    except httpx.HTTPError as error:
+        raise BenchmarkError(f"cannot reach the server at {base_url}: {error}") from None
+    if response.status_code != 200:
+        raise BenchmarkError(f"the server rejected a test request (HTTP {response.status_code}): "
+                             f"{response.text[:300]}")
     return model
 
 
@@ -190,11 +197,10 @@ def run_serve_benchmark(
     if not request_rate > 0:
         raise BenchmarkError(f"--request-rate must be positive (inf: all at once), got {request_rate}")
     base_url = base_url.rstrip("/")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    model = probe(base_url, model, headers)
+    model = probe(base_url, model, api_key)
     with MetricsPoller(base_url, metrics_interval) as poller:
         outcomes, duration = asyncio.run(_run(base_url, model, requests, max_concurrency, request_rate, seed,
-                                              headers, poller, progress, label))
+                                              _auth(api_key), poller, progress, label))
     first = poller.trace.snapshots[0] if poller.trace.snapshots else ServerSnapshot()
     result = summarize(outcomes, duration, num_ranks or first.num_ranks)
     result.update({

@@ -23,8 +23,9 @@ ENGINES = ("kvshard", "vllm")
 _WARMUP = [BenchRequest(list(range(2, 34)), 8), BenchRequest(list(range(3, 19)), 8)]
 
 
-def run_kvshard(model: str, engine_kwargs: dict, requests: list[BenchRequest], progress: bool = True) -> tuple[float, int, dict]:
-    """(seconds, output tokens, engine description) for one kvshard generate call."""
+def run_kvshard(model: str, engine_kwargs: dict, requests: list[BenchRequest], repeats: int = 1,
+                progress: bool = True) -> tuple[list[float], int, dict]:
+    """(seconds of each repeat, output tokens of one, engine description) of kvshard generate calls."""
     from kvshard import LLM, SamplingParams
 
     def params(r: BenchRequest) -> SamplingParams:
@@ -32,9 +33,12 @@ def run_kvshard(model: str, engine_kwargs: dict, requests: list[BenchRequest], p
 
     with LLM(model, **engine_kwargs) as llm:
         llm.generate([r.prompt_token_ids for r in _WARMUP], [params(r) for r in _WARMUP], use_tqdm=False)
-        start = time.perf_counter()
-        outputs = llm.generate([r.prompt_token_ids for r in requests], [params(r) for r in requests], use_tqdm=progress)
-        elapsed = time.perf_counter() - start
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            outputs = llm.generate([r.prompt_token_ids for r in requests], [params(r) for r in requests],
+                                   use_tqdm=progress)
+            times.append(time.perf_counter() - start)
         config = llm.config
         described = {
             "tensor_parallel_size": config.parallel.tensor_parallel_size,
@@ -44,12 +48,14 @@ def run_kvshard(model: str, engine_kwargs: dict, requests: list[BenchRequest], p
             "max_model_len": config.scheduler.max_model_len,
             "kv_capacity_tokens": config.kv_capacity_tokens,
             "dtype": str(config.model.dtype).removeprefix("torch."),
+            "torch_threads_rank0": torch_threads(),
         }
-    return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs), described
+    return times, sum(len(o.outputs[0].token_ids) for o in outputs), described
 
 
-def run_vllm(model_path: str, engine_kwargs: dict, requests: list[BenchRequest], progress: bool = True) -> tuple[float, int, dict]:
-    """The same through vLLM (prefix caching off: kvshard has none, and the prompts share nothing)."""
+def run_vllm(model_path: str, engine_kwargs: dict, requests: list[BenchRequest], repeats: int = 1,
+             progress: bool = True) -> tuple[list[float], int, dict]:
+    """The same through vLLM (prefix caching off: kvshard has none, and repeats must not hit a cache)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -57,16 +63,21 @@ def run_vllm(model_path: str, engine_kwargs: dict, requests: list[BenchRequest],
         return SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
 
     llm = LLM(model_path, enable_prefix_caching=False, **engine_kwargs)
-    try:
-        llm.generate([TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in _WARMUP],
-                     [params(r) for r in _WARMUP], use_tqdm=False)
+    llm.generate([TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in _WARMUP],
+                 [params(r) for r in _WARMUP], use_tqdm=False)
+    times = []
+    for _ in range(repeats):
         start = time.perf_counter()
         outputs = llm.generate([TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in requests],
                                [params(r) for r in requests], use_tqdm=progress)
-        elapsed = time.perf_counter() - start
-    finally:
-        del llm
-    return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs), dict(engine_kwargs, enable_prefix_caching=False)
+        times.append(time.perf_counter() - start)
+    return times, sum(len(o.outputs[0].token_ids) for o in outputs), dict(engine_kwargs, enable_prefix_caching=False)
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def engine_version(engine: str) -> str:
@@ -79,9 +90,11 @@ def engine_version(engine: str) -> str:
     return kvshard.__version__
 
 
-def throughput_result(engine: str, model: str, requests: list[BenchRequest], elapsed: float, output_tokens: int,
+def throughput_result(engine: str, model: str, requests: list[BenchRequest], times: list[float], output_tokens: int,
                       engine_config: dict) -> dict:
+    """Rates of the median repeat; every repeat's seconds are kept."""
     input_tokens = sum(r.input_len for r in requests)
+    elapsed = sorted(times)[len(times) // 2]
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "engine": engine, "engine_version": engine_version(engine), "engine_config": engine_config,
@@ -89,16 +102,19 @@ def throughput_result(engine: str, model: str, requests: list[BenchRequest], ela
         "num_requests": len(requests), "requests_digest": request_list_digest(requests),
         "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
         "expected_output_tokens": sum(r.output_len for r in requests),
-        "elapsed_s": elapsed,
+        "elapsed_s": elapsed, "elapsed_s_each_repeat": times,
         "requests_per_s": len(requests) / elapsed,
         "output_tokens_per_s": output_tokens / elapsed,
         "total_tokens_per_s": (input_tokens + output_tokens) / elapsed,
+        "output_tokens_per_s_each_repeat": [output_tokens / t for t in times],
     }
 
 
 def format_throughput(result: dict) -> str:
+    repeats = result["output_tokens_per_s_each_repeat"]
+    spread = f"; median of {len(repeats)}: " + ", ".join(f"{r:.0f}" for r in repeats) if len(repeats) > 1 else ""
     return (f"Throughput ({result['engine']} {result['engine_version']}, {result['num_requests']} requests, "
             f"digest {result['requests_digest']}): {result['requests_per_s']:.2f} requests/s, "
             f"{result['total_tokens_per_s']:.2f} total tokens/s, {result['output_tokens_per_s']:.2f} output tokens/s "
             f"({result['total_output_tokens']:,} of {result['expected_output_tokens']:,} output tokens "
-            f"in {result['elapsed_s']:.2f} s)")
+            f"in {result['elapsed_s']:.2f} s{spread})")

@@ -101,8 +101,9 @@ class WorkloadSpec:
         lo_long, hi_long = (_scaled(x, self.context_scale) for x in AGENTIC_LONG_RANGE)
         lo_short = _scaled(AGENTIC_SHORT_RANGE[0], self.context_scale)
         median_out = _scaled(AGENTIC_OUTPUT_MEDIAN, self.effective_output_scale)
-        return (f"agentic x{_fraction(self.context_scale)}: {AGENTIC_LONG_FRACTION:.0%} long inputs {lo_long:,}-{hi_long:,}, "
-                f"the rest {lo_short:,}-{lo_long - 1:,} tokens; outputs median {median_out:,}; seed {self.seed}")
+        return (f"agentic x{_fraction(self.context_scale)}: {AGENTIC_LONG_FRACTION:.0%} long inputs "
+                f"{lo_long:,}-{hi_long:,}, the rest {lo_short:,}-{lo_long - 1:,} tokens; "
+                f"outputs median {median_out:,}; seed {self.seed}")
 
     # --- one request -------------------------------------------------------------------
     def _tokens(self, rng: random.Random, n: int) -> list[int]:

@@ -1,0 +1,295 @@
+"""Benchmarks: the workload generator's distributions, /metrics scraping, and a tiny `bench dcp` run.
+
+No timing is asserted here (the machine may be shared); the measured numbers live
+in BENCHMARKS.md with the commands that produced them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvshard.bench.cli import main as bench_main
+from kvshard.bench.metrics import MetricsTrace, ServerSnapshot, parse_metrics
+from kvshard.bench.serve import RequestOutcome, summarize
+from kvshard.bench.server import ServerProcess, ServerStartError
+from kvshard.bench.workloads import (
+    AGENTIC_LONG_FRACTION, AGENTIC_LONG_RANGE, AGENTIC_OUTPUT_MEDIAN, AGENTIC_SHORT_RANGE, WorkloadSpec,
+)
+from kvshard.entrypoints.cli import build_parser
+
+# --- workloads ---------------------------------------------------------------------------
+
+SCALE = 1 / 1024  # long inputs 64..1,024 tokens, short 2..63: quick to draw
+
+
+@pytest.fixture(scope="module")
+def agentic():
+    spec = WorkloadSpec("agentic", vocab_size=512, seed=7, context_scale=SCALE, output_scale=1.0)
+    return spec, spec.requests(4000)
+
+
+def test_agentic_inputs_are_bimodal_with_53_percent_long(agentic):
+    spec, requests = agentic
+    long = [r for r in requests if r.long_context]
+    assert len(long) / len(requests) == pytest.approx(AGENTIC_LONG_FRACTION, abs=0.025)
+    lo, hi = (round(x * SCALE) for x in AGENTIC_LONG_RANGE)
+    assert all(lo <= r.input_len <= hi for r in long)
+    assert all(r.input_len <= lo for r in requests if not r.long_context)
+    # log-uniform: the median is the geometric mean of the range (256K at scale 1)
+    assert statistics.median(r.input_len for r in long) == pytest.approx((lo * hi) ** 0.5, rel=0.1)
+    short_lo, short_hi = (x * SCALE for x in AGENTIC_SHORT_RANGE)
+    short_median = statistics.median(r.input_len for r in requests if not r.long_context)
+    assert short_median == pytest.approx((short_lo * short_hi) ** 0.5, rel=0.15)
+
+
+def test_agentic_outputs_are_short_with_median_400(agentic):
+    spec, requests = agentic
+    outputs = [r.output_len for r in requests]
+    assert statistics.median(outputs) == pytest.approx(AGENTIC_OUTPUT_MEDIAN, rel=0.05)
+    assert all(r.input_len + r.output_len <= spec.max_request_len() for r in requests)
+    assert all(0 <= t < 512 for r in requests[:50] for t in r.prompt_token_ids)
+
+
+def test_output_scale_defaults_to_the_context_scale():
+    scaled = WorkloadSpec("agentic", context_scale=1 / 8, seed=3).requests(400)
+    assert statistics.median(r.output_len for r in scaled) == pytest.approx(AGENTIC_OUTPUT_MEDIAN / 8, rel=0.1)
+
+
+def test_same_seed_same_requests_and_a_shorter_list_is_a_prefix():
+    spec = WorkloadSpec("agentic", context_scale=SCALE, seed=1)
+    assert spec.requests(30) == spec.requests(30)
+    assert spec.requests(10) == spec.requests(30)[:10]
+    assert WorkloadSpec("agentic", context_scale=SCALE, seed=2).requests(10) != spec.requests(10)
+
+
+def test_random_lengths_stay_within_the_range_ratio():
+    exact = WorkloadSpec("random", input_len=100, output_len=20, seed=0).requests(20)
+    assert {(r.input_len, r.output_len) for r in exact} == {(100, 20)}
+    spread = WorkloadSpec("random", input_len=100, output_len=20, range_ratio=0.5, seed=0)
+    requests = spread.requests(500)
+    assert min(r.input_len for r in requests) >= 50 and max(r.input_len for r in requests) <= 150
+    assert min(r.output_len for r in requests) >= 10 and max(r.output_len for r in requests) <= 30
+    assert len({r.input_len for r in requests}) > 50
+    assert max(r.input_len + r.output_len for r in requests) <= spread.max_request_len()
+
+
+def test_a_bad_workload_is_refused_with_what_to_change():
+    with pytest.raises(ValueError, match="range-ratio"):
+        WorkloadSpec("random", range_ratio=1.5)
+    with pytest.raises(ValueError, match="unknown"):
+        WorkloadSpec("sharegpt")
+
+
+# --- /metrics ---------------------------------------------------------------------------------
+
+# Scraped from `kvshard serve kvshard-demo-mla -tp 2 --dcp 2 --kv-cache-memory 4MiB --max-model-len 2048`
+# in the middle of a `kvshard bench serve` run (verbatim lines; histograms and a few families left out).
+KVSHARD_METRICS = """\
+# HELP kvshard:time_to_first_token_seconds Time from arrival to the first token.
+# TYPE kvshard:time_to_first_token_seconds histogram
+kvshard:time_to_first_token_seconds_count{model_name="kvshard-demo-mla"} 17.0
+kvshard:time_to_first_token_seconds_sum{model_name="kvshard-demo-mla"} 7.5321141510003145
+# HELP kvshard:request_success_total Finished sequences, by finish reason.
+# TYPE kvshard:request_success_total counter
+kvshard:request_success_total{finished_reason="stop",model_name="kvshard-demo-mla"} 0.0
+kvshard:request_success_total{finished_reason="length",model_name="kvshard-demo-mla"} 16.0
+kvshard:request_success_total{finished_reason="abort",model_name="kvshard-demo-mla"} 0.0
+# HELP kvshard:request_success_created Finished sequences, by finish reason.
+# TYPE kvshard:request_success_created gauge
+kvshard:request_success_created{finished_reason="stop",model_name="kvshard-demo-mla"} 1.796021011306249e+09
+# HELP kvshard:dcp_layout_info The parallel layout and KV capacity this server started with.
+# TYPE kvshard:dcp_layout_info gauge
+kvshard:dcp_layout_info{block_size="16",dcp="2",interleave="1",kv_capacity_tokens="3264",max_model_len="2048",model_name="kvshard-demo-mla",num_kv_blocks_per_rank="102",tp="2"} 1.0
+# HELP kvshard:num_requests_running Sequences in the running batch.
+# TYPE kvshard:num_requests_running gauge
+kvshard:num_requests_running{model_name="kvshard-demo-mla"} 2.0
+# HELP kvshard:num_requests_waiting Sequences waiting to be admitted.
+# TYPE kvshard:num_requests_waiting gauge
+kvshard:num_requests_waiting{model_name="kvshard-demo-mla"} 1.0
+# HELP kvshard:kv_cache_usage_perc Fraction of KV blocks in use (1 = full), same on every rank.
+# TYPE kvshard:kv_cache_usage_perc gauge
+kvshard:kv_cache_usage_perc{model_name="kvshard-demo-mla"} 0.16666666666666666
+# HELP kvshard:dcp_rank_kv_cache_usage_perc Fraction of a DCP rank's KV slots holding tokens of live requests.
+# TYPE kvshard:dcp_rank_kv_cache_usage_perc gauge
+kvshard:dcp_rank_kv_cache_usage_perc{dcp_rank="0",model_name="kvshard-demo-mla"} 0.1568627450980392
+kvshard:dcp_rank_kv_cache_usage_perc{dcp_rank="1",model_name="kvshard-demo-mla"} 0.15625
+# HELP kvshard:num_preemptions_total Sequences preempted (KV freed, recomputed later).
+# TYPE kvshard:num_preemptions_total counter
+kvshard:num_preemptions_total{model_name="kvshard-demo-mla"} 0.0
+# HELP kvshard:prompt_tokens_total Prompt tokens admitted (times n).
+# TYPE kvshard:prompt_tokens_total counter
+kvshard:prompt_tokens_total{model_name="kvshard-demo-mla"} 4308.0
+# HELP kvshard:generation_tokens_total Tokens generated.
+# TYPE kvshard:generation_tokens_total counter
+kvshard:generation_tokens_total{model_name="kvshard-demo-mla"} 277.0
+# HELP kvshard:engine_steps_total Engine steps run.
+# TYPE kvshard:engine_steps_total counter
+kvshard:engine_steps_total{model_name="kvshard-demo-mla"} 65.0
+"""
+
+
+def test_a_kvshard_scrape_gives_the_gauges_the_counters_and_the_layout():
+    snapshot = parse_metrics(KVSHARD_METRICS)
+    assert snapshot.running == 2 and snapshot.waiting == 1
+    # the per-DCP-rank usage gauges do not leak into the engine-wide one
+    assert snapshot.kv_usage == pytest.approx(1 / 6)
+    assert (snapshot.preemptions, snapshot.prompt_tokens, snapshot.generation_tokens) == (0, 4308, 277)
+    assert snapshot.engine_steps == 65
+    assert snapshot.layout["dcp"] == "2" and snapshot.layout["kv_capacity_tokens"] == "3264"
+    assert snapshot.num_ranks == 2
+
+
+# Scraped from vLLM 0.32.0 (CPU) `vllm serve` of the same demo model during a `kvshard bench serve` run.
+VLLM_METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="kvshard-demo-gqa"} 8.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="kvshard-demo-gqa"} 0.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="kvshard-demo-gqa"} 0.00586080586080584
+# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="kvshard-demo-gqa"} 0.0
+# HELP vllm:num_preemptions_created Cumulative number of preemption from the engine.
+# TYPE vllm:num_preemptions_created gauge
+vllm:num_preemptions_created{engine="0",model_name="kvshard-demo-gqa"} 1.7960233520428176e+09
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="kvshard-demo-gqa"} 4804.0
+# HELP vllm:prompt_tokens_created Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_created gauge
+vllm:prompt_tokens_created{engine="0",model_name="kvshard-demo-gqa"} 1.7960233520428286e+09
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="kvshard-demo-gqa"} 650.0
+# HELP vllm:generation_tokens_created Number of generation tokens processed.
+# TYPE vllm:generation_tokens_created gauge
+vllm:generation_tokens_created{engine="0",model_name="kvshard-demo-gqa"} 1.7960233520429404e+09
+"""
+
+
+def test_a_vllm_scrape_is_read_by_the_same_names():
+    snapshot = parse_metrics(VLLM_METRICS)
+    assert (snapshot.running, snapshot.waiting, snapshot.preemptions) == (8, 0, 0)
+    assert snapshot.kv_usage == pytest.approx(0.00586, abs=1e-5)
+    assert (snapshot.prompt_tokens, snapshot.generation_tokens) == (4804, 650)
+    assert snapshot.layout == {} and snapshot.num_ranks is None
+
+
+def test_trace_peaks_and_time_weighted_means():
+    trace = MetricsTrace([
+        ServerSnapshot(time=0.0, running=2, kv_usage=0.2, preemptions=1, engine_steps=100),
+        ServerSnapshot(time=1.0, running=8, kv_usage=0.9, waiting=5, preemptions=1, engine_steps=140),
+        ServerSnapshot(time=4.0, running=0, kv_usage=0.0, preemptions=4, engine_steps=250),
+    ])
+    assert (trace.peak_running, trace.peak_waiting, trace.peak_kv_usage) == (8, 5, 0.9)
+    assert trace.mean_running == pytest.approx((2 * 1 + 8 * 3) / 4)
+    assert (trace.preemptions, trace.engine_steps) == (3, 150)
+
+
+def test_summary_of_request_outcomes():
+    outcomes = [
+        RequestOutcome(input_len=100, success=True, output_len=11, ttft=0.5, latency=1.5, itl=[0.1] * 10),
+        RequestOutcome(input_len=100, success=True, output_len=11, ttft=1.5, latency=3.5, itl=[0.2] * 10),
+        RequestOutcome(input_len=100, error="HTTP 400: too long"),
+    ]
+    result = summarize(outcomes, duration=4.0, num_ranks=2)
+    assert (result["completed"], result["failed"], result["errors"]) == (2, 1, ["HTTP 400: too long"])
+    assert result["output_throughput"] == pytest.approx(22 / 4)
+    assert result["output_throughput_per_rank"] == pytest.approx(22 / 4 / 2)
+    assert result["total_token_throughput"] == pytest.approx(222 / 4)
+    assert result["mean_ttft_ms"] == pytest.approx(1000)
+    assert result["median_tpot_ms"] == pytest.approx(150)
+    assert result["p99_itl_ms"] == pytest.approx(200)
+
+
+# --- real servers -----------------------------------------------------------------------------
+
+MODEL = "kvshard-demo-gqa"  # 1 KV head: tp=2 with dcp=2 is valid
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _group_is_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_bench_is_a_kvshard_subcommand():
+    args = build_parser().parse_args(["bench", "dcp", "--dcp", "2", "4", "--concurrency", "1,4,16"])
+    assert (args.dcp, args.concurrency) == ([2, 4], [1, 4, 16])
+
+
+def test_a_server_that_cannot_start_reports_its_error_and_leaves_nothing(tmp_path):
+    server = ServerProcess(MODEL, ["--kv-cache-memory", "lots"], tmp_path / "server.log", startup_timeout=60)
+    with pytest.raises(ServerStartError, match="not a size"):
+        server.start()
+    assert server.process is None
+
+
+def test_ctrl_c_in_the_middle_of_bench_dcp_stops_its_server_and_ranks(tmp_path):
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "kvshard.bench", "dcp", MODEL, "-tp", "2", "--kv-cache-memory", "1MiB",
+         "--workload", "random", "--input-len", "48", "--output-len", "400", "--concurrency", "2",
+         "--output-dir", str(tmp_path), "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as at a terminal
+    )
+    log = tmp_path / "server-tp2-dcp1.log"
+    deadline = time.monotonic() + 120
+    while "Application startup complete" not in (log.read_text() if log.exists() else ""):
+        assert bench.poll() is None and time.monotonic() < deadline, bench.stdout.read()
+        time.sleep(0.2)
+    server_pid = int(re.search(r"Started server process \[(\d+)\]", log.read_text()).group(1))
+    time.sleep(1.0)  # requests in flight
+    bench.send_signal(signal.SIGINT)
+    out, _ = bench.communicate(timeout=60)
+    assert bench.returncode == 130 and "interrupted" in out, out
+    assert _group_is_gone(server_pid)
+
+
+def test_tiny_dcp_run_prints_the_table_and_writes_json_and_png(tmp_path, capsys):
+    code = bench_main([
+        "dcp", MODEL, "-tp", "2", "--dcp", "2", "--kv-cache-memory", "1MiB", "--workload", "random",
+        "--input-len", "48", "--output-len", "16", "--concurrency", "1,2", "--prompts-per-concurrency", "1",
+        "--metrics-interval", "0.05", "--output-dir", str(tmp_path), "--no-progress",
+    ])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "max concurrency" in out and "TP=2 + DCP=2 vs TP=2: max concurrency" in out
+
+    result = json.loads((tmp_path / "dcp.json").read_text())
+    tp_only, with_dcp = result["configs"]
+    assert (tp_only["label"], with_dcp["label"]) == ("TP=2", "TP=2 + DCP=2")
+    for config in result["configs"]:
+        assert [p["concurrency"] for p in config["points"]] == [1, 2]
+        assert all(p["completed"] == p["num_prompts"] and p["failed"] == 0 for p in config["points"])
+        assert all(p["total_output_tokens"] == 16 * p["num_prompts"] for p in config["points"])
+        assert config["layout"]["tp"] == "2" and config["max_concurrency_reached"] >= 1
+        with pytest.raises(httpx.HTTPError):  # stopped
+            httpx.get(f"{config['base_url']}/health", timeout=2)
+    # the same per-rank budget holds twice the tokens with dcp=2 (read from each server's /metrics)
+    assert int(with_dcp["layout"]["kv_capacity_tokens"]) == 2 * int(tp_only["layout"]["kv_capacity_tokens"])
+    assert (tmp_path / "dcp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_python_m_kvshard_bench_runs_without_the_main_cli():
+    done = subprocess.run([sys.executable, "-m", "kvshard.bench", "throughput", "--help"], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0 and "--engine" in done.stdout
