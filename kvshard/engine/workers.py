@@ -68,6 +68,12 @@ class LocalRanks:
     """Ranks 1..N-1 as child processes of rank 0 on this machine."""
 
     def __init__(self, config: EngineConfig) -> None:
+        if getattr(multiprocessing.current_process(), "_inheriting", False):
+            # a spawned rank is re-importing the user's script, which starts an engine again
+            raise RuntimeError(
+                "kvshard starts its ranks with 'spawn', which imports your script again in each rank: "
+                "create LLM (tensor_parallel_size > 1) under `if __name__ == \"__main__\":`"
+            )
         self.master = ("127.0.0.1", free_port())
         context = multiprocessing.get_context("spawn")
         self.processes = {
