@@ -125,3 +125,14 @@ def test_demo_model_generates_text_from_strings():
         assert len(out.outputs[0].token_ids) == 6
         assert out.outputs[0].text == llm.get_tokenizer().decode(out.outputs[0].token_ids, skip_special_tokens=True)
     assert multiprocessing.active_children() == []
+
+
+def test_a_checkpoint_missing_part_of_a_fused_projection_is_refused(llm, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(next(llm.config.model.path.glob("*.safetensors")))
+    del tensors["model.layers.1.self_attn.k_proj.weight"]  # q and v of qkv_proj are still there
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text((llm.config.model.path / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"lacks .*model\.layers\.1\.self_attn\.qkv_proj\.weight \(k\)"):
+        LLM(str(tmp_path), block_size=4)

@@ -43,7 +43,7 @@ class ModelRunner:
         hf_config = config.model.hf_config
         cls = model_class(config.model.architecture)
         with torch.device(device):
-            self.model = cls(hf_config, config.model.dtype, parallel, **_model_options(config))
+            self.model = cls(hf_config, config.model.dtype, parallel, replicate_q=config.parallel.dcp_replicate_q)
         load_weights(self.model, config.model.path)
         self.model.eval()
         self.kv_caches = allocate_kv_cache(
@@ -70,11 +70,6 @@ class ModelRunner:
         hidden = self.model(input_ids, meta, self.kv_caches)  # [t, D]
         rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[rows])
-
-
-def _model_options(config: EngineConfig) -> dict:
-    """Options only some architectures take."""
-    return {"replicate_q": True} if config.parallel.dcp_replicate_q else {}
 
 
 def configure_threads(world_size: int) -> None:

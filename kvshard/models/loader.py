@@ -26,7 +26,7 @@ def checkpoint_to_parameter(name: str, packed_modules: dict[str, tuple[str, obje
 
 def load_weights(model: nn.Module, path: Path) -> None:
     params = dict(model.named_parameters())
-    filled: set[str] = set()
+    filled: dict[str, set] = {}  # parameter -> shards loaded into it (None for a whole tensor)
     packed = getattr(model, "packed_modules", {})
     files = sorted(path.glob("*.safetensors"))
     for file in files:
@@ -40,7 +40,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
                 if target is None:
                     continue
                 if target not in params:
-                    if target == "lm_head.weight" and "lm_head.weight" not in params:
+                    if target == "lm_head.weight":
                         continue  # tied to the embedding, already shared
                     raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
                 param = params[target]
@@ -50,7 +50,17 @@ def load_weights(model: nn.Module, path: Path) -> None:
                     loader(param, tensor)
                 else:
                     loader(param, tensor, shard_id)
-                filled.add(target)
-    missing = sorted(set(params) - filled)
+                filled.setdefault(target, set()).add(shard_id)
+    missing = sorted(set(params) - set(filled))
+    missing += sorted(
+        f"{name} ({', '.join(sorted(map(str, lacking)))})"
+        for name, shards in filled.items()
+        if (lacking := _packed_shards(name, packed) - shards)
+    )
     if missing:
         raise ValueError(f"checkpoint at {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _packed_shards(name: str, packed_modules: dict[str, tuple[str, object]]) -> set:
+    """The shards a fused parameter needs from the checkpoint: q, k and v for qkv_proj, say."""
+    return {shard for fused, shard in packed_modules.values() if f".{fused}." in name}
