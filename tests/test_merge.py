@@ -87,3 +87,54 @@ def test_a_query_with_no_allowed_key_gets_zero_and_minus_infinity():
     out, lse = attention_with_lse(q, k, v, torch.full((1, 1, 4), float("-inf")), 0.5)
     assert torch.equal(out, torch.zeros_like(out))
     assert torch.isneginf(lse).all()
+
+
+def _causal_bias(s: int) -> torch.Tensor:
+    return torch.full((s, s), float("-inf")).triu_(1).unsqueeze(0)
+
+
+def test_fused_kernel_equals_the_reference_matmuls():
+    """The CPU fused-kernel path (decodes folded by KV head, causal chunks, MLA's V as a prefix of K,
+    a query with no key) gives what the plain-matmul reference gives."""
+    from kvshard.attention.merge import _flash_applies, reference_attention_with_lse
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 1, 8, 16, generator=g)
+    k = torch.randn(3, 20, 2, 16, generator=g)
+    v = torch.randn(3, 20, 2, 16, generator=g)
+    lens = torch.tensor([20, 7, 0])  # the last request has no key on this "rank"
+    bias = torch.zeros(3, 1, 20).masked_fill_((torch.arange(20) >= lens[:, None]).unsqueeze(1), float("-inf"))
+    assert _flash_applies(q, k, v)
+    out, lse = attention_with_lse(q, k, v, bias, 0.25)
+    ref_out, ref_lse = reference_attention_with_lse(q, k, v, bias, 0.25)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse)
+    assert torch.isneginf(lse[2]).all() and torch.equal(out[2], torch.zeros_like(out[2]))
+
+    chunk_q, chunk_k, chunk_v = (torch.randn(1, 9, h, 16, generator=g) for h in (8, 2, 2))
+    out, lse = attention_with_lse(chunk_q, chunk_k, chunk_v, None, 0.25, causal=True)
+    ref_out, ref_lse = reference_attention_with_lse(chunk_q, chunk_k, chunk_v, _causal_bias(9), 0.25)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse)
+
+    latent = torch.randn(3, 20, 1, 24, generator=g)  # MLA: [c_kv | k_pe], V = c_kv
+    mla_q = torch.randn(3, 1, 8, 24, generator=g)
+    assert _flash_applies(mla_q, latent, latent[..., :16])
+    out, lse = attention_with_lse(mla_q, latent, latent[..., :16], bias, 0.25)
+    ref_out, ref_lse = reference_attention_with_lse(mla_q, latent, latent[..., :16], bias, 0.25)
+    assert out.shape == (3, 1, 8, 16)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse)
+
+
+def test_fused_kernel_in_bfloat16_is_close_to_float32():
+    from kvshard.attention.merge import reference_attention_with_lse
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = torch.randn(2, 1, 4, 32, generator=g), torch.randn(2, 40, 1, 32, generator=g), torch.randn(2, 40, 1, 32, generator=g)
+    bias = torch.zeros(2, 1, 40)
+    out, lse = attention_with_lse(q.bfloat16(), k.bfloat16(), v.bfloat16(), bias, 0.2)
+    ref_out, ref_lse = reference_attention_with_lse(q, k, v, bias, 0.2)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    torch.testing.assert_close(out, ref_out, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=3e-2, rtol=3e-2)

@@ -44,12 +44,28 @@ class KVCacheLayer:
         if not self.value_is_view:
             self.value.index_copy_(0, slots, value.to(self.value.dtype))
 
-    def gather(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Whole blocks [g, nb] -> keys [g, nb*B, Hk, dk], values [g, nb*B, Hk, dv]."""
-        def by_block(cache: torch.Tensor) -> torch.Tensor:
-            return cache.unflatten(0, (-1, self.block_size))[blocks].flatten(1, 2)
+    def gather(self, blocks: torch.Tensor, workspace: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole blocks [g, nb] -> keys [g, nb*B, Hk, dk], values [g, nb*B, Hk, dv].
 
-        return by_block(self.key), by_block(self.value)
+        `workspace` (one per group and step, shared by the layers) keeps the gathered copies'
+        memory from one layer to the next: a fresh multi-MB buffer every layer costs more in page
+        faults than the copy itself.
+        """
+        keys = self._by_block(self.key, blocks, workspace, "key")
+        if self.value_is_view:  # MLA: V is the leading channels of the gathered latent
+            return keys, keys[..., : self.value.shape[-1]]
+        return keys, self._by_block(self.value, blocks, workspace, "value")
+
+    def _by_block(self, cache: torch.Tensor, blocks: torch.Tensor, workspace: dict | None, name: str) -> torch.Tensor:
+        per_block = cache.unflatten(0, (-1, self.block_size))  # [num_blocks, B, Hk, d]
+        shape = (blocks.numel(), *per_block.shape[1:])
+        out = None if workspace is None else workspace.get(name)
+        if out is None or out.shape != shape or out.dtype != cache.dtype:
+            out = per_block.new_empty(shape)
+            if workspace is not None:
+                workspace[name] = out
+        torch.index_select(per_block, 0, blocks.flatten(), out=out)  # far faster than per_block[blocks] on CPU
+        return out.view(blocks.shape[0], -1, *cache.shape[1:])
 
 
 class DCPAttention:
@@ -95,7 +111,7 @@ class DCPAttention:
             if group.is_decode:
                 continue
             rows = slice(group.start, group.end)
-            o, l = attention_with_lse(q[rows][None], k[rows][None], v[rows][None], group.causal_bias, self.scale)
+            o, l = attention_with_lse(q[rows][None], k[rows][None], v[rows][None], None, self.scale, causal=True)
             out[rows], lse[rows] = o[0], l[0]
         return out, lse
 
@@ -107,7 +123,7 @@ class DCPAttention:
             if group.context_blocks is None:  # this rank holds none of these requests' tokens yet
                 continue
             rows = slice(group.start, group.end)
-            keys, values = cache.gather(group.context_blocks)  # [g, L, Hk, dk], [g, L, Hk, dv]
+            keys, values = cache.gather(group.context_blocks, group.workspace)  # [g, L, Hk, dk], [g, L, Hk, dv]
             queries = q[rows].unflatten(0, (group.num_seqs, group.query_len))  # [g, s, H, dk]
             o, l = attention_with_lse(queries, keys, values, group.context_bias, self.scale)
             out[rows], lse[rows] = o.flatten(0, 1), l.flatten(0, 1)

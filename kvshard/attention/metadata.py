@@ -9,7 +9,7 @@ attends to itself causally and to the context cached before it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,9 +21,9 @@ class AttentionGroup:
     start: int  # rows [start, end) of the flat token batch
     end: int
     query_len: int  # new tokens per request: 1 for a decode group
-    causal_bias: torch.Tensor | None  # [1, s, s] among a prefill chunk's tokens; None for decodes
     context_blocks: torch.Tensor | None  # [g, nb] this rank's blocks of the requests; None if it holds no token
     context_bias: torch.Tensor | None  # [g, 1, nb * B]: 0 for this rank's cached tokens, -inf past them
+    workspace: dict = field(default_factory=dict)  # buffers the layers reuse within the step
 
     @property
     def num_seqs(self) -> int:
@@ -31,7 +31,7 @@ class AttentionGroup:
 
     @property
     def is_decode(self) -> bool:
-        return self.causal_bias is None
+        return self.query_len == 1
 
 
 @dataclass(frozen=True)
@@ -94,15 +94,12 @@ class AttentionMetadata:
 def _group(first: int, last: int, query_len: int, start: int, local_ctx: torch.Tensor, tables: torch.Tensor,
            layout: DCPLayout, device: torch.device) -> AttentionGroup:
     end = start + (last - first) * query_len
-    causal = None
-    if query_len > 1:
-        causal = torch.full((query_len, query_len), float("-inf")).triu_(1).unsqueeze(0).to(device)
     lens = local_ctx[first:last]
     max_len = int(lens.max())
     if max_len == 0:
-        return AttentionGroup(start, end, query_len, causal, None, None)
+        return AttentionGroup(start, end, query_len, None, None)
     num_blocks = -(-max_len // layout.block_size)
     blocks = tables[first:last, :num_blocks]
     span = torch.arange(num_blocks * layout.block_size)
     bias = torch.zeros(last - first, 1, span.numel()).masked_fill_((span >= lens.unsqueeze(1)).unsqueeze(1), float("-inf"))
-    return AttentionGroup(start, end, query_len, causal, blocks.to(device), bias.to(device))
+    return AttentionGroup(start, end, query_len, blocks.to(device), bias.to(device))

@@ -261,7 +261,7 @@ def _add_throughput(commands) -> None:
 def _run_throughput(args: argparse.Namespace) -> int:
     from kvshard.bench.report import write_json
     from kvshard.bench.throughput import format_throughput, run_kvshard, run_vllm, throughput_result
-    from kvshard.config import parse_memory_size
+    from kvshard.config import load_model_config, parse_memory_size
     from kvshard.models.registry import resolve_model_path
 
     if args.repeats < 1:
@@ -275,12 +275,15 @@ def _run_throughput(args: argparse.Namespace) -> int:
     if args.engine == "kvshard":
         times, output_tokens, config = run_kvshard(args.model, kwargs, requests, args.repeats, not args.no_progress)
     else:
+        # the same dtype as kvshard: vLLM's own "auto" turns a float32 checkpoint into bfloat16
+        model_config = load_model_config(args.model, kwargs["dtype"])
         vllm_kwargs = {
             "tensor_parallel_size": kwargs["tensor_parallel_size"], "max_model_len": kwargs["max_model_len"],
             "max_num_seqs": kwargs["max_num_seqs"],
             "max_num_batched_tokens": kwargs["max_num_batched_tokens"] or max(512, kwargs["max_num_seqs"]),
             "kv_cache_memory_bytes": parse_memory_size(kwargs["kv_cache_memory"] or "1GiB"),
-            "dtype": kwargs["dtype"], "seed": kwargs["seed"],  # block size: vLLM CPU needs a multiple of 32
+            "dtype": str(model_config.dtype).removeprefix("torch."), "seed": kwargs["seed"],
+            # block size: vLLM CPU needs a multiple of 32, so it keeps its own
             "enforce_eager": args.vllm_enforce_eager,
         }
         if kwargs["decode_context_parallel_size"] > 1:

@@ -71,7 +71,9 @@ def run_vllm(model_path: str, engine_kwargs: dict, requests: list[BenchRequest],
         outputs = llm.generate([TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in requests],
                                [params(r) for r in requests], use_tqdm=progress)
         times.append(time.perf_counter() - start)
-    return times, sum(len(o.outputs[0].token_ids) for o in outputs), dict(engine_kwargs, enable_prefix_caching=False)
+    described = dict(engine_kwargs, enable_prefix_caching=False)
+    described["dtype"] = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")  # what vLLM ran in
+    return times, sum(len(o.outputs[0].token_ids) for o in outputs), described
 
 
 def torch_threads() -> int:

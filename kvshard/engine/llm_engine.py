@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvshard.config import EngineConfig
-from kvshard.engine.model_runner import HEARTBEAT, ModelRunner, StepPlan, configure_threads
+from kvshard.engine.model_runner import HEARTBEAT, ModelRunner, StepPlan, configure_cpu
 from kvshard.engine.sampler import sample, top_logprobs
 from kvshard.engine.scheduler import ScheduledBatch, Scheduler
 from kvshard.engine.sequence import Sequence
@@ -66,7 +66,7 @@ class LLMEngine:
         """Start every rank. `master` (host, port) is given when a launcher (torchrun) started the other ranks."""
         self.config = config
         world = config.parallel.world_size
-        configure_threads(world)
+        configure_cpu(world)
         self.local_ranks = LocalRanks(config) if world > 1 and master is None else None
         check_peers = None
         if self.local_ranks is not None:

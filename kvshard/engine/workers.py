@@ -15,7 +15,7 @@ import traceback
 import torch
 
 from kvshard.config import EngineConfig
-from kvshard.engine.model_runner import HEARTBEAT, ModelRunner, configure_threads
+from kvshard.engine.model_runner import HEARTBEAT, ModelRunner, configure_cpu
 from kvshard.parallel import broadcast_from_driver, exchange_heartbeat, init_parallel, shutdown_parallel
 
 
@@ -31,7 +31,7 @@ def pick_device(rank: int) -> torch.device:
 
 def run_worker(config: EngineConfig, rank: int, master: tuple[str, int]) -> None:
     """Body of every rank > 0: build the model shard, then run plans until told to stop."""
-    configure_threads(config.parallel.world_size)
+    configure_cpu(config.parallel.world_size)
     device = pick_device(rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
