@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from kvshard.config import ParallelConfig
+from kvshard.shm import ShmGroup, host_identity, shm_supported, slot_bytes
 
 # A collective that waits longer than this means a peer is gone.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("KVSHARD_COLLECTIVE_TIMEOUT_S", "600")))
@@ -35,6 +38,8 @@ class ParallelState:
     tp_group: Any = None  # torch.distributed group of all ranks, None when alone
     dcp_group: Any = None  # this rank's DCP group, None when dcp == 1
     control_group: Any = None  # gloo group for step plans (CPU objects), None when alone
+    tp_shm: ShmGroup | None = None  # shared-memory collectives when every rank is on this CPU machine
+    dcp_shm: ShmGroup | None = None
 
     @property
     def tp_rank(self) -> int:
@@ -96,6 +101,7 @@ def init_parallel(
         if rank in ranks:
             dcp_group = group
     dcp = parallel.decode_context_parallel_size
+    tp_shm, dcp_shm = _shared_memory_groups(parallel, rank, device, control)
     return ParallelState(
         rank=rank,
         world_size=world,
@@ -105,18 +111,80 @@ def init_parallel(
         tp_group=dist.group.WORLD,
         dcp_group=dcp_group,
         control_group=control,
+        tp_shm=tp_shm,
+        dcp_shm=dcp_shm,
     )
 
 
+def _shared_memory_groups(parallel: ParallelConfig, rank: int, device: torch.device, control) -> tuple:
+    """(TP, DCP) shared-memory groups when every rank runs on this CPU machine, else (None, None).
+
+    Every rank takes the same branch: the decisions are gathered before they are acted on.
+    """
+    world = parallel.world_size
+    here = [None] * world
+    dist.all_gather_object(here, (host_identity(), device.type == "cpu" and shm_supported()), group=control)
+    if len({identity for identity, _ in here}) != 1 or not all(ok for _, ok in here):
+        return None, None
+    token = [(uuid.uuid4().hex[:12], slot_bytes()) if rank == 0 else None]  # rank 0's slot size for all
+    dist.broadcast_object_list(token, src=0, group=control)
+    name, slot = token[0]
+    dcp = parallel.decode_context_parallel_size
+    # a DCP group as wide as TP shares TP's segment (the same ranks issue the same ops in the same order)
+    specs = [("tp", list(range(world)))] + [(f"dcp{i}", ranks) for i, ranks in enumerate(parallel.dcp_groups())
+                                            if 1 < dcp < world]
+    mine = {key: ranks for key, ranks in specs if rank in ranks}
+    groups: dict[str, ShmGroup] = {}
+
+    def agreed(step) -> bool:
+        error = None
+        try:
+            step()
+        except OSError as e:  # no /dev/shm space, ...
+            error = str(e)
+        outcomes = [None] * world
+        dist.all_gather_object(outcomes, error, group=control)
+        return all(o is None for o in outcomes)
+
+    def attach(creating: bool) -> None:
+        for key, ranks in mine.items():
+            if (ranks[0] == rank) == creating:
+                groups[key] = ShmGroup(f"kvshard-{name}-{key}", len(ranks), ranks.index(rank), create=creating,
+                                       slot_bytes=slot)
+
+    ok = agreed(lambda: attach(True)) and agreed(lambda: attach(False))
+    for key, group in groups.items():  # every rank has mapped its segments (or given up): drop the names
+        if mine[key][0] == rank:
+            group.unlink()
+    if not ok:
+        for group in groups.values():
+            group.close()
+        return None, None
+    if dcp == world:
+        return groups["tp"], groups["tp"]
+    return groups["tp"], groups.get(next((k for k in mine if k != "tp"), ""))
+
+
 def shutdown_parallel(state: ParallelState) -> None:
+    for group in {id(g): g for g in (state.tp_shm, state.dcp_shm) if g is not None}.values():
+        group.close()
     if state.world_size > 1 and dist.is_initialized():
         dist.destroy_process_group()
 
 
 # --- collectives over TP -------------------------------------------------------
 
+_TIMEOUT_S = COLLECTIVE_TIMEOUT.total_seconds()
+
+
+def _shm_for(group: ShmGroup | None, x: torch.Tensor, factor: int = 1) -> ShmGroup | None:
+    return group if group is not None and group.fits(x.numel() * x.element_size() * factor) else None
+
+
 def tp_all_reduce(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     if state.tp_size > 1:
+        if (shm := _shm_for(state.tp_shm, x)) is not None:
+            return shm.all_reduce_(x, _TIMEOUT_S)
         dist.all_reduce(x, group=state.tp_group)
     return x
 
@@ -125,6 +193,9 @@ def tp_gather_to_driver(x: torch.Tensor, state: ParallelState) -> torch.Tensor |
     """Concatenate each rank's last-dim slice on rank 0; other ranks get None."""
     if state.tp_size == 1:
         return x
+    if (shm := _shm_for(state.tp_shm, x)) is not None:
+        gathered = shm.all_gather(x, _TIMEOUT_S)
+        return torch.cat(list(gathered.unbind(0)), dim=-1) if state.is_driver else None
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(state.tp_size)] if state.is_driver else None
     dist.gather(x, parts, dst=0, group=state.tp_group)
@@ -134,7 +205,7 @@ def tp_gather_to_driver(x: torch.Tensor, state: ParallelState) -> torch.Tensor |
 def tp_all_gather_last_dim(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     if state.tp_size == 1:
         return x
-    gathered = _all_gather_stacked(x, state.tp_size, state.tp_group)  # [tp, *shape]
+    gathered = _all_gather_stacked(x, state.tp_size, state.tp_group, state.tp_shm)  # [tp, *shape]
     return torch.cat(list(gathered.unbind(0)), dim=-1)
 
 
@@ -144,20 +215,24 @@ def dcp_all_gather(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     """[*shape] -> [dcp, *shape], stacked in DCP-rank order."""
     if state.dcp_size == 1:
         return x.unsqueeze(0)
-    return _all_gather_stacked(x, state.dcp_size, state.dcp_group)
+    return _all_gather_stacked(x, state.dcp_size, state.dcp_group, state.dcp_shm)
 
 
 def dcp_reduce_scatter(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     """[dcp, *shape] -> [*shape]: sum over ranks of the slice that belongs to this rank."""
     if state.dcp_size == 1:
         return x[0]
+    if (shm := _shm_for(state.dcp_shm, x)) is not None:
+        return shm.reduce_scatter(x, _TIMEOUT_S)
     out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
     dist.reduce_scatter_single(out, x.contiguous().flatten(0, 1), group=state.dcp_group)
     return out
 
 
-def _all_gather_stacked(x: torch.Tensor, size: int, group) -> torch.Tensor:
+def _all_gather_stacked(x: torch.Tensor, size: int, group, shm: ShmGroup | None) -> torch.Tensor:
     """[*shape] from each of `size` ranks -> [size, *shape] (flat along dim 0 on the wire)."""
+    if _shm_for(shm, x) is not None:
+        return shm.all_gather(x, _TIMEOUT_S)
     x = x.contiguous()
     gathered = torch.empty((size * x.shape[0], *x.shape[1:]) if x.dim() else (size,), dtype=x.dtype, device=x.device)
     dist.all_gather_single(gathered, x.view(-1) if not x.dim() else x, group=group)
@@ -170,6 +245,11 @@ def broadcast_from_driver(obj: Any, state: ParallelState) -> Any:
     """Rank 0 sends a small picklable object (the step plan) to every rank."""
     if state.world_size == 1:
         return obj
+    if state.tp_shm is not None:
+        # a worker waits here while the engine idles: no time-out, only rank 0's exit ends the wait
+        sent = state.tp_shm.broadcast_bytes(pickle.dumps(obj) if state.is_driver else None, 0, None)
+        if sent is not None:
+            return obj if state.is_driver else pickle.loads(sent)
     holder = [obj]
     dist.broadcast_object_list(holder, src=0, group=state.control_group)
     return holder[0]

@@ -9,10 +9,13 @@ without DCP. Each configuration starts its ranks once (module-scoped cache).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
 from kvshard import LLM, SamplingParams
+from kvshard.shm import shm_supported
 from conftest import hf_greedy
 
 BLOCK = 4
@@ -50,7 +53,7 @@ MODELS = {
 
 class Run:
     def __init__(self, outputs, peak_blocks: int, peak_tokens_per_rank: list[int], kv_bytes_per_slot: int,
-                 allocated_bytes: int, num_blocks: int):
+                 allocated_bytes: int, num_blocks: int, shared_memory: bool):
         self.tokens = [o.outputs[0].token_ids for o in outputs]
         self.logprobs = [o.outputs[0].logprobs for o in outputs]
         self.peak_blocks = peak_blocks
@@ -58,6 +61,7 @@ class Run:
         self.kv_bytes_per_slot = kv_bytes_per_slot
         self.allocated_bytes = allocated_bytes
         self.num_blocks = num_blocks
+        self.shared_memory = shared_memory  # the collectives went through shared memory (else gloo)
 
 
 @pytest.fixture(scope="module")
@@ -65,30 +69,41 @@ def run(checkpoints):
     cache: dict[tuple, Run] = {}
 
     def get(model: str, tp: int, dcp: int, interleave: int = 1, budget: int | None = None,
-            replicate_q: bool = False) -> Run:
-        key = (model, tp, dcp, interleave, budget, replicate_q)
+            replicate_q: bool = False, collectives: dict | None = None) -> Run:
+        key = (model, tp, dcp, interleave, budget, replicate_q, tuple(sorted((collectives or {}).items())))
         if key not in cache:
             path = checkpoints(model, MODELS[model]())
-            with LLM(str(path), tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-                     dcp_kv_interleave_size=interleave, dcp_replicate_q=replicate_q, block_size=BLOCK, max_num_seqs=8,
-                     max_num_batched_tokens=budget, kv_cache_memory="1MiB") as llm:
-                engine = llm.engine
-                for i, prompt in enumerate(PROMPTS):
-                    engine.add_request(str(i), prompt, GREEDY)
-                done, peak_blocks, peak_tokens = {}, 0, []
-                while len(done) < len(PROMPTS):
-                    for out in engine.step():
-                        if out.finished:
-                            done[out.request_id] = out
-                    stats = engine.stats()
-                    if stats.kv_blocks_used > peak_blocks:
-                        peak_blocks, peak_tokens = stats.kv_blocks_used, stats.kv_tokens_per_dcp_rank
-                assert engine.stats().kv_blocks_used == 0
-                cache[key] = Run([done[str(i)] for i in range(len(PROMPTS))], peak_blocks, peak_tokens,
-                                 llm.config.kv_bytes_per_slot, engine.runner.kv_cache_bytes, llm.config.num_kv_blocks)
+            saved = {name: os.environ.get(name) for name in collectives or {}}
+            os.environ.update(collectives or {})  # the spawned ranks inherit them
+            try:
+                cache[key] = _run(path, tp, dcp, interleave, budget, replicate_q)
+            finally:
+                for name, value in saved.items():
+                    os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
         return cache[key]
 
     return get
+
+
+def _run(path, tp: int, dcp: int, interleave: int, budget: int | None, replicate_q: bool) -> Run:
+    with LLM(str(path), tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+             dcp_kv_interleave_size=interleave, dcp_replicate_q=replicate_q, block_size=BLOCK, max_num_seqs=8,
+             max_num_batched_tokens=budget, kv_cache_memory="1MiB") as llm:
+        engine = llm.engine
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(str(i), prompt, GREEDY)
+        done, peak_blocks, peak_tokens = {}, 0, []
+        while len(done) < len(PROMPTS):
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+            stats = engine.stats()
+            if stats.kv_blocks_used > peak_blocks:
+                peak_blocks, peak_tokens = stats.kv_blocks_used, stats.kv_tokens_per_dcp_rank
+        assert engine.stats().kv_blocks_used == 0
+        return Run([done[str(i)] for i in range(len(PROMPTS))], peak_blocks, peak_tokens,
+                   llm.config.kv_bytes_per_slot, engine.runner.kv_cache_bytes, llm.config.num_kv_blocks,
+                   engine.parallel.tp_shm is not None)
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +149,23 @@ def test_replicated_queries_change_nothing(run, tp, dcp, interleave, budget):
     result = run("llama", tp, dcp, interleave, budget, replicate_q=True)
     assert result.tokens == run("llama", tp, dcp, interleave, budget).tokens
     assert_logprobs_close(result.logprobs, run("llama", 1, 1).logprobs)
+
+
+# gloo alone; and shared-memory slots so small that the prefill's activations go through gloo while
+# the decodes' go through shared memory (both paths within one step sequence)
+GLOO = {"KVSHARD_SHM_COLLECTIVES": "0"}
+MIXED = {"KVSHARD_SHM_SLOT_BYTES": "2048"}
+
+
+@pytest.mark.parametrize("tp, dcp, interleave, budget", [(4, 2, 1, 16), (2, 2, BLOCK, None)])
+def test_gloo_and_shared_memory_collectives_agree(run, tp, dcp, interleave, budget):
+    default = run("llama", tp, dcp, interleave, budget)
+    assert default.shared_memory == shm_supported()
+    for collectives in (GLOO, MIXED):
+        other = run("llama", tp, dcp, interleave, budget, collectives=collectives)
+        assert other.shared_memory == (collectives is MIXED and shm_supported())
+        assert other.tokens == default.tokens
+        assert_logprobs_close(other.logprobs, default.logprobs)
 
 
 def test_per_rank_kv_memory_at_dcp_n_is_one_nth(run):
