@@ -51,16 +51,27 @@ def test_blocks_are_virtual_blocks_of_block_size_times_dcp():
 
 def test_dcp_group_admits_n_times_the_tokens():
     def admitted(dcp: int) -> int:
-        scheduler = make_scheduler(num_blocks=8, block_size=4, dcp=dcp, max_num_seqs=64, budget=4096)
+        scheduler = make_scheduler(num_blocks=20, block_size=4, dcp=dcp, max_num_seqs=64, budget=4096)
         for _ in range(64):
             scheduler.add(make_seq(prompt_len=16, max_tokens=4))
         scheduler.schedule()
         return len(scheduler.running)
 
-    # 16-token prompts on 8 blocks of 4 tokens per rank
-    assert admitted(1) == 2
-    assert admitted(2) == 4
-    assert admitted(4) == 8
+    # 16-token prompts on 20 blocks of 4 tokens per rank, keeping room for every admitted request
+    # to grow by 4 tokens: k requests fit while 20 - k * 16 / (4 dcp) >= k / dcp
+    assert admitted(1) == 4
+    assert admitted(2) == 8
+    assert admitted(4) == 16
+
+
+def test_admission_keeps_room_for_the_running_requests_to_grow():
+    scheduler = make_scheduler(num_blocks=9, block_size=4, max_num_seqs=64, budget=4096)
+    for _ in range(4):
+        scheduler.add(make_seq(prompt_len=8, max_tokens=20))
+    scheduler.schedule()
+    # 2 blocks each: the 2nd leaves 5 free >= 2 (room for 2 to grow a block), the 3rd 3 >= 3, the 4th 1 < 4
+    assert len(scheduler.running) == 3
+    assert scheduler.pool.num_free == 3  # one block of growth for each of the three
 
 
 def test_long_prompt_is_chunked_and_decodes_keep_running():

@@ -14,6 +14,8 @@ First every rank writes the new tokens it owns into its cache. Then:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvshard.attention.merge import attention_with_lse, lse_weights, merge_attention_states
@@ -82,7 +84,17 @@ class DCPAttention:
         cache: KVCacheLayer,
         meta: AttentionMetadata,
         q_spans_dcp_group: bool = False,
+        value_map: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        chunk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """Attention output [t, H_l, dv] of this rank's heads; [t, H_l, value_map(dv)] with value_map.
+
+        `value_map` (linear, per head) is applied to the cached-context attention before the merge;
+        `chunk` = (q [t, H_l, d], k [t, H_l, d], v [t, H_l, value_map(dv)]) then replaces q, k, v for
+        the prefill chunks' attention to themselves: MLA attends to its cached latents in the absorbed
+        form and, within a chunk, in the cheaper expanded form. The merge by LSE is exact across forms
+        because both give the same scores.
+        """
         state = self.parallel
         if meta.write_index.numel():
             cache.write(meta.write_slots, k[meta.write_index], v[meta.write_index])
@@ -95,8 +107,10 @@ class DCPAttention:
         if meta.uses_context:
             out, lse = self._attend_context(q_group, cache, meta)  # [t, N*H_l, dv], [t, N*H_l]
             out, lse = self._merge_over_group(out, lse)  # [t, H_l, dv], [t, H_l]
+            if value_map is not None:
+                out = value_map(out)
         if meta.has_prefill:
-            chunk_out, chunk_lse = self._attend_chunks(q, k, v, meta)
+            chunk_out, chunk_lse = self._attend_chunks(*(chunk if chunk is not None else (q, k, v)), meta)
             if out is None:
                 out = chunk_out
             else:

@@ -53,7 +53,7 @@ def attention_with_lse(
 def _flash_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     if _CPU_FLASH is None or q.device.type != "cpu" or q.dtype not in _FLASH_DTYPES:
         return False
-    return k.dtype == q.dtype and v.dtype == q.dtype and (v.shape[-1] == k.shape[-1] or _is_prefix_view(v, k))
+    return k.dtype == q.dtype and v.dtype == q.dtype
 
 
 def _is_prefix_view(v: torch.Tensor, k: torch.Tensor) -> bool:
@@ -64,8 +64,13 @@ def _is_prefix_view(v: torch.Tensor, k: torch.Tensor) -> bool:
 def _flash_attention_with_lse(q, k, v, bias, scale, causal):
     g, s, num_heads, dk = q.shape
     num_kv_heads, dv = k.shape[2], v.shape[-1]
-    if dv != dk:
-        v = k  # the kernel wants one head size: attend over all of k's channels, keep v's leading ones
+    # the kernel wants one head size: zero channels change no score and add no output
+    if dv < dk:
+        # MLA's latent: V is K's leading channels, so attend over all of K's and keep V's
+        v = k if _is_prefix_view(v, k) else torch.nn.functional.pad(v, (0, dk - dv))
+    elif dv > dk:
+        q, k = (torch.nn.functional.pad(x, (0, dv - dk)) for x in (q, k))
+        dk = dv
     # When every query row sees the same keys (decodes, cached context), the query heads that share
     # a KV head become rows of one "head": each K/V block is then read once, not once per query head.
     fold = bias is not None and bias.shape[1] == 1 and num_heads > num_kv_heads

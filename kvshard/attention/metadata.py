@@ -1,8 +1,8 @@
 """Per-step attention metadata: built once per step on each rank, read by every layer.
 
 Requests are attended in groups of consecutive rows of the flat token batch:
-a run of decodes (one new token each) forms one group; each prefill chunk is a
-group of its own. A decode's new token is written to the cache before
+a run of decodes (one new token each) of similar context lengths forms one
+group; each prefill chunk is a group of its own. A decode's new token is written to the cache before
 attention, so it is simply part of the sharded context; a prefill chunk
 attends to itself causally and to the context cached before it.
 """
@@ -14,6 +14,13 @@ from dataclasses import dataclass, field
 import torch
 
 from kvshard.kv.layout import DCPLayout
+
+
+# Decodes attend in groups padded to their longest request; a group spans at most this many tokens
+# of (local) context length. Each group costs a gather and a kernel call per layer, so a few groups
+# of similar lengths beat one padded to the longest when lengths differ widely (long and short
+# agentic contexts in one batch). The scheduler sorts decodes by length to make such groups.
+DECODE_GROUP_SPREAD = 1024
 
 
 @dataclass(frozen=True)
@@ -73,11 +80,15 @@ class AttentionMetadata:
         is_decode = qlens == 1
         local_ctx = layout.local_lens_of(ctx + is_decode.long(), dcp_rank)
         groups = []
+        lens = local_ctx.tolist()
         i = 0
         while i < num_seqs:
             j = i + 1
-            if query_lens[i] == 1:
-                while j < num_seqs and query_lens[j] == 1:
+            if query_lens[i] == 1:  # a run of decodes, split where padding to the group's longest would waste
+                longest = shortest = lens[i]
+                while j < num_seqs and query_lens[j] == 1 and \
+                        max(longest, lens[j]) - min(shortest, lens[j]) <= DECODE_GROUP_SPREAD:
+                    longest, shortest = max(longest, lens[j]), min(shortest, lens[j])
                     j += 1
             groups.append(_group(i, j, query_lens[i], int(starts[i]), local_ctx, tables, layout, device))
             i = j

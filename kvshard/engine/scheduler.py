@@ -4,7 +4,9 @@ Each step: running requests in decode take one token each, oldest first; if a
 decode needs a block and none is free, the newest running request is preempted
 (its blocks freed, recomputed later). Then partly-prefilled requests and new
 ones take chunks of the remaining token budget, so a long prompt never stalls
-the decodes. A DCP group of N holds `block_size * N` tokens per virtual block,
+the decodes. A new request is admitted only while every running request (itself
+included) could still grow by block_size tokens, so that an admission does not
+simply lead to a preemption a few steps later. A DCP group of N holds `block_size * N` tokens per virtual block,
 so the same per-rank memory admits about N times the tokens.
 """
 
@@ -106,10 +108,16 @@ class Scheduler:
                 chosen[seq.seq_id] = (seq, chunk)
                 budget -= chunk
 
-        # 3. Admit waiting requests while tokens, sequence slots and blocks remain.
+        # 3. Admit waiting requests while tokens, sequence slots and blocks remain, keeping room for
+        #    every running request (the new one too) to grow by block_size tokens: a request admitted
+        #    into the last free blocks would be preempted within a few steps and recomputed.
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             chunk = min(seq.num_uncomputed_tokens, budget)
+            missing = self.layout.num_virtual_blocks(seq.num_computed_tokens + chunk) - len(seq.block_table)
+            headroom = self.layout.num_virtual_blocks((len(self.running) + 1) * self.layout.block_size)
+            if self.running and self.pool.num_free - missing < headroom:
+                break
             if not self._grow(seq, seq.num_computed_tokens + chunk):
                 break
             self.waiting.popleft()
@@ -120,8 +128,11 @@ class Scheduler:
 
         if not chosen:
             return None
-        seqs = [seq for seq, _ in chosen.values()]
-        query_lens = [n for _, n in chosen.values()]
+        # one-token rows first, longest context first: attention pads each run of them to its longest
+        # request, and sorted runs split into groups of similar lengths (AttentionMetadata)
+        items = sorted(chosen.values(), key=lambda item: (item[1] != 1, -item[0].num_computed_tokens))
+        seqs = [seq for seq, _ in items]
+        query_lens = [n for _, n in items]
         context_lens = [s.num_computed_tokens for s in seqs]
         sample = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, query_lens)]
         return ScheduledBatch(seqs, query_lens, context_lens, sample)

@@ -109,6 +109,14 @@ class LatentUpProjection(nn.Module):
         w_uk = self.weight[: len(self.q_heads) * self.nope_dim].view(len(self.q_heads), self.nope_dim, self.latent_dim)
         return torch.einsum("thn,hnc->thc", q_nope, w_uk)
 
+    def expand_kv(self, c_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[t, c] -> per-head keys [t, H_l, n] and values [t, H_l, v] of this rank's own heads."""
+        first = self.own_heads.start - self.q_heads.start  # own heads inside the query span
+        w_uk = self.weight[: len(self.q_heads) * self.nope_dim].view(len(self.q_heads), self.nope_dim, self.latent_dim)
+        w_uk = w_uk[first : first + len(self.own_heads)]
+        w_uv = self.weight[len(self.q_heads) * self.nope_dim :].view(len(self.own_heads), self.v_dim, self.latent_dim)
+        return torch.einsum("tc,hnc->thn", c_kv, w_uk), torch.einsum("tc,hvc->thv", c_kv, w_uv)
+
     def expand_output(self, latent: torch.Tensor) -> torch.Tensor:
         """[t, H_l, c] -> [t, H_l, v]: the attention-weighted latent through each head's W_UV."""
         w_uv = self.weight[len(self.q_heads) * self.nope_dim :].view(len(self.own_heads), self.v_dim, self.latent_dim)
@@ -155,10 +163,26 @@ class DeepseekV2MLAAttention(nn.Module):
         k_pe = apply_rotary(k_pe.unsqueeze(1), cos, sin, self.rope_interleaved)  # [t, 1, r], cached rotated
         q_latent = torch.cat([self.kv_b_proj.absorb_query(q_nope), q_pe], dim=-1)  # [t, H_q, c+r]
         latent_kv = torch.cat([c_kv.unsqueeze(1), k_pe], dim=-1)  # [t, 1, c+r]: what the cache stores
+        chunk = self._chunk_attention_inputs(q_nope, q_pe, c_kv, k_pe) if meta.has_prefill else None
         o = self.attn.forward(
-            q_latent, latent_kv, latent_kv[..., : self.latent_dim], cache, meta, q_spans_dcp_group=self.replicate_q
-        )  # [t, H_l, c]
-        return self.o_proj(self.kv_b_proj.expand_output(o).flatten(1))  # [t, H_l*v] -> [t, D]
+            q_latent, latent_kv, latent_kv[..., : self.latent_dim], cache, meta, q_spans_dcp_group=self.replicate_q,
+            value_map=self.kv_b_proj.expand_output, chunk=chunk,
+        )  # [t, H_l, v]
+        return self.o_proj(o.flatten(1))  # [t, H_l*v] -> [t, D]
+
+    def _chunk_attention_inputs(self, q_nope, q_pe, c_kv, k_pe) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A prefill chunk attends to itself in the expanded form: keys of n + r and values of v
+        channels per head, against c + r channels both ways in the absorbed form (the same scores:
+        q_nope . (W_UK c) == (q_nope W_UK) . c). Many queries against as many keys pay for channels,
+        so the smaller form is used there; cached context stays absorbed (the cache holds latents)."""
+        if self.replicate_q:  # the group's heads: keep this rank's own
+            own = self.kv_b_proj.own_heads.start - self.kv_b_proj.q_heads.start
+            q_nope = q_nope[:, own : own + self.attn.num_heads]
+            q_pe = q_pe[:, own : own + self.attn.num_heads]
+        k_nope, v = self.kv_b_proj.expand_kv(c_kv)  # [t, H_l, n], [t, H_l, v]
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, k_nope.shape[1], -1)], dim=-1)
+        return q, k, v
 
 
 class DeepseekV2MLP(nn.Module):
