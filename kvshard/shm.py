@@ -18,8 +18,9 @@ the data), so this is used there only; elsewhere, and for messages larger than
 a slot, the gloo collective runs instead (the choice depends only on the
 message size, so every rank makes the same one).
 
-A waiting rank spins briefly, then yields its core, then sleeps in short
-naps; it checks that its peers' processes are alive, so a dead rank makes it
+A waiting rank spins briefly, then yields its core, then sleeps in naps of
+up to 1 ms (10 ms after a second of waiting: an idle worker costs nearly no
+CPU); it checks that its peers' processes are alive, so a dead rank makes it
 raise within a fraction of a second instead of waiting forever.
 """
 
@@ -138,7 +139,10 @@ class ShmGroup:
     def all_reduce_(self, x: torch.Tensor, timeout_s: float) -> torch.Tensor:
         """Sum over ranks into x, in rank order (the same bits on every rank)."""
         gathered = self.all_gather(x, timeout_s)
-        torch.sum(gathered, dim=0, out=x) if x.is_contiguous() else x.copy_(gathered.sum(0))
+        if x.is_contiguous():
+            torch.sum(gathered, dim=0, out=x)
+        else:
+            x.copy_(gathered.sum(0))
         return x
 
     def reduce_scatter(self, x: torch.Tensor, timeout_s: float) -> torch.Tensor:
@@ -206,8 +210,8 @@ class ShmGroup:
                     raise TimeoutError(f"a shared-memory collective waited {timeout_s:.0f} s for its peers")
             if now - start < 0.002:
                 os.sched_yield()
-            else:  # idle (a worker waiting for the next plan): nap, up to 1 ms
-                nap = min(0.001, nap + 0.00005)
+            else:  # a peer is busy, or idle (a worker waiting for the next plan): nap longer and longer
+                nap = min(0.001 if now - start < 1.0 else 0.01, nap + 0.00005)
                 time.sleep(nap)
 
     def _check_peers(self, ranks: list[int]) -> None:

@@ -46,17 +46,23 @@ def _collectives(name: str, index: int, barrier, results) -> None:
     barrier.wait()
 
 
-def test_collectives_give_the_arithmetic_on_every_rank():
+def _run_ranks(target) -> tuple[dict, list[int], str]:
+    """Run `target(name, index, barrier, results)` in SIZE processes: (results, exit codes, segment name)."""
     context = multiprocessing.get_context("spawn")
     manager = context.Manager()
     results, barrier = manager.dict(), context.Barrier(SIZE)
     name = f"kvshard-test-{uuid.uuid4().hex[:8]}"
-    procs = [context.Process(target=_collectives, args=(name, i, barrier, results)) for i in range(SIZE)]
+    procs = [context.Process(target=target, args=(name, i, barrier, results)) for i in range(SIZE)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(60)
-    assert [p.exitcode for p in procs] == [0] * SIZE
+    return dict(results), [p.exitcode for p in procs], name
+
+
+def test_collectives_give_the_arithmetic_on_every_rank():
+    results, exit_codes, name = _run_ranks(_collectives)
+    assert exit_codes == [0] * SIZE
     assert not os.path.exists(f"/dev/shm/{name}")
     for index in range(SIZE):
         out = results[index]
@@ -84,15 +90,7 @@ def _wait_for_the_dead(name: str, index: int, barrier, results) -> None:
 
 
 def test_a_dead_peer_makes_the_others_raise_quickly():
-    context = multiprocessing.get_context("spawn")
-    manager = context.Manager()
-    results, barrier = manager.dict(), context.Barrier(SIZE)
-    name = f"kvshard-test-{uuid.uuid4().hex[:8]}"
-    procs = [context.Process(target=_wait_for_the_dead, args=(name, i, barrier, results)) for i in range(SIZE)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
+    results, _, _ = _run_ranks(_wait_for_the_dead)
     for index in (0, 1):
         message, waited = results[index]
         assert "rank 2" in message and "exited" in message
