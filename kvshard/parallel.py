@@ -177,8 +177,9 @@ def shutdown_parallel(state: ParallelState) -> None:
 _TIMEOUT_S = COLLECTIVE_TIMEOUT.total_seconds()
 
 
-def _shm_for(group: ShmGroup | None, x: torch.Tensor, factor: int = 1) -> ShmGroup | None:
-    return group if group is not None and group.fits(x.numel() * x.element_size() * factor) else None
+def _shm_for(group: ShmGroup | None, x: torch.Tensor) -> ShmGroup | None:
+    """The shared-memory group if there is one and x fits its slots; else None (gloo)."""
+    return group if group is not None and group.fits(x.numel() * x.element_size()) else None
 
 
 def tp_all_reduce(x: torch.Tensor, state: ParallelState) -> torch.Tensor:

@@ -91,7 +91,6 @@ class ShmGroup:
         self._words = memoryview(self._map).cast("B").cast("q")  # flags and pids
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8, count=total - header, offset=header)
         self._op = 0
-        self._pids: list[int] = []
         self._words[self._pid_word(index)] = os.getpid()
         self._words[self._flag_word(index)] = 0
 
@@ -129,8 +128,10 @@ class ShmGroup:
         """[*shape] from every rank -> [size, *shape] in rank order."""
         x = x.contiguous()
         nbytes = x.numel() * x.element_size()
-        parts = self._exchange(x.view(-1).view(torch.uint8), nbytes, timeout_s)
         out = torch.empty((self.size, *x.shape), dtype=x.dtype)
+        if nbytes == 0:  # every rank has the same shape: all of them skip the exchange
+            return out
+        parts = self._exchange(x.view(-1).view(torch.uint8), nbytes, timeout_s)
         flat = out.view(self.size, -1).view(torch.uint8)
         for rank, part in enumerate(parts):
             flat[rank].copy_(part)

@@ -138,3 +138,18 @@ def test_fused_kernel_in_bfloat16_is_close_to_float32():
     assert out.dtype == torch.float32 and lse.dtype == torch.float32
     torch.testing.assert_close(out, ref_out, atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(lse, ref_lse, atol=3e-2, rtol=3e-2)
+
+
+def test_fused_kernel_with_value_and_key_of_different_sizes():
+    """MLA's expanded chunk attention: keys of n + r channels, values of v (smaller, padded inside);
+    and the other way round."""
+    from kvshard.attention.merge import reference_attention_with_lse
+
+    g = torch.Generator().manual_seed(5)
+    for dk, dv in [(24, 8), (8, 24)]:
+        q, k, v = torch.randn(1, 7, 4, dk, generator=g), torch.randn(1, 7, 4, dk, generator=g), torch.randn(1, 7, 4, dv, generator=g)
+        out, lse = attention_with_lse(q, k, v, None, 0.3, causal=True)
+        ref_out, ref_lse = reference_attention_with_lse(q, k, v, _causal_bias(7), 0.3)
+        assert out.shape == (1, 7, 4, dv)
+        torch.testing.assert_close(out, ref_out)
+        torch.testing.assert_close(lse, ref_lse)
