@@ -107,8 +107,8 @@ class DCPAttention:
         if meta.uses_context:
             out, lse = self._attend_context(q_group, cache, meta)  # [t, N*H_l, dv], [t, N*H_l]
             out, lse = self._merge_over_group(out, lse)  # [t, H_l, dv], [t, H_l]
-            if value_map is not None:
-                out = value_map(out)
+            if value_map is not None:  # in the model's dtype, as its weights; merged in float32
+                out = value_map(out.to(q.dtype)).float()
         if meta.has_prefill:
             chunk_out, chunk_lse = self._attend_chunks(*(chunk if chunk is not None else (q, k, v)), meta)
             if out is None:
