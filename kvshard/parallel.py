@@ -101,7 +101,11 @@ def init_parallel(
         if rank in ranks:
             dcp_group = group
     dcp = parallel.decode_context_parallel_size
-    tp_shm, dcp_shm = _shared_memory_groups(parallel, rank, device, control)
+    try:
+        tp_shm, dcp_shm = _shared_memory_groups(parallel, rank, device, control)
+    except BaseException:
+        dist.destroy_process_group()  # a peer died while connecting: leave no process group behind
+        raise
     return ParallelState(
         rank=rank,
         world_size=world,
@@ -152,10 +156,12 @@ def _shared_memory_groups(parallel: ParallelConfig, rank: int, device: torch.dev
                 groups[key] = ShmGroup(f"kvshard-{name}-{key}", len(ranks), ranks.index(rank), create=creating,
                                        slot_bytes=slot)
 
-    ok = agreed(lambda: attach(True)) and agreed(lambda: attach(False))
-    for key, group in groups.items():  # every rank has mapped its segments (or given up): drop the names
-        if mine[key][0] == rank:
-            group.unlink()
+    try:
+        ok = agreed(lambda: attach(True)) and agreed(lambda: attach(False))
+    finally:  # every rank has mapped its segments, given up, or died: drop the names either way
+        for key, group in groups.items():
+            if mine[key][0] == rank:
+                group.unlink()
     if not ok:
         for group in groups.values():
             group.close()

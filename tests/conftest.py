@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 from pathlib import Path
 
@@ -9,6 +10,15 @@ import pytest
 
 # Built-in demo models go to a per-session cache, never to the user's home.
 os.environ.setdefault("KVSHARD_CACHE_DIR", str(Path(__file__).parent.parent / ".pytest_cache" / "kvshard"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shared_memory_left_behind():
+    """Every shared-memory segment the ranks create is unlinked once mapped, also when a run fails."""
+    before = set(glob.glob("/dev/shm/kvshard-*"))
+    yield
+    left = set(glob.glob("/dev/shm/kvshard-*")) - before
+    assert not left, f"shared-memory segments left behind: {sorted(left)}"
 
 
 def save_hf_checkpoint(config, directory: Path, seed: int = 0) -> Path:

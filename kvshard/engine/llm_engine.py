@@ -74,6 +74,13 @@ class LLMEngine:
         self.device = pick_device(0)
         try:
             self.parallel = init_parallel(config.parallel, 0, master or ("", 0), self.device, check_peers)
+        except Exception as error:
+            dead = self._name_dead_rank() if not isinstance(error, RankDiedError) else None
+            if self.local_ranks is not None:
+                self.local_ranks.join(timeout=5)
+            if dead is not None:  # say which rank, not just which socket broke
+                raise RankDiedError(f"{dead} while the ranks were connecting") from error
+            raise
         except BaseException:
             if self.local_ranks is not None:
                 self.local_ranks.join(timeout=5)
