@@ -293,3 +293,23 @@ def test_python_m_kvshard_bench_runs_without_the_main_cli():
     done = subprocess.run([sys.executable, "-m", "kvshard.bench", "throughput", "--help"], capture_output=True,
                           text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 0 and "--engine" in done.stdout
+
+
+def test_vllm_runs_in_the_dtype_kvshard_resolves(monkeypatch, capsys):
+    """vLLM's own dtype="auto" turns a float32 checkpoint into bfloat16 on CPU: the comparison
+    passes kvshard's resolved dtype instead (vLLM itself is replaced by a recorder here)."""
+    import kvshard.bench.throughput as throughput
+
+    seen = []
+
+    def fake_vllm(model_path, engine_kwargs, requests, repeats, progress):
+        seen.append(engine_kwargs)
+        return [1.0], sum(r.output_len for r in requests), dict(engine_kwargs)
+
+    monkeypatch.setattr(throughput, "run_vllm", fake_vllm)
+    monkeypatch.setattr(throughput, "engine_version", lambda engine: "recorded")
+    for flag, want in [("auto", "float32"), ("bfloat16", "bfloat16")]:
+        assert bench_main(["throughput", MODEL, "--engine", "vllm", "--dtype", flag, "--num-prompts", "2",
+                           "--input-len", "8", "--output-len", "4", "--no-progress"]) == 0
+        assert seen[-1]["dtype"] == want
+    assert "Throughput (vllm" in capsys.readouterr().out
