@@ -151,10 +151,13 @@ class AsyncLLMEngine:
                 if not self._apply_commands(wait=not busy):
                     break
                 if self.engine.has_unfinished_requests():
-                    self._deliver(self.engine.step())
+                    outputs = self.engine.step()
+                    # counted before delivered: a client that scrapes /metrics after its answer sees its tokens
+                    self.metrics.record_stats(self.engine.stats())
+                    self._deliver(outputs)
                 else:
                     self.engine.heartbeat()  # an idle server still notices a rank lost on another node
-                self.metrics.record_stats(self.engine.stats())
+                    self.metrics.record_stats(self.engine.stats())
         except EngineDeadError as error:
             logger.error("engine is dead: %s", error)
             self._fail(str(error))
