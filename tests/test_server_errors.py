@@ -44,8 +44,9 @@ def test_port_in_use_is_a_flag_error():
 
 @pytest.fixture
 def doomed_server(tmp_path):
-    # one running request at a time, so a second one waits in the queue
-    server = Server([*SERVE_ARGS, "--max-num-seqs", "1"], tmp_path / "log")
+    # one running request at a time, so a second one waits in the queue; requests long enough
+    # (4,000 tokens, tens of seconds) to be still running when the rank is killed
+    server = Server([*SERVE_ARGS, "--max-num-seqs", "1", "--max-model-len", "4096"], tmp_path / "log")
     yield server
     server.stop()
 
@@ -55,7 +56,7 @@ def test_killed_rank_fails_running_waiting_and_new_requests_within_10_seconds(do
     client = server.client(timeout=30)
 
     def long_stream():
-        return client.completions.create(model=MODEL, prompt="Hello", max_tokens=400, stream=True,
+        return client.completions.create(model=MODEL, prompt="Hello", max_tokens=4000, stream=True,
                                          extra_body={"ignore_eos": True})
 
     running = long_stream()
