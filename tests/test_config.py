@@ -12,20 +12,20 @@ from kvshard import LLM, ConfigError
 from kvshard.config import EngineConfig, parse_memory_size
 
 
+def _tiny_llama(num_kv_heads: int) -> LlamaConfig:
+    return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=num_kv_heads, max_position_embeddings=256,
+                       architectures=["LlamaForCausalLM"])
+
+
 @pytest.fixture(scope="module")
 def one_kv_head(checkpoints):
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=256,
-                         architectures=["LlamaForCausalLM"])
-    return checkpoints("config-llama", config)
+    return checkpoints("config-llama", _tiny_llama(1))
 
 
 @pytest.fixture(scope="module")
 def two_kv_heads(checkpoints):
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         architectures=["LlamaForCausalLM"])
-    return checkpoints("config-llama-2kv", config)
+    return checkpoints("config-llama-2kv", _tiny_llama(2))
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -403,22 +403,10 @@ class OpenAIServer:
         envelope = {"id": request_id, "object": "text_completion", "created": created, "model": body.model}
 
         if body.stream:
-            async def events() -> AsyncIterator[str]:
-                completion_tokens = 0
-                try:
-                    async for delta in _deltas(self.engine, request_id, prompts, params):
-                        completion_tokens += len(delta.token_ids)
-                        choice = {"index": delta.index, "text": delta.text,
-                                  "logprobs": self._completion_logprobs(delta.token_ids, delta.logprobs),
-                                  "finish_reason": delta.finish_reason}
-                        yield _sse({**envelope, "choices": [choice]})
-                    if body.include_usage:
-                        yield _sse({**envelope, "choices": [], "usage": _usage(prompts, completion_tokens)})
-                except EngineDeadError as error:
-                    yield _sse(_engine_dead(str(error)).body())
-                yield _sse("[DONE]")
-
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return self._stream(envelope, request_id, prompts, params, body.include_usage, lambda delta: {
+                "index": delta.index, "text": delta.text,
+                "logprobs": self._completion_logprobs(delta.token_ids, delta.logprobs),
+                "finish_reason": delta.finish_reason})
 
         outputs = await _unless_disconnected(request, _final_outputs(self.engine, request_id, prompts, params))
         if outputs is None:
@@ -445,26 +433,12 @@ class OpenAIServer:
         top = body.top_logprobs or 0
 
         if body.stream:
-            async def events() -> AsyncIterator[str]:
-                completion_tokens = 0
-                for index in range(params.n):
-                    choice = {"index": index, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}
-                    yield _sse({**envelope, "choices": [choice]})
-                try:
-                    async for delta in _deltas(self.engine, request_id, prompts, params):
-                        completion_tokens += len(delta.token_ids)
-                        choice = {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
-                                  "logprobs": self._chat_logprobs(delta.token_ids, delta.logprobs, top),
-                                  "finish_reason": delta.finish_reason}
-                        yield _sse({**envelope, "choices": [choice]})
-                    if body.include_usage:
-                        yield _sse({**envelope, "choices": [], "usage": _usage(prompts, completion_tokens)})
-                except EngineDeadError as error:
-                    yield _sse(_engine_dead(str(error)).body())
-                yield _sse("[DONE]")
-
-            return StreamingResponse(events(), media_type="text/event-stream")
+            roles = [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for index in range(params.n)]
+            return self._stream(envelope, request_id, prompts, params, body.include_usage, lambda delta: {
+                "index": delta.index, "delta": {"content": delta.text} if delta.text else {},
+                "logprobs": self._chat_logprobs(delta.token_ids, delta.logprobs, top),
+                "finish_reason": delta.finish_reason}, first_choices=roles)
 
         outputs = await _unless_disconnected(request, _final_outputs(self.engine, request_id, prompts, params))
         if outputs is None:
@@ -477,6 +451,27 @@ class OpenAIServer:
         return JSONResponse({**envelope, "object": "chat.completion", "choices": choices, "usage": usage})
 
     # --- helpers ------------------------------------------------------------------------
+    def _stream(self, envelope: dict, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                include_usage: bool, choice: Callable[[_ChoiceDelta], dict],
+                first_choices: list[dict] | None = None) -> StreamingResponse:
+        """SSE: `first_choices` one event each, then one event per delta (shaped by `choice`), the usage
+        if asked for, an error event if the engine dies, and [DONE]."""
+        async def events() -> AsyncIterator[str]:
+            for first in first_choices or []:
+                yield _sse({**envelope, "choices": [first]})
+            completion_tokens = 0
+            try:
+                async for delta in _deltas(self.engine, request_id, prompts, params):
+                    completion_tokens += len(delta.token_ids)
+                    yield _sse({**envelope, "choices": [choice(delta)]})
+                if include_usage:
+                    yield _sse({**envelope, "choices": [], "usage": _usage(prompts, completion_tokens)})
+            except EngineDeadError as error:
+                yield _sse(_engine_dead(str(error)).body())
+            yield _sse("[DONE]")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
     def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it cannot chat: use /v1/completions with token ids",
