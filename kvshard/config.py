@@ -1,7 +1,8 @@
 """Engine configuration: one dataclass per concern, validated before any process starts.
 
-Every error a user can cause here raises `ConfigError` with a message that says
-what to change; nothing is spawned until `EngineConfig.create` has returned.
+The settings a user gives, their defaults and checks live in `EngineArgs`
+(kvshard/engine/arg_utils.py), which builds these; every error a user can cause
+raises `ConfigError` with a message that says what to change, before any process starts.
 """
 
 from __future__ import annotations
@@ -10,13 +11,15 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
 
-INTERLEAVE_ENV_VARS = ("KVSHARD_DCP_KV_INTERLEAVE_SIZE", "VLLM_DCP_KV_INTERLEAVE_SIZE")
-DEFAULT_KV_CACHE_MEMORY = "1GiB"
+from kvshard.kv.layout import DCPLayout
+from kvshard.models.demo import DEMO_MODELS, ensure_demo_model
+from kvshard.models.registry import MLA_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -63,10 +66,10 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None) -> tor
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = 1
-    decode_context_parallel_size: int = 1
-    dcp_kv_interleave_size: int = 1
-    dcp_replicate_q: bool = False
+    tensor_parallel_size: int
+    decode_context_parallel_size: int
+    dcp_kv_interleave_size: int
+    dcp_replicate_q: bool
 
     @property
     def world_size(self) -> int:
@@ -85,16 +88,17 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    kv_cache_memory: int = parse_memory_size(DEFAULT_KV_CACHE_MEMORY)
-    num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
+    block_size: int
+    kv_cache_memory: int  # bytes per rank
+    num_kv_blocks: int | None  # overrides kv_cache_memory when set
+    enable_prefix_caching: bool
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
 
 
 @dataclass(frozen=True)
@@ -138,7 +142,13 @@ class EngineConfig:
     parallel: ParallelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
-    seed: int = 0
+    seed: int
+
+    @cached_property
+    def dcp_layout(self) -> DCPLayout:
+        """Where each token's K/V lives in its DCP group: one object for the scheduler and every runner."""
+        p = self.parallel
+        return DCPLayout(self.cache.block_size, p.decode_context_parallel_size, p.dcp_kv_interleave_size)
 
     # --- KV accounting (DESIGN.md section 6), all per rank -------------------
     @property
@@ -172,7 +182,7 @@ class EngineConfig:
 
     @property
     def tokens_per_virtual_block(self) -> int:
-        return self.cache.block_size * self.parallel.decode_context_parallel_size
+        return self.dcp_layout.tokens_per_virtual_block
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -204,138 +214,25 @@ class EngineConfig:
         ]
         return "\n".join(lines)
 
-    # --- construction ------------------------------------------------------
-    @classmethod
-    def create(
-        cls,
-        model: str | os.PathLike,
-        tensor_parallel_size: int = 1,
-        decode_context_parallel_size: int = 1,
-        dcp_kv_interleave_size: int | None = None,
-        dcp_replicate_q: bool = False,
-        block_size: int = 16,
-        max_model_len: int | None = None,
-        kv_cache_memory: int | str | None = None,
-        num_kv_blocks: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int | None = None,
-        dtype: str | torch.dtype = "auto",
-        seed: int = 0,
-    ) -> "EngineConfig":
-        model_config = load_model_config(model, dtype)
-        interleave = _resolve_interleave(dcp_kv_interleave_size)
-        parallel = ParallelConfig(
-            tensor_parallel_size, decode_context_parallel_size, interleave, dcp_replicate_q
-        )
-        _validate_parallel(parallel, model_config)
-        _check_positive("block_size", block_size)
-        if block_size % interleave != 0:
-            raise ConfigError(
-                f"block_size={block_size} is not a multiple of dcp_kv_interleave_size={interleave}: "
-                f"choose an interleave size that divides the block size (1 or {block_size}, say)"
-            )
-        window = model_config.sliding_window
-        if max_model_len is None:
-            max_model_len = min(model_config.max_position_embeddings, window or model_config.max_position_embeddings)
-        _check_positive("max_model_len", max_model_len)
-        if window is not None and max_model_len > window:
-            raise ConfigError(
-                f"max_model_len={max_model_len} exceeds the model's sliding window of {window} tokens, "
-                f"which kvshard does not implement: use --max-model-len {window} or less"
-            )
-        if max_model_len > model_config.max_position_embeddings:
-            raise ConfigError(
-                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-                f"{model_config.max_position_embeddings}: lower --max-model-len"
-            )
-        if num_kv_blocks is not None:
-            _check_positive("num_kv_blocks", num_kv_blocks)
-        cache = CacheConfig(
-            block_size,
-            parse_memory_size(kv_cache_memory if kv_cache_memory is not None else DEFAULT_KV_CACHE_MEMORY),
-            num_kv_blocks,
-        )
-        _check_positive("max_num_seqs", max_num_seqs)
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(512, max_num_seqs)
-        _check_positive("max_num_batched_tokens", max_num_batched_tokens)
-        if max_num_batched_tokens < max_num_seqs:
-            raise ConfigError(
-                f"max_num_batched_tokens={max_num_batched_tokens} is below max_num_seqs={max_num_seqs}: "
-                "every running request needs one token per decode step"
-            )
-        scheduler = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len)
-        config = cls(model_config, parallel, cache, scheduler, seed)
-        if config.kv_capacity_tokens < max_model_len:
-            raise ConfigError(
-                f"the KV cache holds {config.kv_capacity_tokens:,} tokens ({config.num_kv_blocks} blocks per rank), "
-                f"fewer than one request of max_model_len={max_model_len}: raise --kv-cache-memory, "
-                "raise --dcp, or lower --max-model-len"
-            )
-        return config
-
-
-def _check_positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _resolve_interleave(flag_value: int | None) -> int:
-    """The flag wins; then KVSHARD_..., then VLLM_... (for existing recipes); default 1."""
-    if flag_value is not None:
-        _check_positive("dcp_kv_interleave_size", flag_value)
-        return flag_value
-    for name in INTERLEAVE_ENV_VARS:
-        raw = os.environ.get(name)
-        if raw is not None and raw.strip():
-            try:
-                value = int(raw)
-            except ValueError:
-                raise ConfigError(f"{name}={raw!r} is not an integer") from None
-            _check_positive(name, value)
-            return value
-    return 1
-
-
-def _validate_parallel(parallel: ParallelConfig, model: ModelConfig) -> None:
-    tp, dcp = parallel.tensor_parallel_size, parallel.decode_context_parallel_size
-    _check_positive("tensor_parallel_size", tp)
-    _check_positive("decode_context_parallel_size", dcp)
-    if tp % dcp != 0:
-        raise ConfigError(
-            f"tensor_parallel_size={tp} is not divisible by decode_context_parallel_size={dcp}: "
-            "DCP groups are slices of the TP ranks, so choose a dcp that divides tp"
-        )
-    cfg = model.hf_config
-    heads = cfg.num_attention_heads
-    if heads % tp != 0:
-        raise ConfigError(
-            f"the model has {heads} attention heads, not divisible by tensor_parallel_size={tp}: "
-            "choose a tp that divides the head count"
-        )
-    if model.is_mla:
-        return
-    kv_heads = model.num_kv_heads
-    if tp > kv_heads and tp % kv_heads != 0:
-        raise ConfigError(
-            f"tensor_parallel_size={tp} is not a multiple of the model's {kv_heads} KV heads"
-        )
-    if tp <= kv_heads and kv_heads % tp != 0:
-        raise ConfigError(f"the model's {kv_heads} KV heads do not divide over tensor_parallel_size={tp}")
-    replicas = max(1, tp // kv_heads)
-    if dcp > replicas:
-        raise ConfigError(
-            f"decode_context_parallel_size={dcp} exceeds tp / num_kv_heads = {tp}/{kv_heads} = {replicas}: "
-            "a DCP group must consist of ranks holding the same KV head, so use "
-            f"--dcp {replicas} or less, or raise --tensor-parallel-size"
-        )
-
 
 # --- model directory ---------------------------------------------------------
 
-def load_model_config(model: str | os.PathLike, dtype: str | torch.dtype = "auto") -> ModelConfig:
-    from kvshard.models.registry import MLA_ARCHITECTURES, SUPPORTED_ARCHITECTURES, resolve_model_path
+def resolve_model_path(model: str | os.PathLike) -> Path:
+    """A directory on disk, or the name of a built-in demo model (created on first use)."""
+    if str(model) in DEMO_MODELS:
+        return ensure_demo_model(str(model))
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ConfigError(
+            f"model {str(model)!r} is neither a directory nor a built-in demo model "
+            f"({', '.join(DEMO_MODELS)}); kvshard never downloads weights: pass a local checkpoint directory"
+        )
+    if not path.is_dir():
+        raise ConfigError(f"model {str(model)!r} is a file; pass the checkpoint directory that holds config.json")
+    return path.resolve()
 
+
+def load_model_config(model: str | os.PathLike, dtype: str | torch.dtype = "auto") -> ModelConfig:
     path = resolve_model_path(model)
     config_file = path / "config.json"
     if not config_file.is_file():

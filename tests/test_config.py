@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing
 
@@ -10,12 +11,17 @@ from transformers import LlamaConfig
 
 from kvshard import LLM, ConfigError
 from kvshard.config import EngineConfig, parse_memory_size
+from kvshard.engine.arg_utils import EngineArgs
 
 
 def _tiny_llama(num_kv_heads: int) -> LlamaConfig:
     return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                        num_attention_heads=4, num_key_value_heads=num_kv_heads, max_position_embeddings=256,
                        architectures=["LlamaForCausalLM"])
+
+
+def _config(model, **kwargs) -> EngineConfig:
+    return EngineArgs(str(model), **kwargs).create_engine_config()
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +58,7 @@ def test_gqa_dcp_beyond_kv_head_replicas_is_rejected(two_kv_heads):
     # tp=4 over 2 KV heads: each head has 2 replicas, so a DCP group can have at most 2 ranks
     with pytest.raises(ConfigError, match=r"exceeds tp / num_kv_heads = 4/2 = 2: .*--dcp 2"):
         LLM(str(two_kv_heads), tensor_parallel_size=4, decode_context_parallel_size=4)
-    EngineConfig.create(two_kv_heads, tensor_parallel_size=4, decode_context_parallel_size=2)  # the fix works
+    _config(two_kv_heads, tensor_parallel_size=4, decode_context_parallel_size=2)  # the fix works
     assert multiprocessing.active_children() == []
 
 
@@ -69,25 +75,25 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
 
 def test_interleave_comes_from_the_environment_and_the_flag_wins(one_kv_head, monkeypatch):
     monkeypatch.setenv("VLLM_DCP_KV_INTERLEAVE_SIZE", "4")
-    assert EngineConfig.create(one_kv_head).parallel.dcp_kv_interleave_size == 4
+    assert _config(one_kv_head).parallel.dcp_kv_interleave_size == 4
     monkeypatch.setenv("KVSHARD_DCP_KV_INTERLEAVE_SIZE", "8")
-    assert EngineConfig.create(one_kv_head).parallel.dcp_kv_interleave_size == 8
-    assert EngineConfig.create(one_kv_head, dcp_kv_interleave_size=2).parallel.dcp_kv_interleave_size == 2
+    assert _config(one_kv_head).parallel.dcp_kv_interleave_size == 8
+    assert _config(one_kv_head, dcp_kv_interleave_size=2).parallel.dcp_kv_interleave_size == 2
     monkeypatch.setenv("KVSHARD_DCP_KV_INTERLEAVE_SIZE", "x")
     with pytest.raises(ConfigError, match="KVSHARD_DCP_KV_INTERLEAVE_SIZE='x' is not an integer"):
-        EngineConfig.create(one_kv_head)
+        _config(one_kv_head)
 
 
 def test_dcp_groups_are_contiguous_slices_of_tp(one_kv_head):
-    config = EngineConfig.create(one_kv_head, tensor_parallel_size=4, decode_context_parallel_size=2)
+    config = _config(one_kv_head, tensor_parallel_size=4, decode_context_parallel_size=2)
     assert config.parallel.dcp_groups() == [[0, 1], [2, 3]]
     assert config.parallel.world_size == 4
 
 
 def test_kv_budget_in_blocks_scales_capacity_with_dcp(one_kv_head):
     # per rank: 1 layer x 1 KV head x (K + V) x 8 dims x 4 bytes = 64 bytes per slot
-    one = EngineConfig.create(one_kv_head, tensor_parallel_size=4, kv_cache_memory="64KiB", block_size=16)
-    four = EngineConfig.create(one_kv_head, tensor_parallel_size=4, decode_context_parallel_size=4,
+    one = _config(one_kv_head, tensor_parallel_size=4, kv_cache_memory="64KiB", block_size=16)
+    four = _config(one_kv_head, tensor_parallel_size=4, decode_context_parallel_size=4,
                                kv_cache_memory="64KiB", block_size=16)
     assert one.kv_bytes_per_slot == four.kv_bytes_per_slot == 64
     assert one.num_kv_blocks == four.num_kv_blocks == 64
@@ -115,9 +121,58 @@ def test_kimi_k2_config_is_read_as_deepseek_v3_without_remote_code(checkpoints, 
     raw = json.loads((tmp_path / "config.json").read_text())
     raw.update(model_type="kimi_k2", auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config"})
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    config = EngineConfig.create(tmp_path, tensor_parallel_size=4, decode_context_parallel_size=2)
+    config = _config(tmp_path, tensor_parallel_size=4, decode_context_parallel_size=2)
     assert config.model.is_mla
     assert config.kv_bytes_per_slot == 1 * (16 + 8) * 4  # one layer, one latent of kv_lora + rope, float32
     assert "KV copies of each token across the 4 rank(s): 2 (replicated" in config.layout_report()
-    full = EngineConfig.create(tmp_path, tensor_parallel_size=4, decode_context_parallel_size=4)
+    full = _config(tmp_path, tensor_parallel_size=4, decode_context_parallel_size=4)
     assert "KV copies of each token across the 4 rank(s): 1" in full.layout_report()
+
+
+# --- EngineArgs: each setting once, for the CLI and the Python API ---------------------------------
+
+def _parsed(argv: list[str]) -> EngineArgs:
+    return EngineArgs.from_cli_args(EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(argv))
+
+
+def test_cli_defaults_are_the_dataclass_defaults():
+    assert _parsed([]) == EngineArgs()
+
+
+def test_flags_and_aliases_fill_the_same_fields():
+    parsed = _parsed(["some-model", "-tp", "4", "--dcp", "2", "--dcp-kv-interleave-size", "4", "--dcp-replicate-q",
+                      "--kv-cache-memory", "64MiB", "--max-model-len", "128", "--no-enable-prefix-caching"])
+    assert parsed == EngineArgs("some-model", tensor_parallel_size=4, decode_context_parallel_size=2,
+                                dcp_kv_interleave_size=4, dcp_replicate_q=True, kv_cache_memory="64MiB",
+                                max_model_len=128, enable_prefix_caching=False)
+    assert _parsed(["-dcp", "2"]) == _parsed(["--decode-context-parallel-size", "2"])
+    # what a child `kvshard serve` receives parses back to the same settings
+    assert _parsed(["some-model", *parsed.to_cli_args()]) == parsed
+
+
+@pytest.mark.parametrize("command", [["serve"], ["generate"], ["bench", "throughput"], ["bench", "decode-floor"]])
+def test_every_engine_command_takes_every_engine_flag(command):
+    from kvshard.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args([*command, "some-model", "--max-model-len", "99", "--no-enable-prefix-caching"])
+    assert EngineArgs.from_cli_args(args) == EngineArgs("some-model", max_model_len=99, enable_prefix_caching=False)
+
+
+def test_llm_keywords_are_the_engine_settings():
+    assert EngineArgs.from_kwargs("m", dcp=2) == EngineArgs("m", decode_context_parallel_size=2)
+    with pytest.raises(ConfigError, match="set the same thing"):
+        EngineArgs.from_kwargs("m", dcp=2, decode_context_parallel_size=4)
+
+
+def test_a_misspelt_llm_keyword_names_the_setting_meant(one_kv_head):
+    with pytest.raises(TypeError, match="'max_model_length' is not an engine setting; did you mean max_model_len"):
+        LLM(str(one_kv_head), max_model_length=64)
+    assert multiprocessing.active_children() == []
+
+
+def test_the_dcp_layout_is_one_object_built_from_the_config(one_kv_head):
+    config = _config(one_kv_head, tensor_parallel_size=4, decode_context_parallel_size=2,
+                     dcp_kv_interleave_size=4)
+    layout = config.dcp_layout
+    assert layout is config.dcp_layout
+    assert (layout.block_size, layout.dcp_size, layout.interleave) == (16, 2, 4)

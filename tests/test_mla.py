@@ -17,6 +17,7 @@ from transformers import DeepseekV2Config, DeepseekV3Config
 
 from kvshard import LLM, SamplingParams
 from kvshard.config import EngineConfig
+from kvshard.engine.arg_utils import EngineArgs
 
 BLOCK_SIZE = 4  # a virtual block at dcp=4 is 16 tokens: the longer prompts span several
 NEW_TOKENS = 32
@@ -297,7 +298,7 @@ def test_tp_without_dcp_reports_a_full_latent_copy_on_every_rank(run):
 
 
 def test_default_demo_is_a_small_deepseek_v3_moe():
-    config = EngineConfig.create("kvshard-demo", tensor_parallel_size=2, decode_context_parallel_size=2)
+    config = EngineArgs("kvshard-demo", tensor_parallel_size=2, decode_context_parallel_size=2).create_engine_config()
     hf = config.model.hf_config
     assert config.model.architecture == "DeepseekV3ForCausalLM" and config.model.is_mla
     assert (hf.n_routed_experts, hf.num_experts_per_tok, hf.n_shared_experts, hf.first_k_dense_replace) == (8, 2, 1, 1)

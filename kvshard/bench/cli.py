@@ -10,12 +10,13 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
 from kvshard.bench.workloads import WORKLOADS, WorkloadSpec
-from kvshard.config import ConfigError
-from kvshard.entrypoints.cli import add_engine_args, engine_kwargs
+from kvshard.config import ConfigError, resolve_model_path
+from kvshard.engine.arg_utils import EngineArgs
 
 
 def add_bench_parser(subparsers) -> None:
@@ -75,8 +76,6 @@ def _workload_spec(args: argparse.Namespace, vocab_size: int) -> WorkloadSpec:
 
 def model_vocab_size(model: str) -> int:
     """vocab_size from the config.json of a local checkpoint or built-in demo model."""
-    from kvshard.models.registry import resolve_model_path
-
     config = json.loads((resolve_model_path(model) / "config.json").read_text())
     return int(config["vocab_size"])
 
@@ -179,22 +178,15 @@ def _add_dcp(commands) -> None:
                     "budget; run the same requests at each --concurrency; print max concurrency reached, tok/s "
                     "per rank, KV usage and what limits each layout; save a PNG plot and the JSON.",
     )
-    parser.add_argument("model", nargs="?", default="kvshard-demo", help="checkpoint directory or demo model")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=2)
+    # every server gets these engine flags; --kv-cache-memory is the same for every layout, --max-num-seqs
+    # high so that only KV limits the batch, --max-model-len by default the longest request the workload draws
+    EngineArgs.add_cli_args(parser, defaults={"tensor_parallel_size": 2, "kv_cache_memory": "7MiB",
+                                              "max_num_seqs": 256}, exclude=("decode_context_parallel_size",))
     parser.add_argument("--dcp", type=int, nargs="+", default=[2], help="DCP sizes to compare with tp alone")
-    parser.add_argument("--kv-cache-memory", default="7MiB",
-                        help="KV budget per rank, the same for every layout (default 7MiB)")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="default: the longest request the workload can draw")
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="high, so that only KV limits the batch")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--concurrency", type=_positive_ints, default=[1, 2, 4, 8, 16],
                         help="client concurrencies to sweep (default 1,2,4,8,16)")
     parser.add_argument("--prompts-per-concurrency", type=int, default=2,
                         help="each point sends concurrency x this many requests (default 2)")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", default=None, help="where the JSON, PNG and server logs go "
                                                            "(default bench-results/dcp-TIMESTAMP)")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
@@ -213,11 +205,11 @@ def _run_dcp(args: argparse.Namespace) -> int:
     if args.prompts_per_concurrency < 1:
         raise ConfigError("--prompts-per-concurrency must be at least 1")
     spec = _workload_spec(args, _vocab_size(args, args.model))
-    max_model_len = args.max_model_len or spec.max_request_len()
-    flags = ["--max-model-len", str(max_model_len), "--block-size", str(args.block_size), "--dtype", args.dtype,
-             "--seed", str(args.seed)]
-    if args.max_num_batched_tokens is not None:
-        flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    engine_args = EngineArgs.from_cli_args(args)
+    max_model_len = engine_args.max_model_len or spec.max_request_len()
+    # tp, dcp, KV budget and max-num-seqs are set per layout by the experiment
+    flags = replace(engine_args, max_model_len=max_model_len).to_cli_args(
+        exclude=("tensor_parallel_size", "decode_context_parallel_size", "kv_cache_memory", "max_num_seqs"))
     output_dir = Path(args.output_dir or f"bench-results/dcp-{_timestamp()}")
     experiment = DCPExperiment(
         model=args.model, tp=args.tensor_parallel_size, dcps=args.dcp, concurrencies=sorted(set(args.concurrency)),
@@ -246,7 +238,7 @@ def _add_throughput(commands) -> None:
                                  description="Generate N random token-id requests (seeded lengths, ignore_eos) "
                                              "with kvshard.LLM, or with vLLM's LLM for --engine vllm, and print "
                                              "requests/s, output tok/s and total tok/s.")
-    add_engine_args(parser)
+    EngineArgs.add_cli_args(parser)
     parser.add_argument("--engine", choices=ENGINES, default="kvshard")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1,
@@ -261,33 +253,31 @@ def _add_throughput(commands) -> None:
 def _run_throughput(args: argparse.Namespace) -> int:
     from kvshard.bench.report import write_json
     from kvshard.bench.throughput import format_throughput, run_kvshard, run_vllm, throughput_result
-    from kvshard.config import load_model_config, parse_memory_size
-    from kvshard.models.registry import resolve_model_path
-
     if args.repeats < 1:
         raise ConfigError("--repeats must be at least 1")
     spec = _workload_spec(args, _vocab_size(args, args.model))
     requests = spec.requests(args.num_prompts)
-    kwargs = engine_kwargs(args)
-    if kwargs["max_model_len"] is None:
-        kwargs["max_model_len"] = spec.max_request_len()
+    engine_args = EngineArgs.from_cli_args(args)
+    if engine_args.max_model_len is None:
+        engine_args = replace(engine_args, max_model_len=spec.max_request_len())
     print(f"workload: {spec.describe()}; {len(requests)} requests")
     if args.engine == "kvshard":
-        times, output_tokens, config = run_kvshard(args.model, kwargs, requests, args.repeats, not args.no_progress)
+        times, output_tokens, config = run_kvshard(engine_args, requests, args.repeats, not args.no_progress)
     else:
-        # the same dtype as kvshard: vLLM's own "auto" turns a float32 checkpoint into bfloat16
-        model_config = load_model_config(args.model, kwargs["dtype"])
+        # kvshard's resolved settings: vLLM's own dtype "auto" turns a float32 checkpoint into bfloat16
+        engine_config = engine_args.create_engine_config()
         vllm_kwargs = {
-            "tensor_parallel_size": kwargs["tensor_parallel_size"], "max_model_len": kwargs["max_model_len"],
-            "max_num_seqs": kwargs["max_num_seqs"],
-            "max_num_batched_tokens": kwargs["max_num_batched_tokens"] or max(512, kwargs["max_num_seqs"]),
-            "kv_cache_memory_bytes": parse_memory_size(kwargs["kv_cache_memory"] or "1GiB"),
-            "dtype": str(model_config.dtype).removeprefix("torch."), "seed": kwargs["seed"],
+            "tensor_parallel_size": engine_config.parallel.tensor_parallel_size,
+            "max_model_len": engine_config.scheduler.max_model_len,
+            "max_num_seqs": engine_config.scheduler.max_num_seqs,
+            "max_num_batched_tokens": engine_config.scheduler.max_num_batched_tokens,
+            "kv_cache_memory_bytes": engine_config.cache.kv_cache_memory,
+            "dtype": str(engine_config.model.dtype).removeprefix("torch."), "seed": engine_config.seed,
             # block size: vLLM CPU needs a multiple of 32, so it keeps its own
             "enforce_eager": args.vllm_enforce_eager,
         }
-        if kwargs["decode_context_parallel_size"] > 1:
-            vllm_kwargs["decode_context_parallel_size"] = kwargs["decode_context_parallel_size"]
+        if engine_config.parallel.decode_context_parallel_size > 1:
+            vllm_kwargs["decode_context_parallel_size"] = engine_config.parallel.decode_context_parallel_size
         times, output_tokens, config = run_vllm(str(resolve_model_path(args.model)), vllm_kwargs, requests,
                                                 args.repeats, not args.no_progress)
     result = throughput_result(args.engine, args.model, requests, times, output_tokens, config)
@@ -303,7 +293,7 @@ def _add_decode_floor(commands) -> None:
     parser = commands.add_parser("decode-floor", help="a large-batch decode step against its memory-bandwidth floor",
                                  description="Time decode steps of --batch-size requests of --context-len tokens and "
                                              "compare them with (weights + live KV bytes) / measured copy bandwidth.")
-    add_engine_args(parser)
+    EngineArgs.add_cli_args(parser)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--context-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed (median reported)")
@@ -315,11 +305,10 @@ def _run_decode_floor(args: argparse.Namespace) -> int:
     from kvshard.bench.decode_floor import format_decode_floor, measure_decode_floor
     from kvshard.bench.report import write_json
 
-    kwargs = engine_kwargs(args)
-    kwargs["max_num_seqs"] = max(kwargs["max_num_seqs"], args.batch_size)
-    if kwargs["max_model_len"] is None:
-        kwargs["max_model_len"] = args.context_len + args.steps + 8
-    result = measure_decode_floor(args.model, kwargs, args.batch_size, args.context_len, args.steps)
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args = replace(engine_args, max_num_seqs=max(engine_args.max_num_seqs, args.batch_size),
+                          max_model_len=engine_args.max_model_len or args.context_len + args.steps + 8)
+    result = measure_decode_floor(engine_args, args.batch_size, args.context_len, args.steps)
     print(format_decode_floor(result))
     if args.result_file:
         print(f"result: {write_json(args.result_file, result)}")

@@ -20,10 +20,15 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvshard.bench.workloads import WorkloadSpec
+
+if TYPE_CHECKING:
+    from kvshard.engine.arg_utils import EngineArgs
 
 
 def copy_bandwidth(num_bytes: int = 2**30, repeats: int = 10) -> float:
@@ -50,14 +55,14 @@ def weight_bytes_per_step(model: torch.nn.Module, batch_size: int) -> int:
     return total
 
 
-def measure_decode_floor(model: str, engine_kwargs: dict, batch_size: int, context_len: int, steps: int,
+def measure_decode_floor(engine_args: EngineArgs, batch_size: int, context_len: int, steps: int,
                          warmup_steps: int = 3, bandwidth_bytes: int = 2**30) -> dict:
     from kvshard import LLM, SamplingParams
 
     bandwidth = copy_bandwidth(bandwidth_bytes)
-    with LLM(model, **engine_kwargs) as llm:
+    with LLM(**asdict(engine_args)) as llm:
         engine, config = llm.engine, llm.config
-        spec = WorkloadSpec("random", config.model.hf_config.vocab_size, engine_kwargs.get("seed", 0),
+        spec = WorkloadSpec("random", config.model.hf_config.vocab_size, engine_args.seed,
                             input_len=context_len, output_len=warmup_steps + steps + 1)
         params = SamplingParams(temperature=0.0, max_tokens=warmup_steps + steps + 1, ignore_eos=True)
         generated: dict[str, int] = {}
@@ -91,7 +96,8 @@ def measure_decode_floor(model: str, engine_kwargs: dict, batch_size: int, conte
     kv_bytes = kv_per_token * sorted(kv_tokens)[len(kv_tokens) // 2]
     floor_s = (weights + kv_bytes) / bandwidth
     return {
-        "model": model, "engine_config": {k: v for k, v in engine_kwargs.items() if v is not None},
+        "model": engine_args.model,
+        "engine_config": {k: v for k, v in asdict(engine_args).items() if v is not None and k != "model"},
         "threads": torch.get_num_threads(),
         "batch_size": batch_size, "context_len": context_len, "steps": steps,
         "copy_bandwidth_gb_s": bandwidth / 1e9,

@@ -14,16 +14,21 @@ from __future__ import annotations
 import os
 import platform
 import time
+from dataclasses import asdict
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING
 
 from kvshard.bench.serve import request_list_digest
 from kvshard.bench.workloads import BenchRequest
+
+if TYPE_CHECKING:
+    from kvshard.engine.arg_utils import EngineArgs
 
 ENGINES = ("kvshard", "vllm")
 _WARMUP = [BenchRequest(list(range(2, 34)), 8), BenchRequest(list(range(3, 19)), 8)]
 
 
-def run_kvshard(model: str, engine_kwargs: dict, requests: list[BenchRequest], repeats: int = 1,
+def run_kvshard(engine_args: EngineArgs, requests: list[BenchRequest], repeats: int = 1,
                 progress: bool = True) -> tuple[list[float], int, dict]:
     """(seconds of each repeat, output tokens of one, engine description) of kvshard generate calls."""
     from kvshard import LLM, SamplingParams
@@ -31,7 +36,7 @@ def run_kvshard(model: str, engine_kwargs: dict, requests: list[BenchRequest], r
     def params(r: BenchRequest) -> SamplingParams:
         return SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
 
-    with LLM(model, **engine_kwargs) as llm:
+    with LLM(**asdict(engine_args)) as llm:
         llm.generate([r.prompt_token_ids for r in _WARMUP], [params(r) for r in _WARMUP], use_tqdm=False)
         times = []
         for _ in range(repeats):

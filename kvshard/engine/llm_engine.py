@@ -21,7 +21,6 @@ from kvshard.engine.scheduler import ScheduledBatch, Scheduler
 from kvshard.engine.sequence import Sequence
 from kvshard.engine.workers import LocalRanks, RankDiedError, pick_device
 from kvshard.kv.block_pool import BlockPool
-from kvshard.kv.layout import DCPLayout
 from kvshard.outputs import CompletionOutput, RequestOutput
 from kvshard.parallel import broadcast_from_driver, exchange_heartbeat, init_parallel, shutdown_parallel
 from kvshard.sampling_params import SamplingParams
@@ -94,9 +93,7 @@ class LLMEngine:
             self.shutdown()
             raise
         self.tokenizer = load_tokenizer(config)
-        self.layout = DCPLayout(
-            config.cache.block_size, config.parallel.decode_context_parallel_size, config.parallel.dcp_kv_interleave_size
-        )
+        self.layout = config.dcp_layout
         self.pool = BlockPool(config.num_kv_blocks)
         self.scheduler = Scheduler(config.scheduler, self.pool, self.layout)
         self.requests: dict[str, _Request] = {}

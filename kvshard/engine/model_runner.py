@@ -12,7 +12,6 @@ import torch
 from kvshard.attention.metadata import AttentionMetadata
 from kvshard.config import EngineConfig
 from kvshard.kv.cache import allocate_kv_cache
-from kvshard.kv.layout import DCPLayout
 from kvshard.models.loader import load_weights
 from kvshard.models.registry import model_class
 from kvshard.parallel import ParallelState
@@ -38,10 +37,7 @@ class ModelRunner:
         self.config = config
         self.parallel = parallel
         self.device = device
-        self.layout = DCPLayout(
-            config.cache.block_size, config.parallel.decode_context_parallel_size,
-            config.parallel.dcp_kv_interleave_size,
-        )
+        self.layout = config.dcp_layout
         hf_config = config.model.hf_config
         cls = model_class(config.model.architecture)
         with torch.device(device):

@@ -6,10 +6,12 @@ import atexit
 import uuid
 import weakref
 from collections.abc import Sequence as SequenceABC
+from typing import Any
 
 from tqdm import tqdm
 
 from kvshard.config import EngineConfig
+from kvshard.engine.arg_utils import EngineArgs
 from kvshard.engine.llm_engine import LLMEngine
 from kvshard.models.demo import DEFAULT_DEMO_MODEL
 from kvshard.outputs import RequestOutput
@@ -25,41 +27,9 @@ class LLM:
     >>> out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
     """
 
-    def __init__(
-        self,
-        model: str = DEFAULT_DEMO_MODEL,
-        *,
-        tensor_parallel_size: int = 1,
-        decode_context_parallel_size: int | None = None,
-        dcp: int | None = None,
-        dcp_kv_interleave_size: int | None = None,
-        dcp_replicate_q: bool = False,
-        block_size: int = 16,
-        max_model_len: int | None = None,
-        kv_cache_memory: int | str | None = None,
-        num_kv_blocks: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int | None = None,
-        dtype: str = "auto",
-        seed: int = 0,
-    ) -> None:
-        if dcp is not None and decode_context_parallel_size is not None and dcp != decode_context_parallel_size:
-            raise ValueError("dcp is an alias of decode_context_parallel_size: give one of them")
-        config = EngineConfig.create(
-            model,
-            tensor_parallel_size=tensor_parallel_size,
-            decode_context_parallel_size=next((v for v in (decode_context_parallel_size, dcp) if v is not None), 1),
-            dcp_kv_interleave_size=dcp_kv_interleave_size,
-            dcp_replicate_q=dcp_replicate_q,
-            block_size=block_size,
-            max_model_len=max_model_len,
-            kv_cache_memory=kv_cache_memory,
-            num_kv_blocks=num_kv_blocks,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            dtype=dtype,
-            seed=seed,
-        )
+    def __init__(self, model: str = DEFAULT_DEMO_MODEL, **kwargs: Any) -> None:
+        """`kwargs` are the settings of `EngineArgs` (the CLI flags in snake case, e.g. `max_model_len`)."""
+        config = EngineArgs.from_kwargs(model, **kwargs).create_engine_config()
         self.engine = LLMEngine(config)
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
         atexit.register(self._finalizer)

@@ -16,7 +16,7 @@ import socket
 import sys
 
 from kvshard.config import ConfigError, EngineConfig
-from kvshard.entrypoints.cli import add_engine_args, engine_kwargs
+from kvshard.engine.arg_utils import EngineArgs
 
 
 def add_serve_parser(subparsers) -> None:
@@ -25,7 +25,7 @@ def add_serve_parser(subparsers) -> None:
         description="Serve a model over an OpenAI-compatible HTTP API: /v1/models, /v1/completions, "
                     "/v1/chat/completions, /health, /metrics.",
     )
-    add_engine_args(parser)
+    EngineArgs.add_cli_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
     parser.add_argument("--api-key", default=os.environ.get("KVSHARD_API_KEY"),
@@ -47,7 +47,7 @@ def launcher_rank() -> tuple[int, int, tuple[str, int]] | None:
 def run_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port < 2**16:
         raise ConfigError(f"--port {args.port} is not a TCP port: use 0..65535")
-    config = EngineConfig.create(args.model, **engine_kwargs(args))
+    config = EngineArgs.from_cli_args(args).create_engine_config()
     launched = launcher_rank()
     master = None
     if launched is not None:

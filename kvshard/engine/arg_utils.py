@@ -1,0 +1,241 @@
+"""`EngineArgs`: every engine setting, defined once with its flag, default, help and check.
+
+The CLI (`serve`, `generate`, `bench`) adds the settings to its parser with
+`EngineArgs.add_cli_args`, reads them back with `EngineArgs.from_cli_args`;
+`LLM(model, **kwargs)` takes the same names through `EngineArgs.from_kwargs`.
+`create_engine_config` validates everything and builds the `EngineConfig`
+before any process starts. A new setting is one field here (plus where it is used).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from kvshard.config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    load_model_config,
+    parse_memory_size,
+)
+from kvshard.models.demo import DEFAULT_DEMO_MODEL
+
+INTERLEAVE_ENV_VARS = ("KVSHARD_DCP_KV_INTERLEAVE_SIZE", "VLLM_DCP_KV_INTERLEAVE_SIZE")
+
+
+def _setting(default: Any, help: str, *aliases: str, type: type | None = None, positive: bool = False) -> Any:
+    """A dataclass field that also says how it looks on the command line.
+
+    The flag is the field name in kebab case; `aliases` are further spellings (a `--long`
+    alias is also accepted as a keyword of `LLM`); `type` parses the flag (default: the
+    type of `default`); `positive` values must be integers >= 1 (None means "derived").
+    """
+    return field(default=default, metadata={"help": help, "aliases": aliases,
+                                            "type": type or (None if default is None else default.__class__),
+                                            "positive": positive})
+
+
+@dataclass
+class EngineArgs:
+    model: str = _setting(DEFAULT_DEMO_MODEL, "checkpoint directory or built-in demo model")
+    tensor_parallel_size: int = _setting(1, "ranks (processes) in all; DCP reuses them", "-tp", positive=True)
+    decode_context_parallel_size: int = _setting(
+        1, "ranks per DCP group (KV sharded along the sequence)", "--dcp", "-dcp", positive=True)
+    dcp_kv_interleave_size: int | None = _setting(
+        None, "consecutive tokens per rank (default: $KVSHARD_DCP_KV_INTERLEAVE_SIZE, "
+              "$VLLM_DCP_KV_INTERLEAVE_SIZE, or 1)", type=int, positive=True)
+    dcp_replicate_q: bool = _setting(
+        False, "compute the queries of the whole DCP group on every rank and skip their all-gather")
+    block_size: int = _setting(16, "tokens per physical block; a virtual block holds block_size * dcp",
+                               positive=True)
+    kv_cache_memory: str | int = _setting("1GiB", "KV budget per rank, e.g. 64MiB or 2GiB")
+    num_kv_blocks: int | None = _setting(None, "KV blocks per rank (overrides --kv-cache-memory)", type=int,
+                                         positive=True)
+    max_model_len: int | None = _setting(
+        None, "longest prompt + completion (default: the model's max_position_embeddings)", type=int,
+        positive=True)
+    max_num_seqs: int = _setting(64, "sequences in the running batch at most", positive=True)
+    max_num_batched_tokens: int | None = _setting(
+        None, "tokens per step at most (default: max(512, max-num-seqs))", type=int, positive=True)
+    dtype: str = _setting("auto", "auto, float32, bfloat16 or float16")
+    seed: int = _setting(0, "seed of requests that give none")
+    enable_prefix_caching: bool = _setting(True, "reuse the KV blocks of a shared prompt prefix")
+
+    # --- command line -------------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None,
+                     exclude: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+        """Add every setting as a flag (MODEL positional); `defaults` overrides some defaults."""
+        defaults = defaults or {}
+        unknown = (set(defaults) | set(exclude)) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"not engine settings: {sorted(unknown)}")
+        group = parser.add_argument_group("engine")
+        for f in fields(cls):
+            if f.name in exclude:
+                continue
+            default = defaults.get(f.name, f.default)
+            shown = "" if default is None else " (default: %(default)s)"
+            help_text = f.metadata["help"].replace("%", "%%") + shown
+            if f.name == "model":
+                group.add_argument("model", nargs="?", default=default, help=help_text)
+            elif f.metadata["type"] is bool:
+                group.add_argument(_flag(f.name), *f.metadata["aliases"], dest=f.name, default=default,
+                                   action=argparse.BooleanOptionalAction, help=f.metadata["help"])
+            else:
+                group.add_argument(_flag(f.name), *f.metadata["aliases"], dest=f.name, default=default,
+                                   type=f.metadata["type"], help=help_text)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+    def to_cli_args(self, exclude: tuple[str, ...] = ()) -> list[str]:
+        """The flags that give these settings (those left at their defaults are omitted), for a child `serve`."""
+        argv = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "model" or f.name in exclude or value == f.default:
+                continue
+            if f.metadata["type"] is bool:
+                argv.append(_flag(f.name) if value else _flag(f.name).replace("--", "--no-", 1))
+            else:
+                argv += [_flag(f.name), str(value)]
+        return argv
+
+    # --- Python API ---------------------------------------------------------------------------
+    @classmethod
+    def from_kwargs(cls, model: str = DEFAULT_DEMO_MODEL, **kwargs: Any) -> "EngineArgs":
+        """`LLM(model, **kwargs)`: field names or their long aliases (`dcp=2`); a typo names close matches."""
+        names: dict[str, str] = {}
+        for f in fields(cls):
+            names[f.name] = f.name
+            for alias in f.metadata["aliases"]:
+                if alias.startswith("--"):
+                    names[alias[2:].replace("-", "_")] = f.name
+        settings: dict[str, Any] = {}
+        for key, value in kwargs.items():
+            if key not in names:
+                close = difflib.get_close_matches(key, list(names), n=3)
+                hint = f"; did you mean {' or '.join(close)}?" if close else ""
+                raise TypeError(f"{key!r} is not an engine setting{hint} (see kvshard.engine.arg_utils.EngineArgs)")
+            name = names[key]
+            if name in settings and settings[name] != value:
+                raise ConfigError(f"{key}={value!r} and {name}={settings[name]!r} set the same thing: give one")
+            settings[name] = value
+        return cls(model=model, **settings)
+
+    # --- validation -----------------------------------------------------------------------------
+    def create_engine_config(self) -> EngineConfig:
+        """Check every setting against the model and build the config; raises ConfigError saying what to change."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.metadata["positive"] and value is not None:
+                _check_positive(f.name, value)
+        model_config = load_model_config(self.model, self.dtype)
+        interleave = _resolve_interleave(self.dcp_kv_interleave_size)
+        parallel = ParallelConfig(self.tensor_parallel_size, self.decode_context_parallel_size, interleave,
+                                  self.dcp_replicate_q)
+        _validate_parallel(parallel, model_config)
+        if self.block_size % interleave != 0:
+            raise ConfigError(
+                f"block_size={self.block_size} is not a multiple of dcp_kv_interleave_size={interleave}: "
+                f"choose an interleave size that divides the block size (1 or {self.block_size}, say)"
+            )
+        window = model_config.sliding_window
+        max_model_len = self.max_model_len
+        if max_model_len is None:
+            max_model_len = min(model_config.max_position_embeddings, window or model_config.max_position_embeddings)
+        if window is not None and max_model_len > window:
+            raise ConfigError(
+                f"max_model_len={max_model_len} exceeds the model's sliding window of {window} tokens, "
+                f"which kvshard does not implement: use --max-model-len {window} or less"
+            )
+        if max_model_len > model_config.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                f"{model_config.max_position_embeddings}: lower --max-model-len"
+            )
+        cache = CacheConfig(self.block_size, parse_memory_size(self.kv_cache_memory), self.num_kv_blocks,
+                            self.enable_prefix_caching)
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(512, self.max_num_seqs)
+        if max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                f"max_num_batched_tokens={max_num_batched_tokens} is below max_num_seqs={self.max_num_seqs}: "
+                "every running request needs one token per decode step"
+            )
+        scheduler = SchedulerConfig(self.max_num_seqs, max_num_batched_tokens, max_model_len)
+        config = EngineConfig(model_config, parallel, cache, scheduler, self.seed)
+        if config.kv_capacity_tokens < max_model_len:
+            raise ConfigError(
+                f"the KV cache holds {config.kv_capacity_tokens:,} tokens ({config.num_kv_blocks} blocks per rank), "
+                f"fewer than one request of max_model_len={max_model_len}: raise --kv-cache-memory, "
+                "raise --dcp, or lower --max-model-len"
+            )
+        return config
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _resolve_interleave(flag_value: int | None) -> int:
+    """The flag wins; then KVSHARD_..., then VLLM_... (for existing recipes); default 1."""
+    if flag_value is not None:
+        return flag_value
+    for name in INTERLEAVE_ENV_VARS:
+        raw = os.environ.get(name)
+        if raw is not None and raw.strip():
+            try:
+                value = int(raw)
+            except ValueError:
+                raise ConfigError(f"{name}={raw!r} is not an integer") from None
+            _check_positive(name, value)
+            return value
+    return 1
+
+
+def _validate_parallel(parallel: ParallelConfig, model: ModelConfig) -> None:
+    tp, dcp = parallel.tensor_parallel_size, parallel.decode_context_parallel_size
+    if tp % dcp != 0:
+        raise ConfigError(
+            f"tensor_parallel_size={tp} is not divisible by decode_context_parallel_size={dcp}: "
+            "DCP groups are slices of the TP ranks, so choose a dcp that divides tp"
+        )
+    heads = model.hf_config.num_attention_heads
+    if heads % tp != 0:
+        raise ConfigError(
+            f"the model has {heads} attention heads, not divisible by tensor_parallel_size={tp}: "
+            "choose a tp that divides the head count"
+        )
+    if model.is_mla:
+        return
+    kv_heads = model.num_kv_heads
+    if tp > kv_heads and tp % kv_heads != 0:
+        raise ConfigError(
+            f"tensor_parallel_size={tp} is not a multiple of the model's {kv_heads} KV heads"
+        )
+    if tp <= kv_heads and kv_heads % tp != 0:
+        raise ConfigError(f"the model's {kv_heads} KV heads do not divide over tensor_parallel_size={tp}")
+    replicas = max(1, tp // kv_heads)
+    if dcp > replicas:
+        raise ConfigError(
+            f"decode_context_parallel_size={dcp} exceeds tp / num_kv_heads = {tp}/{kv_heads} = {replicas}: "
+            "a DCP group must consist of ranks holding the same KV head, so use "
+            f"--dcp {replicas} or less, or raise --tensor-parallel-size"
+        )
