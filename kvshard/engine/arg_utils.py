@@ -30,15 +30,15 @@ from kvshard.models.demo import DEFAULT_DEMO_MODEL
 INTERLEAVE_ENV_VARS = ("KVSHARD_DCP_KV_INTERLEAVE_SIZE", "VLLM_DCP_KV_INTERLEAVE_SIZE")
 
 
-def _setting(default: Any, help: str, *aliases: str, type: type | None = None, positive: bool = False) -> Any:
+def _setting(default: Any, help: str, *aliases: str, cli_type: type | None = None, positive: bool = False) -> Any:
     """A dataclass field that also says how it looks on the command line.
 
     The flag is the field name in kebab case; `aliases` are further spellings (a `--long`
-    alias is also accepted as a keyword of `LLM`); `type` parses the flag (default: the
+    alias is also accepted as a keyword of `LLM`); `cli_type` parses the flag (default: the
     type of `default`); `positive` values must be integers >= 1 (None means "derived").
     """
     return field(default=default, metadata={"help": help, "aliases": aliases,
-                                            "type": type or (None if default is None else default.__class__),
+                                            "type": cli_type or (str if default is None else type(default)),
                                             "positive": positive})
 
 
@@ -50,20 +50,20 @@ class EngineArgs:
         1, "ranks per DCP group (KV sharded along the sequence)", "--dcp", "-dcp", positive=True)
     dcp_kv_interleave_size: int | None = _setting(
         None, "consecutive tokens per rank (default: $KVSHARD_DCP_KV_INTERLEAVE_SIZE, "
-              "$VLLM_DCP_KV_INTERLEAVE_SIZE, or 1)", type=int, positive=True)
+              "$VLLM_DCP_KV_INTERLEAVE_SIZE, or 1)", cli_type=int, positive=True)
     dcp_replicate_q: bool = _setting(
         False, "compute the queries of the whole DCP group on every rank and skip their all-gather")
     block_size: int = _setting(16, "tokens per physical block; a virtual block holds block_size * dcp",
                                positive=True)
     kv_cache_memory: str | int = _setting("1GiB", "KV budget per rank, e.g. 64MiB or 2GiB")
-    num_kv_blocks: int | None = _setting(None, "KV blocks per rank (overrides --kv-cache-memory)", type=int,
+    num_kv_blocks: int | None = _setting(None, "KV blocks per rank (overrides --kv-cache-memory)", cli_type=int,
                                          positive=True)
     max_model_len: int | None = _setting(
-        None, "longest prompt + completion (default: the model's max_position_embeddings)", type=int,
+        None, "longest prompt + completion (default: the model's max_position_embeddings)", cli_type=int,
         positive=True)
     max_num_seqs: int = _setting(64, "sequences in the running batch at most", positive=True)
     max_num_batched_tokens: int | None = _setting(
-        None, "tokens per step at most (default: max(512, max-num-seqs))", type=int, positive=True)
+        None, "tokens per step at most (default: max(512, max-num-seqs))", cli_type=int, positive=True)
     dtype: str = _setting("auto", "auto, float32, bfloat16 or float16")
     seed: int = _setting(0, "seed of requests that give none")
     enable_prefix_caching: bool = _setting(True, "reuse the KV blocks of a shared prompt prefix")
@@ -88,7 +88,7 @@ class EngineArgs:
                 group.add_argument("model", nargs="?", default=default, help=help_text)
             elif f.metadata["type"] is bool:
                 group.add_argument(_flag(f.name), *f.metadata["aliases"], dest=f.name, default=default,
-                                   action=argparse.BooleanOptionalAction, help=f.metadata["help"])
+                                   action=argparse.BooleanOptionalAction, help=help_text)
             else:
                 group.add_argument(_flag(f.name), *f.metadata["aliases"], dest=f.name, default=default,
                                    type=f.metadata["type"], help=help_text)
