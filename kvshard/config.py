@@ -105,6 +105,7 @@ class ModelConfig:
     dtype: torch.dtype
     max_position_embeddings: int
     is_mla: bool
+    quantization: Any = None  # models.quantization.Fp8BlockQuantization for FP8 block-scaled weights
 
     @property
     def num_layers(self) -> int:
@@ -334,6 +335,7 @@ def _validate_parallel(parallel: ParallelConfig, model: ModelConfig) -> None:
 # --- model directory ---------------------------------------------------------
 
 def load_model_config(model: str | os.PathLike, dtype: str | torch.dtype = "auto") -> ModelConfig:
+    from kvshard.models.quantization import parse_quantization_config
     from kvshard.models.registry import MLA_ARCHITECTURES, SUPPORTED_ARCHITECTURES, resolve_model_path
 
     path = resolve_model_path(model)
@@ -348,6 +350,7 @@ def load_model_config(model: str | os.PathLike, dtype: str | torch.dtype = "auto
             f"model at {path} has architecture {architectures or 'unknown'}, which kvshard does not support; "
             f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
         )
+    quantization = parse_quantization_config(raw.get("quantization_config"), config_file)
     if not any(path.glob("*.safetensors")):
         raise ConfigError(f"model directory {path} has no *.safetensors weights")
 
@@ -361,6 +364,7 @@ def load_model_config(model: str | os.PathLike, dtype: str | torch.dtype = "auto
         dtype=resolve_dtype(dtype, checkpoint_dtype),
         max_position_embeddings=hf_config.max_position_embeddings,
         is_mla=architecture in MLA_ARCHITECTURES,
+        quantization=quantization,
     )
 
 
