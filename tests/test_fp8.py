@@ -68,8 +68,9 @@ CONFIGS = {
         tie_word_embeddings=False, architectures=["LlamaForCausalLM"],
     ), 0),
 }
-LAYOUTS = [(1, 1), (2, 2)]  # (tp, dcp)
-RUNS = [(name, tp, dcp) for name in CONFIGS for tp, dcp in LAYOUTS]
+# (tp, dcp): unsharded, and tp=2 with dcp=2 (attention in one group, MLP and o_proj split over 2);
+# V3 also at tp=2 without DCP, where q_b_proj (192 rows) and kv_b_proj are split by heads too.
+RUNS = [("v3-moe", 1, 1), ("v3-moe", 2, 2), ("v3-moe", 2, 1), ("llama", 1, 1), ("llama", 2, 2)]
 
 
 # --- building the checkpoints -------------------------------------------------------------------
@@ -301,6 +302,15 @@ def test_float8_tensor_without_scale_is_named(tmp_path):
         checkpoint.prepare("b.weight", quantized)
     with pytest.raises(ValueError, match="no quantization_config"):
         QuantizedCheckpoint(files, None)
+
+
+def test_a_scale_may_sit_in_another_file_than_its_weight(tmp_path):
+    quantized, scale = quantize_blocks(torch.randn(300, 8))
+    files = _write(tmp_path / "weights", {"a.weight": quantized}) + _write(tmp_path / "scales", {"a.weight_scale_inv": scale})
+    ours = QuantizedCheckpoint(files, Fp8BlockQuantization()).prepare("a.weight", quantized)
+    assert torch.equal(ours, dequantize_reference(quantized, scale))
+    with pytest.raises(ValueError, match=r"scales without their weight: \['a\.weight_scale_inv'\]"):
+        QuantizedCheckpoint(files[1:], Fp8BlockQuantization())
 
 
 def test_scales_of_the_wrong_shape_are_named(tmp_path):
