@@ -180,10 +180,10 @@ def _hf_generation(directory: Path, prompts: list[list[int]]) -> tuple[list[list
     return tokens, logprobs
 
 
-def _kvshard_generation(directory: Path, tp: int, dcp: int, prompts: list[list[int]]):
+def _kvshard_generation(directory: Path, tp: int, dcp: int, prompts: list[list[int]], dtype: str = "float32"):
     with LLM(
         str(directory), tensor_parallel_size=tp, decode_context_parallel_size=dcp, block_size=KV_BLOCK_SIZE,
-        max_model_len=128, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=16, dtype="float32",
+        max_model_len=128, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=16, dtype=dtype,
     ) as llm:
         outputs = llm.generate(
             prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=LOGPROB_TOP),
@@ -268,6 +268,19 @@ def test_fp8_checkpoint_matches_dequantized_transformers(checkpoints, reference,
     assert worst < 1e-3  # the float32 tolerance of the unquantized MLA and Llama tests
 
 
+def test_published_dtype_runs_in_bfloat16_close_to_float32(checkpoints, reference, prompts):
+    """The default (`auto`: the checkpoint's bfloat16) at tp=2 dcp=2: weights dequantized to bfloat16.
+    Each prompt's first token (from the prefill alone) is one of float32's top five, within 0.15 in
+    log-probability, and every request runs to the end."""
+    _, want_logprobs = reference("v3-moe")
+    tokens, logprobs = _kvshard_generation(checkpoints("v3-moe")[0], 2, 2, prompts, dtype="auto")
+    for got_tokens, got_steps, want_steps in zip(tokens, logprobs, want_logprobs):
+        assert len(got_tokens) == NEW_TOKENS
+        first = got_tokens[0]
+        assert first in want_steps[0].topk(LOGPROB_TOP).indices.tolist()
+        assert got_steps[0][first] == pytest.approx(float(want_steps[0][first]), abs=0.15)
+
+
 def test_block_dequantization_agrees_with_transformers_on_whole_blocks():
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
@@ -306,7 +319,8 @@ def test_float8_tensor_without_scale_is_named(tmp_path):
 
 def test_a_scale_may_sit_in_another_file_than_its_weight(tmp_path):
     quantized, scale = quantize_blocks(torch.randn(300, 8))
-    files = _write(tmp_path / "weights", {"a.weight": quantized}) + _write(tmp_path / "scales", {"a.weight_scale_inv": scale})
+    files = _write(tmp_path / "weights", {"a.weight": quantized})
+    files += _write(tmp_path / "scales", {"a.weight_scale_inv": scale})
     ours = QuantizedCheckpoint(files, Fp8BlockQuantization()).prepare("a.weight", quantized)
     assert torch.equal(ours, dequantize_reference(quantized, scale))
     with pytest.raises(ValueError, match=r"scales without their weight: \['a\.weight_scale_inv'\]"):

@@ -39,9 +39,6 @@ class Fp8BlockQuantization:
 
     block: tuple[int, int] = (128, 128)
 
-    def describe(self) -> str:
-        return f"fp8 e4m3, {self.block[0]}x{self.block[1]} blocks, dequantized at load"
-
 
 def parse_quantization_config(raw: object, config_file: Path) -> Fp8BlockQuantization | None:
     """config.json's `quantization_config` -> what the loader needs; a ConfigError for anything else."""
