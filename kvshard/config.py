@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 
+from kvshard.errors import ConfigError
 from kvshard.kv.layout import DCPLayout
 from kvshard.models.demo import DEMO_MODELS, ensure_demo_model
+from kvshard.models.quantization import parse_quantization_config
 from kvshard.models.registry import MLA_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 
 _DTYPES = {
@@ -32,10 +34,6 @@ _SIZE_UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
     "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
 }
-
-
-class ConfigError(ValueError):
-    """A configuration the user can fix; the message says how."""
 
 
 def parse_memory_size(value: int | str) -> int:
@@ -109,6 +107,7 @@ class ModelConfig:
     dtype: torch.dtype
     max_position_embeddings: int
     is_mla: bool
+    quantization: Any = None  # models.quantization.Fp8BlockQuantization for FP8 block-scaled weights
 
     @property
     def num_layers(self) -> int:
@@ -245,6 +244,7 @@ def load_model_config(model: str | os.PathLike, dtype: str | torch.dtype = "auto
             f"model at {path} has architecture {architectures or 'unknown'}, which kvshard does not support; "
             f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
         )
+    quantization = parse_quantization_config(raw.get("quantization_config"), config_file)
     if not any(path.glob("*.safetensors")):
         raise ConfigError(f"model directory {path} has no *.safetensors weights")
 
@@ -258,6 +258,7 @@ def load_model_config(model: str | os.PathLike, dtype: str | torch.dtype = "auto
         dtype=resolve_dtype(dtype, checkpoint_dtype),
         max_position_embeddings=hf_config.max_position_embeddings,
         is_mla=architecture in MLA_ARCHITECTURES,
+        quantization=quantization,
     )
 
 

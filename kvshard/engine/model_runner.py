@@ -42,7 +42,7 @@ class ModelRunner:
         cls = model_class(config.model.architecture)
         with torch.device(device):
             self.model = cls(hf_config, config.model.dtype, parallel, replicate_q=config.parallel.dcp_replicate_q)
-        load_weights(self.model, config.model.path)
+        load_weights(self.model, config.model.path, config.model.quantization)
         self.model.eval()
         self.kv_caches = allocate_kv_cache(
             self.model.kv_cache_spec(), config.num_kv_blocks, config.cache.block_size, config.model.dtype, device

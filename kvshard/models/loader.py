@@ -3,6 +3,7 @@
 Each parameter's own `weight_loader` cuts this rank's slice; checkpoint names of
 projections that kvshard fuses (q/k/v, gate/up) are mapped by the model's
 `packed_modules`. Every parameter must be filled exactly: a missing tensor is an error.
+FP8 block-scaled weights are dequantized whole before any slicing (`quantization.py`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from pathlib import Path
 
 from safetensors import safe_open
 from torch import nn
+
+from kvshard.models.quantization import Fp8BlockQuantization, QuantizedCheckpoint
 
 # Buffers some checkpoints carry that kvshard recomputes.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -24,15 +27,16 @@ def checkpoint_to_parameter(name: str, packed_modules: dict[str, tuple[str, obje
     return name, None
 
 
-def load_weights(model: nn.Module, path: Path) -> None:
+def load_weights(model: nn.Module, path: Path, quantization: Fp8BlockQuantization | None = None) -> None:
     params = dict(model.named_parameters())
     filled: dict[str, set] = {}  # parameter -> shards loaded into it (None for a whole tensor)
     packed = getattr(model, "packed_modules", {})
     files = sorted(path.glob("*.safetensors"))
+    checkpoint = QuantizedCheckpoint(files, quantization)
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                if name.endswith(IGNORED_SUFFIXES):
+                if name.endswith(IGNORED_SUFFIXES) or checkpoint.is_scale(name):
                     continue
                 target, shard_id = checkpoint_to_parameter(name, packed)
                 if hasattr(model, "remap_weight_name"):
@@ -45,7 +49,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
                 param = params[target]
                 loader = param.weight_loader
-                tensor = f.get_tensor(name)
+                tensor = checkpoint.prepare(name, f.get_tensor(name))
                 if shard_id is None:
                     loader(param, tensor)
                 else:
