@@ -93,6 +93,75 @@ def test_gqa_kv_bytes_per_token_llama_70b() -> None:
     assert kv_slot_bytes(arch, layout(8), kv_dtype_bytes=1) == 20_480
 
 
+def _every_layout(arch_spec: str, tp: int) -> list[AttentionLayout]:
+    valid, _ = split_layouts(load_model(arch_spec), tp, divisors(tp))
+    return valid
+
+
+@pytest.mark.parametrize("model, tp", [("llama-3.1-70b", 8), ("llama-3.1-70b", 16), ("qwen3-235b-a22b", 8),
+                                       ("kimi-k2", 8), ("deepseek-v2-lite", 4)])
+def test_kv_bytes_per_token_per_gpu_is_the_attention_tp_shard_over_dcp(model: str, tp: int) -> None:
+    arch = load_model(model)
+    for lay in _every_layout(model, tp):
+        # GQA: max(1, kv_heads / A) heads of K and V; MLA: the latent; then / N.
+        heads = 1 if arch.is_mla else max(1, arch.num_kv_heads // lay.attention_tp)
+        values = arch.kv_lora_rank + arch.qk_rope_head_dim if arch.is_mla else 2 * arch.head_dim
+        memory = plan_memory(arch, load_gpu("B200", {}), lay, kv_dtype_bytes=2, gpu_memory_utilization=0.9,
+                             reserve_gib=8, kv_memory_gib=10, block_size=16)
+        assert memory.kv_bytes_per_token_per_gpu == arch.num_layers * heads * values * 2 / lay.dcp, lay
+
+
+def test_kv_bytes_of_9_query_3_kv_heads_at_tp_6_dcp_2(tmp_path: Path) -> None:
+    arch = load_model(small_gqa_config(tmp_path))
+    lay = layout(6, 2, REPLICATED)  # A = 3: one KV head per group, its tokens split over 2 ranks
+    assert lay.attention_tp == 3 and lay.kv_heads_per_rank(arch) == 1
+    memory = plan_memory(arch, load_gpu("H100", {}), lay, kv_dtype_bytes=2, gpu_memory_utilization=0.9,
+                         reserve_gib=8, kv_memory_gib=10, block_size=16)
+    assert memory.kv_bytes_per_token_per_gpu == 30 * 1 * 2 * 64 * 2 / 2 == 3_840
+
+
+@pytest.mark.parametrize("model, tp", [("llama-3.1-70b", 16), ("kimi-k2.6", 8), ("qwen3-235b-a22b", 8)])
+def test_fp8_kv_halves_bytes_per_token_and_doubles_capacity_in_every_layout(model: str, tp: int) -> None:
+    arch, gpu = load_model(model), load_gpu("B200", {})
+    for lay in _every_layout(model, tp):
+        bf16, fp8 = (plan_memory(arch, gpu, lay, kv_dtype_bytes=b, gpu_memory_utilization=0.9, reserve_gib=8,
+                                 kv_memory_gib=None, block_size=16) for b in (2, 1))
+        assert fp8.kv_bytes_per_token_per_gpu * 2 == bf16.kv_bytes_per_token_per_gpu, lay
+        # Whole blocks: twice the blocks, or one more where the bf16 count rounded down.
+        assert 0 <= fp8.kv_capacity_tokens - 2 * bf16.kv_capacity_tokens < 16 * lay.dcp * 2, lay
+        assert fp8.weight_bytes_per_gpu == bf16.weight_bytes_per_gpu
+
+
+def test_kv_dtype_flag_reaches_every_layout() -> None:
+    argv = ["--model", "llama-3.1-70b", "--gpu", "H100", "--gpus", "16", "--tp", "16", "--workload", "agentic"]
+    _, _, bf16, _ = plan(argv)
+    _, _, fp8, _ = plan([*argv, "--kv-dtype", "fp8"])
+    assert set(fp8) == set(bf16)
+    for key, result in fp8.items():
+        assert result.memory.kv_bytes_per_token_per_gpu * 2 == bf16[key].memory.kv_bytes_per_token_per_gpu
+
+
+def test_replicated_projections_cost_n_times_the_query_side_weights() -> None:
+    # Llama-3.1-70B at tp=16: every rank of a group of N holds 1/A of q_proj instead of
+    # 1/16; K/V stay one whole head per rank until A drops below the 8 KV heads.
+    arch = load_model("llama-3.1-70b")
+    weights, q_bytes, kv_bytes = weight_bytes(arch), 80 * 8192 * 8192 * 2, 80 * 2 * 8192 * 1024 * 2
+    head_split = weight_bytes_per_gpu(arch, weights, layout(16, 2, HEAD_SPLIT))
+    assert head_split == pytest.approx(weights.total / 16 + kv_bytes / 8 - kv_bytes / 16)
+    for dcp in (2, 4, 8, 16):
+        a = 16 // dcp
+        replicated = weight_bytes_per_gpu(arch, weights, layout(16, dcp, REPLICATED))
+        expected = (weights.total / 16 + q_bytes * (1 / a - 1 / 16)
+                    + kv_bytes * (max(8 / a, 1) / 8 - 1 / 16))
+        assert replicated == pytest.approx(expected), dcp
+    # MLA: q_b_proj and W_UK, N times (Kimi K2.6 keeps attention in bf16).
+    k26 = load_model("kimi-k2.6")
+    per_layer = 1536 * 64 * 192 + 512 * 64 * 128
+    extra = (weight_bytes_per_gpu(k26, weight_bytes(k26), layout(8, 8, REPLICATED))
+             - weight_bytes_per_gpu(k26, weight_bytes(k26), layout(8, 8, HEAD_SPLIT)))
+    assert extra == pytest.approx(61 * per_layer * 2 * (1 - 1 / 8))
+
+
 @pytest.mark.parametrize("dcp, published", [(1, 715_072), (8, 5_721_088)])
 def test_kimi_k2_capacity_matches_vllm_published(dcp: int, published: int) -> None:
     memory = plan_memory(load_model("kimi-k2"), load_gpu("B200", {}), layout(8, dcp), kv_dtype_bytes=2,
@@ -220,6 +289,46 @@ def test_dcp_collective_volume_follows_design_section_4() -> None:
     # It grows with the batch, never with the context length.
     assert _step("kimi-k2", 8, 1, 1_000).dcp_comm_s == _step("kimi-k2", 8, 1, 1_000_000).dcp_comm_s
     assert _step("kimi-k2", 8, 4, 1_000, latency_us=0).dcp_comm_s == pytest.approx(4 * step.dcp_comm_s)
+
+
+def test_ag_rs_fuses_into_one_all_gather_when_latency_dominates() -> None:
+    # Batch 1: one all-gather of [output|lse] costs one latency instead of two.
+    small = _step("kimi-k2", 8, 1, 67_200)
+    fused_bytes = 7 * 8 * 576 * 2 + 7 * 64 * (512 * 2 + 4)
+    assert (small.dcp_scheme, small.dcp_collectives_per_layer) == (AG_RS_FUSED, 2)
+    assert small.dcp_comm_s == pytest.approx(61 * (fused_bytes / 900e9 + 2 * 10e-6))
+    # A large batch moves N times the output bytes that way: back to the reduce-scatter.
+    assert _step("kimi-k2", 8, 1024, 67_200).dcp_scheme == AG_RS
+
+
+@pytest.mark.parametrize("kind, ag_rs, a2a", [(HEAD_SPLIT, 3, 2), (REPLICATED, 2, 1)])
+def test_a2a_needs_fewer_collectives_and_bytes(kind: str, ag_rs: int, a2a: int) -> None:
+    arch = load_model("kimi-k2")
+    schemes = dcp_merge_schemes(arch, layout(8, 8, kind))
+    assert (len(schemes[AG_RS]), len(schemes[A2A])) == (ag_rs, a2a)
+    # Each peer gets 1/8 of the 64 heads' partial outputs (512 bf16) and their LSEs.
+    assert schemes[A2A][-1].bytes_per_token == 7 / 8 * 64 * (512 * 2 + 4)
+    assert sum(c.bytes_per_token for c in schemes[A2A]) < sum(c.bytes_per_token for c in schemes[AG_RS])
+    for batch in (1, 1024):
+        by_backend = {b: _step("kimi-k2", 8, batch, 67_200, backend=b, kind=kind) for b in ("ag_rs", "a2a", "auto")}
+        assert by_backend["a2a"].dcp_collectives_per_layer == a2a
+        assert by_backend["a2a"].dcp_comm_s < by_backend["ag_rs"].dcp_comm_s
+        assert by_backend["auto"].dcp_comm_s == by_backend["a2a"].dcp_comm_s
+
+
+def test_a_slow_all_to_all_makes_auto_pick_ag_rs() -> None:
+    arch, gpu, lay = load_model("kimi-k2"), load_gpu("B200", {}), layout(8, 8, REPLICATED)
+    step = decode_step(arch, gpu, weight_bytes(arch), lay, kv_slot_bytes=kv_slot_bytes(arch, lay, 2), batch=4,
+                       context_len=67_200, collective_latency_us=10, a2a_latency_us=30)
+    assert step.dcp_scheme == AG_RS_FUSED
+
+
+def test_replicated_projections_skip_the_q_all_gather() -> None:
+    split, replicated = (_step("kimi-k2", 8, 64, 67_200, backend="a2a", kind=k) for k in (HEAD_SPLIT, REPLICATED))
+    assert split.dcp_collectives_per_layer == 2 and replicated.dcp_collectives_per_layer == 1
+    assert replicated.dcp_comm_s < split.dcp_comm_s
+    assert replicated.linear_s > split.linear_s  # 8x the Q and W_UK weights streamed per rank
+    assert replicated.attention_s == split.attention_s
 
 
 def test_throughput_plateaus_once_kv_memory_is_full() -> None:
