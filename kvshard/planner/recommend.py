@@ -122,9 +122,16 @@ def _backend_reason(inputs: PlanInputs, chosen: ConfigResult) -> str:
                                                else inputs.a2a_latency_us))
              for backend in ("ag_rs", "a2a")}
     compared = ", ".join(f"{b} {t * 1e3:.2f} ms ({scheme}, {n}/layer)" for b, (t, scheme, n) in times.items())
-    how = "cheaper" if inputs.dcp_comm_backend == "auto" else "asked for"
-    return (f"--dcp-comm-backend {_backend_flag(step.dcp_scheme)} ({how}): DCP collectives per step at "
-            f"{batch} running requests: {compared}")
+    cheaper = min(times, key=lambda b: times[b][0])
+    chosen_flag = _backend_flag(step.dcp_scheme)
+    if inputs.dcp_comm_backend == "auto":
+        how = "the cheaper"
+    elif chosen_flag == cheaper:
+        how = "set, and the cheaper"
+    else:
+        how = f"set; {cheaper} would save {(times[chosen_flag][0] - times[cheaper][0]) * 1e3:.2f} ms per step"
+    return (f"--dcp-comm-backend {chosen_flag} ({how}): DCP collectives per step at {batch} running requests: "
+            f"{compared}")
 
 
 def _backend_flag(scheme: str) -> str:
