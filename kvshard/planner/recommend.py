@@ -2,10 +2,11 @@
 
 Guide: use DCP for long contexts (32K+), MLA models, tp above the KV heads, KV use
 above 90%; avoid it for short contexts (8K or less) and without NVLink; keep dcp at
-2-4 unless the gain is large. Among layouts of one dcp, the faster wins (head-split
-on a tie: it needs no extra weights); the communication backend is the one the
-roofline finds cheaper at the operating batch, unless one was asked for. The thresholds below are the guide's; LARGE_GAIN and
-MIN_GAIN are this planner's stated reading of "large" and "worth it".
+2-4 unless the gain is large. The thresholds below are the guide's; LARGE_GAIN and
+MIN_GAIN are this planner's stated reading of "large" and "worth it". Among layouts
+of one dcp the faster wins (head-split on a tie: it needs no extra weights); the
+communication backend is the one the roofline finds cheaper at the operating batch,
+unless one was asked for.
 """
 
 from __future__ import annotations

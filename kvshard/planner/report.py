@@ -115,7 +115,8 @@ def _step_json(step: StepTime) -> dict[str, Any]:
     return {"batch": step.batch, "step_ms": step.step_s * 1e3, "linear_ms": step.linear_s * 1e3,
             "attention_ms": step.attention_s * 1e3, "tp_comm_ms": step.tp_comm_s * 1e3,
             "dcp_comm_ms": step.dcp_comm_s * 1e3, "dcp_merge": step.dcp_scheme,
-            "dcp_collectives_per_layer": step.dcp_collectives_per_layer, "tok_s_per_gpu": step.tok_s_per_gpu, "bound": step.limit}
+            "dcp_collectives_per_layer": step.dcp_collectives_per_layer, "tok_s_per_gpu": step.tok_s_per_gpu,
+            "bound": step.limit}
 
 
 def to_json(report: Report) -> dict[str, Any]:
