@@ -362,6 +362,19 @@ def test_seed_experiment_prediction_beside_published(capsys: pytest.CaptureFixtu
     assert doc["recommendation"]["dcp"] == 8
 
 
+def test_dcp_comm_backend_flag_sets_the_merge(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "kimi-k2", "--gpu", "B200", "--gpus", "8", "--kv-memory-gib", "46.8", "--workload", "agentic"]
+    for backend, schemes in (("ag_rs", {AG_RS, AG_RS_FUSED}), ("a2a", {A2A})):
+        doc = run_json([*argv, "--dcp-comm-backend", backend], capsys)
+        assert {c["step"]["dcp_merge"] for c in doc["configs"] if c["dcp"] > 1} <= schemes
+        assert doc["recommendation"]["comm_backend"] == backend
+    # ag_rs asked for: the advice says what a2a would save.
+    _, _, _, rec = plan([*argv, "--dcp-comm-backend", "ag_rs"])
+    assert any(r.startswith("--dcp-comm-backend ag_rs (set; a2a would save") for r in rec.reasons)
+    assert main([*SEED_ARGS, "--compare-seed", "--dcp-comm-backend", "a2a"]) == 2
+    assert "leave --dcp and --dcp-comm-backend at auto" in capsys.readouterr().err
+
+
 def test_compare_seed_refuses_another_setup(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--model", "kimi-k2", "--gpu", "B200", "--gpus", "8", "--workload", "agentic",
                  "--compare-seed"]) == 2
