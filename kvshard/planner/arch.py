@@ -52,11 +52,21 @@ class ParamCounts:
 
     embedding: int
     lm_head: int
-    attention: int
+    # Attention, split by how a DCP group with replicated projections holds it:
+    # query-side projections (GQA q_proj; MLA q_b_proj or q_proj, and W_UK) and the
+    # GQA K/V projections are held per attention-TP shard; the rest (o_proj, MLA
+    # q_a / kv_a / W_UV) stays sharded over all tp ranks.
+    attention_query: int
+    attention_kv: int
+    attention_other: int
     dense_mlp: int
     shared_experts: int
     routed_experts: int
     router: int
+
+    @property
+    def attention(self) -> int:
+        return self.attention_query + self.attention_kv + self.attention_other
 
     @property
     def total(self) -> int:
@@ -125,19 +135,22 @@ class ModelArch:
         h = self.hidden_size
         if self.is_mla:
             qk_head = self.qk_nope_head_dim + self.qk_rope_head_dim
-            q_proj = (h * self.q_lora_rank + self.q_lora_rank * self.num_heads * qk_head
-                      if self.q_lora_rank else h * self.num_heads * qk_head)
-            kv_proj = (h * (self.kv_lora_rank + self.qk_rope_head_dim)
-                       + self.kv_lora_rank * self.num_heads * (self.qk_nope_head_dim + self.v_head_dim))
-            o_proj = self.num_heads * self.v_head_dim * h
+            q_down = h * self.q_lora_rank
+            q_up = (self.q_lora_rank if self.q_lora_rank else h) * self.num_heads * qk_head
+            w_uk = self.kv_lora_rank * self.num_heads * self.qk_nope_head_dim
+            w_uv = self.kv_lora_rank * self.num_heads * self.v_head_dim
+            kv_down = h * (self.kv_lora_rank + self.qk_rope_head_dim)
+            query, kv, other = q_up + w_uk, 0, q_down + kv_down + w_uv + self.num_heads * self.v_head_dim * h
         else:
-            q_proj = h * self.num_heads * self.head_dim
-            kv_proj = 2 * h * self.num_kv_heads * self.head_dim
-            o_proj = self.num_heads * self.head_dim * h
+            query = h * self.num_heads * self.head_dim
+            kv = 2 * h * self.num_kv_heads * self.head_dim
+            other = self.num_heads * self.head_dim * h  # o_proj
         return ParamCounts(
             embedding=self.vocab_size * h,
             lm_head=0 if self.tie_word_embeddings else self.vocab_size * h,
-            attention=self.num_layers * (q_proj + kv_proj + o_proj),
+            attention_query=self.num_layers * query,
+            attention_kv=self.num_layers * kv,
+            attention_other=self.num_layers * other,
             dense_mlp=self.num_dense_mlp_layers * 3 * h * self.intermediate_size,
             shared_experts=self.num_moe_layers * self.num_shared_experts * self.params_per_expert(),
             routed_experts=self.num_moe_layers * self.num_experts * self.params_per_expert(),

@@ -15,17 +15,18 @@ from pathlib import Path
 
 from kvshard.planner.arch import Quantization
 from kvshard.planner.errors import PlanError
-from kvshard.planner.memory import valid_dcps, validate_layout
+from kvshard.planner.layout import check_tp, divisors, split_layouts
 from kvshard.planner.plan import PlanInputs, evaluate
 from kvshard.planner.presets import load_gpu, load_model, load_workload
 from kvshard.planner.recommend import recommend
 from kvshard.planner.report import Report, plot, render, to_json
-from kvshard.planner.roofline import DEFAULT_COLLECTIVE_LATENCY_US
-from kvshard.planner.seed import check_seed_inputs, compare_with_seed
+from kvshard.planner.roofline import BACKEND_SCHEMES, DEFAULT_COLLECTIVE_LATENCY_US
+from kvshard.planner.seed import compare_with_seed, seed_inputs
 
-DESCRIPTION = ("Predict, for a model on a GPU cluster, what each TP/DCP layout gives: weights and KV per GPU, "
-               "KV capacity, maximum concurrency, decode tok/s per GPU from a roofline, what limits it, and "
-               "which dcp to use. Needs no GPU.")
+DESCRIPTION = ("Predict, for a model on a GPU cluster, what each TP/DCP layout gives (attention-TP A = tp/dcp, "
+               "query heads split or projections replicated in a DCP group): weights and KV per GPU, KV capacity, "
+               "maximum concurrency, decode tok/s per GPU from a roofline, what limits it, and which dcp, layout "
+               "and DCP communication backend to use. Needs no GPU.")
 
 # GpuSpec fields that can be set from the command line, with their help.
 _GPU_FLAGS = {
@@ -68,6 +69,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most requests one replica runs at once (default 1024)")
     parser.add_argument("--collective-latency-us", type=float, default=DEFAULT_COLLECTIVE_LATENCY_US,
                         help=f"fixed cost of one collective, microseconds (default {DEFAULT_COLLECTIVE_LATENCY_US:g})")
+    parser.add_argument("--dcp-comm-backend", default="auto", choices=tuple(BACKEND_SCHEMES),
+                        help="how a DCP group merges attention: ag_rs (LSE all-gather + reduce-scatter, or one "
+                             "fused all-gather when cheaper), a2a (one all-to-all, merged locally), or auto "
+                             "(default): the cheaper at each batch size")
+    parser.add_argument("--a2a-latency-us", type=float,
+                        help="fixed cost of one all-to-all, microseconds (default: --collective-latency-us)")
     gpu_figures = parser.add_argument_group("GPU figures", "override a preset's, or describe --gpu custom")
     for name, (kind, text) in _GPU_FLAGS.items():
         gpu_figures.add_argument("--" + name.replace("_", "-"), type=kind, help=text)
@@ -109,8 +116,8 @@ def build_inputs(args: argparse.Namespace) -> PlanInputs:
         _positive(getattr(args, flag), "--" + flag.replace("_", "-"))
     if not 0 < args.gpu_memory_utilization <= 1:
         raise PlanError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
-    if args.reserve_gib < 0 or args.collective_latency_us < 0:
-        raise PlanError("--reserve-gib and --collective-latency-us cannot be negative")
+    if args.reserve_gib < 0 or args.collective_latency_us < 0 or (args.a2a_latency_us or 0) < 0:
+        raise PlanError("--reserve-gib, --collective-latency-us and --a2a-latency-us cannot be negative")
     if args.plot and Path(args.plot).suffix.lower() != ".png":
         raise PlanError(f"--plot {args.plot}: give a file name ending in .png")
     if args.plot and not Path(args.plot).resolve().parent.is_dir():
@@ -123,26 +130,38 @@ def build_inputs(args: argparse.Namespace) -> PlanInputs:
     workload = load_workload(args.workload, args.context_len, args.output_len)
     tp = args.tp or _default_tp(args.gpus, gpu.gpus_per_node)
     requested_dcp = _parse_dcp(args.dcp)
-    validate_layout(arch, args.gpus, tp, requested_dcp)
+    check_tp(arch, args.gpus, tp)
+    if requested_dcp is not None and (requested_dcp < 1 or tp % requested_dcp):
+        raise PlanError(f"--dcp {requested_dcp} does not divide --tp {tp}: DCP reuses the TP ranks, "
+                        f"use one of {', '.join(map(str, divisors(tp)))}")
+    layouts, refused = split_layouts(arch, tp, divisors(tp) if requested_dcp is None else sorted({1, requested_dcp}))
+    if requested_dcp is not None and all(layout.dcp != requested_dcp for layout in layouts):
+        why = "; ".join(dict.fromkeys(reason for layout, reason in refused if layout.dcp == requested_dcp))
+        raise PlanError(f"--dcp {requested_dcp} cannot run {arch.name} at tp={tp}: {why}; use --dcp auto to "
+                        "see every layout that can")
+    if not layouts:
+        raise PlanError(f"no DCP size gives a valid attention layout for {arch.name} at tp={tp} "
+                        f"({refused[0][1]}): use a tp whose divisors divide the {arch.num_heads} query heads")
     kv_dtype = "bf16" if args.kv_dtype == "auto" else args.kv_dtype
     return PlanInputs(
-        arch=arch, gpu=gpu, num_gpus=args.gpus, tp=tp,
-        dcps=tuple(valid_dcps(arch, tp)) if requested_dcp is None else tuple(sorted({1, requested_dcp})),
+        arch=arch, gpu=gpu, num_gpus=args.gpus, tp=tp, layouts=tuple(layouts), refused=tuple(refused),
         requested_dcp=requested_dcp, workload=workload, kv_dtype=kv_dtype,
         gpu_memory_utilization=args.gpu_memory_utilization, reserve_gib=args.reserve_gib,
         kv_memory_gib=args.kv_memory_gib, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        collective_latency_us=args.collective_latency_us)
+        collective_latency_us=args.collective_latency_us, dcp_comm_backend=args.dcp_comm_backend,
+        a2a_latency_us=args.a2a_latency_us)
 
 
 def run_plan(args: argparse.Namespace) -> int:
     try:
         inputs = build_inputs(args)
         if args.compare_seed:
-            check_seed_inputs(inputs)
-        results = evaluate(inputs)
+            inputs = seed_inputs(inputs)
+        results, too_big = evaluate(inputs)
     except PlanError as error:
         return _fail(str(error))
-    report = Report(inputs=inputs, results=results, recommendation=recommend(inputs, results),
+    report = Report(inputs=inputs, results=results, refused=[*inputs.refused, *too_big],
+                    recommendation=recommend(inputs, results),
                     seed_rows=compare_with_seed(inputs, results) if args.compare_seed else None)
     if args.json:
         print(json.dumps(to_json(report), indent=2))

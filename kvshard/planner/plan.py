@@ -1,11 +1,13 @@
-"""Evaluate every TP/DCP layout asked for: memory, concurrency, throughput curve."""
+"""Evaluate every TP/DCP/attention layout asked for: memory, concurrency, throughput curve."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from kvshard.planner.arch import ModelArch, dtype_bytes
+from kvshard.planner.errors import PlanError
 from kvshard.planner.hardware import GpuSpec
+from kvshard.planner.layout import AttentionLayout
 from kvshard.planner.memory import MemoryPlan, WeightBytes, plan_memory, weight_bytes
 from kvshard.planner.presets import Workload
 from kvshard.planner.roofline import StepTime, decode_step
@@ -17,7 +19,8 @@ class PlanInputs:
     gpu: GpuSpec
     num_gpus: int
     tp: int
-    dcps: tuple[int, ...]
+    layouts: tuple[AttentionLayout, ...]  # the valid ones, dcp=1 first
+    refused: tuple[tuple[AttentionLayout, str], ...]  # with why they cannot run
     requested_dcp: int | None  # None: --dcp auto
     workload: Workload
     kv_dtype: str
@@ -27,6 +30,8 @@ class PlanInputs:
     block_size: int
     max_num_seqs: int
     collective_latency_us: float
+    dcp_comm_backend: str = "auto"  # auto, ag_rs or a2a
+    a2a_latency_us: float | None = None  # None: collective_latency_us
 
     @property
     def kv_dtype_bytes(self) -> float:
@@ -57,8 +62,7 @@ class CurvePoint:
 
 @dataclass(frozen=True)
 class ConfigResult:
-    tp: int
-    dcp: int
+    layout: AttentionLayout
     replicas: int
     memory: MemoryPlan
     ceiling_per_replica: int  # concurrent requests the KV memory of one replica holds
@@ -66,6 +70,14 @@ class ConfigResult:
     operating: StepTime | None  # at the highest concurrency that runs; None if no request fits
     curve: tuple[CurvePoint, ...]
     tokens_per_request: int
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def dcp(self) -> int:
+        return self.layout.dcp
 
     @property
     def max_concurrency(self) -> int:
@@ -97,29 +109,39 @@ def _concurrency_grid(max_num_seqs: int, ceiling: int) -> list[int]:
     return sorted(grid)
 
 
-def _evaluate_layout(inputs: PlanInputs, weights: WeightBytes, dcp: int) -> ConfigResult:
-    arch, gpu = inputs.arch, inputs.gpu
-    memory = plan_memory(arch, gpu, inputs.tp, dcp, kv_dtype_bytes=inputs.kv_dtype_bytes,
-                         gpu_memory_utilization=inputs.gpu_memory_utilization, reserve_gib=inputs.reserve_gib,
-                         kv_memory_gib=inputs.kv_memory_gib, block_size=inputs.block_size)
+def _evaluate_layout(inputs: PlanInputs, weights: WeightBytes, memory: MemoryPlan) -> ConfigResult:
+    arch, gpu, layout = inputs.arch, inputs.gpu, memory.layout
     ceiling = memory.max_concurrency(inputs.tokens_per_request)
 
     def step(batch: int) -> StepTime:
-        return decode_step(arch, gpu, weights, tp=inputs.tp, dcp=dcp, kv_slot_bytes=memory.kv_slot_bytes,
-                           batch=batch, context_len=inputs.mean_context_len,
-                           collective_latency_us=inputs.collective_latency_us)
+        return decode_step(arch, gpu, weights, layout, kv_slot_bytes=memory.kv_slot_bytes, batch=batch,
+                           context_len=inputs.mean_context_len, collective_latency_us=inputs.collective_latency_us,
+                           backend=inputs.dcp_comm_backend, a2a_latency_us=inputs.a2a_latency_us)
 
     # Requests beyond what the KV memory holds wait in the queue: throughput plateaus.
     curve = tuple(CurvePoint(concurrency=c * inputs.replicas, running_per_replica=min(c, ceiling),
                              step=step(min(c, ceiling)))
                   for c in _concurrency_grid(inputs.max_num_seqs, ceiling) if ceiling > 0)
     running = min(ceiling, inputs.max_num_seqs)
-    return ConfigResult(tp=inputs.tp, dcp=dcp, replicas=inputs.replicas, memory=memory,
+    return ConfigResult(layout=layout, replicas=inputs.replicas, memory=memory,
                         ceiling_per_replica=ceiling, max_num_seqs=inputs.max_num_seqs,
                         operating=step(running) if running > 0 else None, curve=curve,
                         tokens_per_request=inputs.tokens_per_request)
 
 
-def evaluate(inputs: PlanInputs) -> list[ConfigResult]:
+def evaluate(inputs: PlanInputs) -> tuple[list[ConfigResult], list[tuple[AttentionLayout, str]]]:
+    """The layouts that fit, evaluated, and those whose weights leave no KV memory,
+    with the reason. Raises PlanError when none fits."""
     weights = weight_bytes(inputs.arch)
-    return [_evaluate_layout(inputs, weights, dcp) for dcp in inputs.dcps]
+    results, too_big = [], []
+    for layout in inputs.layouts:
+        memory = plan_memory(inputs.arch, inputs.gpu, layout, kv_dtype_bytes=inputs.kv_dtype_bytes,
+                             gpu_memory_utilization=inputs.gpu_memory_utilization, reserve_gib=inputs.reserve_gib,
+                             kv_memory_gib=inputs.kv_memory_gib, block_size=inputs.block_size)
+        if isinstance(memory, str):
+            too_big.append((layout, memory))
+        else:
+            results.append(_evaluate_layout(inputs, weights, memory))
+    if not results:
+        raise PlanError(too_big[0][1])
+    return results, too_big

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvshard.planner.hardware import GIB
+from kvshard.planner.layout import AttentionLayout
 from kvshard.planner.plan import ConfigResult, PlanInputs
 from kvshard.planner.recommend import Recommendation
 from kvshard.planner.roofline import StepTime
@@ -22,20 +23,21 @@ class Report:
     inputs: PlanInputs
     results: list[ConfigResult]
     recommendation: Recommendation
+    refused: list[tuple[AttentionLayout, str]] = field(default_factory=list)
     seed_rows: list[SeedRow] | None = None
 
     @property
-    def tp_only(self) -> ConfigResult:
-        return next(r for r in self.results if r.dcp == 1)
+    def tp_only(self) -> ConfigResult | None:
+        return next((r for r in self.results if r.dcp == 1), None)
 
     def gain(self, result: ConfigResult) -> float | None:
-        """tok/s per GPU against dcp=1; None when not one request fits without DCP."""
-        base = self.tp_only.tok_s_per_gpu
+        """tok/s per GPU against dcp=1; None when dcp=1 cannot run or fits no request."""
+        base = self.tp_only.tok_s_per_gpu if self.tp_only else 0
         return result.tok_s_per_gpu / base if base else None
 
 
 def _layout(result: ConfigResult) -> str:
-    return f"tp={result.tp} dcp={result.dcp}"
+    return result.layout.label
 
 
 def _summary_lines(report: Report) -> list[str]:
@@ -65,7 +67,7 @@ def render(report: Report, console: Console | None = None) -> None:
                    "KV use", "tok/s/GPU", "vs dcp=1", "limit"):
         table.add_column(column, justify="left" if column in ("layout", "limit") else "right")
     for r in report.results:
-        chosen = r.dcp == report.recommendation.dcp
+        chosen = report.recommendation.chose(r)
         gain = report.gain(r)
         table.add_row(
             _layout(r) + (" *" if chosen else ""), f"{r.memory.weight_bytes_per_gpu / GIB:.1f}",
@@ -74,21 +76,25 @@ def render(report: Report, console: Console | None = None) -> None:
             f"{r.tok_s_per_gpu:,.0f}", "-" if gain is None else f"{gain:.2f}x", r.limit,
             style="bold" if chosen else None)
     console.print(table)
+    for layout, why in report.refused:
+        console.print(f"  refused: {layout.label}: {why}", highlight=False, soft_wrap=True)
 
     steps = Table(title="decode step at max concurrency (ms)", title_justify="left")
-    for column in ("layout", "running/replica", "linear", "attention", "TP comm", "DCP comm", "step"):
-        steps.add_column(column, justify="left" if column == "layout" else "right")
+    for column in ("layout", "running/replica", "linear", "attention", "TP comm", "DCP comm", "DCP merge", "step"):
+        steps.add_column(column, justify="left" if column in ("layout", "DCP merge") else "right")
     for r in report.results:
         if r.operating is None:
             continue
         s = r.operating
+        merge = "-" if r.dcp == 1 else f"{s.dcp_scheme}, {s.dcp_collectives_per_layer}/layer"
         steps.add_row(_layout(r), f"{s.batch:,}", *(f"{t * 1e3:.2f}" for t in (
-            s.linear_s, s.attention_s, s.tp_comm_s, s.dcp_comm_s, s.step_s)))
+            s.linear_s, s.attention_s, s.tp_comm_s, s.dcp_comm_s)), merge, f"{s.step_s * 1e3:.2f}")
     console.print(steps)
 
     rec = report.recommendation
-    head = (f"use --tp {report.inputs.tp} --dcp {rec.dcp}, interleave size {rec.interleave_size}" if rec.dcp > 1
-            else "no DCP (--dcp 1)")
+    head = (f"use --tp {report.inputs.tp} --dcp {rec.dcp} (attention-TP A={rec.attention_tp}, "
+            f"{rec.attention_layout}) --dcp-comm-backend {rec.comm_backend}, interleave size {rec.interleave_size}"
+            if rec.dcp > 1 else "no DCP (--dcp 1)")
     console.print(f"[bold]recommendation:[/bold] {head}")
     for reason in rec.reasons:
         console.print(f"  - {reason}", highlight=False, soft_wrap=True)
@@ -108,7 +114,9 @@ def render(report: Report, console: Console | None = None) -> None:
 def _step_json(step: StepTime) -> dict[str, Any]:
     return {"batch": step.batch, "step_ms": step.step_s * 1e3, "linear_ms": step.linear_s * 1e3,
             "attention_ms": step.attention_s * 1e3, "tp_comm_ms": step.tp_comm_s * 1e3,
-            "dcp_comm_ms": step.dcp_comm_s * 1e3, "tok_s_per_gpu": step.tok_s_per_gpu, "bound": step.limit}
+            "dcp_comm_ms": step.dcp_comm_s * 1e3, "dcp_merge": step.dcp_scheme,
+            "dcp_collectives_per_layer": step.dcp_collectives_per_layer, "tok_s_per_gpu": step.tok_s_per_gpu,
+            "bound": step.limit}
 
 
 def to_json(report: Report) -> dict[str, Any]:
@@ -125,9 +133,10 @@ def to_json(report: Report) -> dict[str, Any]:
                         "reserve_gib": inputs.reserve_gib, "kv_memory_gib": inputs.kv_memory_gib,
                         "block_size": inputs.block_size, "max_num_seqs": inputs.max_num_seqs,
                         "collective_latency_us": inputs.collective_latency_us,
+                        "a2a_latency_us": inputs.a2a_latency_us, "dcp_comm_backend": inputs.dcp_comm_backend,
                         "mean_context_len": inputs.mean_context_len},
         "configs": [{
-            "tp": r.tp, "dcp": r.dcp,
+            "tp": r.tp, "dcp": r.dcp, "attention_tp": r.layout.attention_tp, "attention_layout": r.layout.kind,
             "weight_gib_per_gpu": r.memory.weight_bytes_per_gpu / GIB,
             "kv_memory_gib_per_gpu": r.memory.kv_memory_bytes_per_gpu / GIB,
             "kv_bytes_per_token_per_gpu": r.memory.kv_bytes_per_token_per_gpu,
@@ -144,6 +153,8 @@ def to_json(report: Report) -> dict[str, Any]:
                        "step_ms": p.step.step_s * 1e3, "tok_s_per_gpu": p.step.tok_s_per_gpu}
                       for p in r.curve],
         } for r in report.results],
+        "refused": [{"tp": layout.tp, "dcp": layout.dcp, "attention_layout": layout.kind, "reason": why}
+                    for layout, why in report.refused],
         "recommendation": asdict(report.recommendation),
     }
     if report.seed_rows:
@@ -165,7 +176,7 @@ def plot(report: Report, path: Path) -> None:
         if not r.curve:
             continue
         line, = ax.plot([p.concurrency for p in r.curve], [p.step.tok_s_per_gpu for p in r.curve],
-                        label=_layout(r), linewidth=2.5 if r.dcp == report.recommendation.dcp else 1.5)
+                        label=_layout(r), linewidth=2.5 if report.recommendation.chose(r) else 1.5)
         ax.plot([r.max_concurrency], [r.tok_s_per_gpu], "o", color=line.get_color())
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent requests (cluster)")

@@ -14,11 +14,13 @@ from dataclasses import dataclass
 
 from kvshard.planner.arch import ModelArch
 from kvshard.planner.hardware import GpuSpec
-from kvshard.planner.memory import WeightBytes
+from kvshard.planner.layout import AttentionLayout
+from kvshard.planner.memory import WeightBytes, linear_bytes_per_param, replicated_projection_params
 
 ACTIVATION_BYTES = 2  # hidden states, queries and attention outputs travel in bf16
 LSE_BYTES = 4  # the log-sum-exp is kept in float32 (DESIGN.md section 4)
 DEFAULT_COLLECTIVE_LATENCY_US = 10.0
+AG_RS, AG_RS_FUSED, A2A = "ag_rs", "ag_rs fused", "a2a"
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,8 @@ class StepTime:
     attention_s: float
     tp_comm_s: float
     dcp_comm_s: float
+    dcp_scheme: str  # ag_rs, ag_rs fused, a2a; "-" without DCP
+    dcp_collectives_per_layer: int
     linear_compute_bound: bool
     attention_compute_bound: bool
 
@@ -64,21 +68,83 @@ def routed_expert_fraction(arch: ModelArch, batch: int) -> float:
     return 1.0 - (1.0 - arch.experts_per_token / arch.num_experts) ** batch
 
 
-def decode_step(arch: ModelArch, gpu: GpuSpec, weights: WeightBytes, *, tp: int, dcp: int, kv_slot_bytes: int,
-                batch: int, context_len: float, collective_latency_us: float) -> StepTime:
-    """`context_len`: mean number of cached tokens each running request attends to."""
+@dataclass(frozen=True)
+class Collective:
+    name: str
+    bytes_per_token: float  # bytes one rank sends per decoded token and layer
+
+
+def dcp_merge_schemes(arch: ModelArch, layout: AttentionLayout) -> dict[str, list[Collective]]:
+    """The DCP collectives of one layer, per merge scheme (DESIGN.md section 4), ring
+    or pairwise volumes per rank. H_g = query heads of the group, d_v = width of one
+    head of attention output. The head-split layout first gathers the group's queries."""
+    n = layout.dcp
+    heads = layout.query_heads_per_group(arch)
+    out_bytes = arch.attention_value_dim * ACTIVATION_BYTES
+    first = []
+    if not layout.replicates_projections:
+        first = [Collective("Q all-gather",
+                            (n - 1) * arch.num_heads / layout.tp * arch.attention_query_dim * ACTIVATION_BYTES)]
+    return {
+        # LSE all-gather [N, b, H_g], then the scaled outputs reduce-scattered into
+        # 1/N feature slices.
+        AG_RS: first + [Collective("LSE all-gather", (n - 1) * heads * LSE_BYTES),
+                        Collective("reduce-scatter", (n - 1) / n * heads * out_bytes)],
+        # One all-gather of [output | lse], merged locally: N times the output bytes
+        # of a reduce-scatter, one collective fewer; pays when latency dominates.
+        AG_RS_FUSED: first + [Collective("[output|lse] all-gather", (n - 1) * heads * (out_bytes + LSE_BYTES))],
+        # Each peer gets its 1/N slice of the partial output and the LSEs of the heads
+        # in it, merged locally.
+        A2A: first + [Collective("[output|lse] all-to-all", (n - 1) / n * heads * (out_bytes + LSE_BYTES))],
+    }
+
+
+# --dcp-comm-backend -> the merge schemes it may run (ag_rs switches to its fused form
+# when that is cheaper, as the engine does for small partial outputs).
+BACKEND_SCHEMES = {"auto": (AG_RS, AG_RS_FUSED, A2A), "ag_rs": (AG_RS, AG_RS_FUSED), "a2a": (A2A,)}
+
+
+def dcp_comm(arch: ModelArch, gpu: GpuSpec, layout: AttentionLayout, *, backend: str, batch: int,
+             collective_latency_us: float, a2a_latency_us: float) -> tuple[float, str, int]:
+    """(seconds per step, merge scheme, collectives per layer) of the cheapest scheme
+    the backend allows at this batch: bytes over the link plus a latency each."""
+    if layout.dcp == 1:
+        return 0.0, "-", 0
+    link = gpu.link_gbps(layout.dcp) * 1e9
+    schemes = dcp_merge_schemes(arch, layout)
+
+    def seconds(scheme: str) -> float:
+        return arch.num_layers * sum(
+            batch * c.bytes_per_token / link
+            + (a2a_latency_us if c.name.endswith("all-to-all") else collective_latency_us) * 1e-6
+            for c in schemes[scheme])
+
+    # Ties go to the order of BACKEND_SCHEMES: ag_rs first, the rhythm of DESIGN.md.
+    best = min(BACKEND_SCHEMES[backend], key=seconds)
+    return seconds(best), best, len(schemes[best])
+
+
+def decode_step(arch: ModelArch, gpu: GpuSpec, weights: WeightBytes, layout: AttentionLayout, *,
+                kv_slot_bytes: int, batch: int, context_len: float, collective_latency_us: float,
+                backend: str = "auto", a2a_latency_us: float | None = None) -> StepTime:
+    """`context_len`: mean number of cached tokens each running request attends to.
+    `a2a_latency_us`: fixed cost of one all-to-all (default: `collective_latency_us`)."""
+    tp, dcp = layout.tp, layout.dcp
     hbm = gpu.hbm_tbps * 1e12
     latency = collective_latency_us * 1e-6
 
     # Linear layers. W8A8 FP8 checkpoints multiply at the FP8 rate; INT4 is W4A16 and
-    # multiplies in bf16 after unpacking.
-    streamed = (weights.every_step + weights.routed_experts * routed_expert_fraction(arch, batch)) / tp
-    linear_flops = 2 * arch.active_params_per_token() * batch / tp
+    # multiplies in bf16 after unpacking. Replicated projections are streamed and
+    # multiplied by every rank of a DCP group.
+    replicated = replicated_projection_params(arch, layout)
+    streamed = ((weights.every_step + weights.routed_experts * routed_expert_fraction(arch, batch)) / tp
+                + replicated * linear_bytes_per_param(arch))
+    linear_flops = 2 * (arch.active_params_per_token() / tp + replicated) * batch
     linear_peak = (gpu.fp8_tflops if arch.quantization.dtype == "fp8" else gpu.bf16_tflops) * 1e12
     linear_memory_s, linear_compute_s = streamed / hbm, linear_flops / linear_peak
 
-    # Attention. A rank reads only its 1/dcp of each request's tokens; with DCP it
-    # serves dcp * heads_per_rank query heads over them, so FLOPs do not change.
+    # Attention. A rank reads only its 1/dcp of each request's tokens, for the query
+    # heads of its group (dcp times its 1/tp share), so FLOPs do not change with dcp.
     kv_read = batch * context_len * kv_slot_bytes / dcp
     heads_per_rank = arch.num_heads / tp
     attention_flops = (2 * batch * context_len * heads_per_rank * arch.num_layers
@@ -94,18 +160,13 @@ def decode_step(arch: ModelArch, gpu: GpuSpec, weights: WeightBytes, *, tp: int,
         logits = (tp - 1) / tp * batch * arch.vocab_size * ACTIVATION_BYTES
         tp_comm_s = 2 * arch.num_layers * (all_reduce / link + latency) + logits / link + latency
 
-    # DCP, per layer and rank (DESIGN.md section 4): AllGather Q, AllGather LSE,
-    # ReduceScatter of the outputs: three collectives.
-    dcp_comm_s = 0.0
-    if dcp > 1:
-        link = gpu.link_gbps(dcp) * 1e9
-        per_token = (dcp - 1) * heads_per_rank * (
-            arch.attention_query_dim * ACTIVATION_BYTES + dcp * LSE_BYTES + arch.attention_value_dim * ACTIVATION_BYTES)
-        dcp_comm_s = arch.num_layers * (batch * per_token / link + 3 * latency)
-
+    dcp_comm_s, scheme, collectives = dcp_comm(
+        arch, gpu, layout, backend=backend, batch=batch, collective_latency_us=collective_latency_us,
+        a2a_latency_us=collective_latency_us if a2a_latency_us is None else a2a_latency_us)
     return StepTime(batch=batch, tp=tp,
                     linear_s=max(linear_memory_s, linear_compute_s),
                     attention_s=max(attention_memory_s, attention_compute_s),
-                    tp_comm_s=tp_comm_s, dcp_comm_s=dcp_comm_s,
+                    tp_comm_s=tp_comm_s, dcp_comm_s=dcp_comm_s, dcp_scheme=scheme,
+                    dcp_collectives_per_layer=collectives,
                     linear_compute_bound=linear_compute_s > linear_memory_s,
                     attention_compute_bound=attention_compute_s > attention_memory_s)
