@@ -30,7 +30,8 @@ from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3Config, LlamaConfig
 
 from kvshard import LLM, SamplingParams
-from kvshard.config import ConfigError, EngineConfig
+from kvshard.config import ConfigError
+from kvshard.engine.arg_utils import EngineArgs
 from kvshard.models.quantization import Fp8BlockQuantization, QuantizedCheckpoint, dequantize_block_fp8
 
 BLOCK = 128
@@ -248,7 +249,7 @@ def test_checkpoint_has_the_published_layout(checkpoints, name):
         assert dtypes["model.layers.1.mlp.gate.e_score_correction_bias"] == torch.float32
         assert {"model.layers.1.mlp.experts.0.up_proj.weight", "model.layers.1.mlp.shared_experts.down_proj.weight",
                 "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"} <= set(quantized)
-    config = EngineConfig.create(fp8)
+    config = EngineArgs(fp8).create_engine_config()
     assert config.model.quantization.block == (BLOCK, BLOCK)
     assert config.model.dtype == torch.bfloat16  # the published dtype, unless --dtype says otherwise
 
@@ -365,4 +366,4 @@ def test_unsupported_quantization_is_refused_before_any_rank_starts(tmp_path, me
 def test_fp8_variants_kvshard_cannot_read_are_refused(tmp_path, change, words):
     quantization = {k: v for k, v in {**QUANTIZATION_CONFIG, **change}.items() if v is not None}
     with pytest.raises(ConfigError, match=re.escape(words)):
-        EngineConfig.create(_with_quantization(tmp_path, quantization))
+        EngineArgs(_with_quantization(tmp_path, quantization)).create_engine_config()
