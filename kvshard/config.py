@@ -88,6 +88,7 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int = parse_memory_size(DEFAULT_KV_CACHE_MEMORY)
     num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
+    enable_prefix_caching: bool = True
 
 
 @dataclass(frozen=True)
