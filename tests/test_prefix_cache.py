@@ -1,0 +1,209 @@
+"""Prefix caching (DESIGN.md section 9): block accounting under any sequence of events, and
+greedy outputs identical with and without the cache on every layout."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings, strategies as st
+
+from kvshard.config import SchedulerConfig
+from kvshard.engine.scheduler import Scheduler
+from kvshard.engine.sequence import Sequence, SequenceStatus
+from kvshard.kv.block_pool import BlockPool
+from kvshard.kv.layout import DCPLayout
+from kvshard.sampling_params import SamplingParams
+
+
+def make_scheduler(num_blocks: int, block_size: int = 4, dcp: int = 1, budget: int = 64,
+                   enable_prefix_caching: bool = True) -> Scheduler:
+    return Scheduler(SchedulerConfig(8, budget, 4096), BlockPool(num_blocks), DCPLayout(block_size, dcp, 1),
+                     enable_prefix_caching)
+
+
+def make_seq(prompt: list[int], max_tokens: int = 1) -> Sequence:
+    return Sequence("r", 0, prompt, SamplingParams(max_tokens=max_tokens), None)
+
+
+class KVModel:
+    """What each cache slot holds, as the engine would write it: the K/V of a token depend on the
+    token and on everything before it, so a slot is recorded as the whole prefix it ends."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.slots: dict[tuple[int, int], tuple[int, ...]] = {}
+
+    def step(self) -> bool:
+        """Schedule, check every context read, write the new tokens, sample; False if nothing ran."""
+        scheduler, per_block = self.scheduler, self.scheduler.layout.tokens_per_virtual_block
+        batch = scheduler.schedule()
+        if batch is None:
+            return False
+        for seq, ctx, n in zip(batch.seqs, batch.context_lens, batch.query_lens):
+            tokens = seq.all_token_ids
+            for p in range(ctx):  # every token attended to as context holds exactly its prefix's K/V
+                assert self.slots.get((seq.block_table[p // per_block], p % per_block)) == tuple(tokens[: p + 1])
+            for p in range(ctx, ctx + n):
+                self.slots[(seq.block_table[p // per_block], p % per_block)] = tuple(tokens[: p + 1])
+        scheduler.mark_computed(batch)
+        for seq, do_sample in zip(batch.seqs, batch.sample):
+            if do_sample:
+                seq.output_token_ids.append(sum(seq.all_token_ids[-3:]) % 3)  # deterministic: sessions repeat
+                if len(seq.output_token_ids) == seq.params.max_tokens:
+                    scheduler.finish(seq, "length")
+        return True
+
+
+def assert_accounting(scheduler: Scheduler, seqs: list[Sequence]) -> None:
+    pool = scheduler.pool
+    held = [0] * pool.num_blocks
+    for seq in seqs:
+        assert len(set(seq.block_table)) == len(seq.block_table)
+        if seq.status is not SequenceStatus.RUNNING:
+            assert seq.block_table == []  # waiting and finished requests hold nothing
+        for block in seq.block_table:
+            held[block] += 1
+    assert pool.ref_counts == held
+    free = list(pool._empty) + list(pool._evictable)
+    assert sorted(free) == [b for b in range(pool.num_blocks) if held[b] == 0]  # each free block once
+    assert pool.num_free + pool.num_used == pool.num_blocks
+    assert all(pool._block_of[h] == b for b, h in pool._hash_of.items()) and len(pool._block_of) == len(pool._hash_of)
+
+
+EVENTS = st.lists(st.one_of(
+    st.tuples(st.just("add"), st.lists(st.integers(0, 2), min_size=1, max_size=14), st.integers(1, 5)),
+    st.tuples(st.just("continue"), st.integers(0, 50), st.lists(st.integers(0, 2), max_size=4)),
+    st.tuples(st.just("step"), st.integers(1, 4)),
+    st.tuples(st.just("abort"), st.integers(0, 50)),
+    st.tuples(st.just("reset"),),
+), max_size=40)
+
+
+@settings(max_examples=150, deadline=None)
+@given(events=EVENTS, shape=st.sampled_from([(2, 1), (2, 2), (1, 4), (4, 1)]), spare=st.integers(0, 6),
+       budget=st.sampled_from([3, 8, 64]))
+def test_any_sequence_of_events_keeps_accounting_exact_and_hits_right(events, shape, spare, budget):
+    block_size, dcp = shape
+    per_block = block_size * dcp
+    longest = 14 + 4 + 5 * 6  # a prompt continued once, plus outputs
+    scheduler = make_scheduler(-(-longest // per_block) + spare, block_size, dcp, budget)
+    kv = KVModel(scheduler)
+    seqs: list[Sequence] = []
+    for event in events:
+        if event[0] == "add":
+            seqs.append(make_seq(event[1], event[2]))
+            scheduler.add(seqs[-1])
+        elif event[0] == "continue" and seqs:  # the next turn of a conversation: all of it, then new text
+            turn = seqs[event[1] % len(seqs)]
+            prompt = (turn.all_token_ids + event[2])[:longest - 5]
+            seqs.append(make_seq(prompt, 5))
+            scheduler.add(seqs[-1])
+        elif event[0] == "step":
+            for _ in range(event[1]):
+                kv.step()
+        elif event[0] == "abort" and seqs:
+            seq = seqs[event[1] % len(seqs)]
+            if not seq.is_finished:
+                scheduler.finish(seq, "abort")
+        elif event[0] == "reset":
+            scheduler.reset_prefix_cache()
+        assert_accounting(scheduler, seqs)
+    while scheduler.has_unfinished():
+        assert kv.step(), "requests wait but nothing can be scheduled"
+        assert_accounting(scheduler, seqs)
+    assert scheduler.pool.num_free == scheduler.pool.num_blocks
+    assert scheduler.prefix_cache_hits <= scheduler.prefix_cache_queries
+
+
+def run(scheduler: Scheduler, *seqs: Sequence) -> None:
+    kv = KVModel(scheduler)
+    for seq in seqs:
+        scheduler.add(seq)
+    while scheduler.has_unfinished():
+        assert kv.step()
+
+
+def first_step_context(scheduler: Scheduler, seq: Sequence) -> int:
+    """Tokens `seq` takes from the cache: the context of its first scheduled chunk."""
+    scheduler.add(seq)
+    batch = scheduler.schedule()
+    return dict(zip([s.seq_id for s in batch.seqs], batch.context_lens))[seq.seq_id]
+
+
+def test_a_request_reuses_the_full_blocks_of_an_earlier_prompt_and_computes_the_rest():
+    scheduler = make_scheduler(num_blocks=10, block_size=4)
+    run(scheduler, make_seq(list(range(10)), max_tokens=3))  # 12 of its tokens computed: 3 full blocks
+    follow_up = make_seq(list(range(10)) + [7, 7, 7])
+    assert first_step_context(scheduler, follow_up) == 8  # tokens 8, 9 are cached, but block 3 differs
+    assert follow_up.num_cached_tokens == 8
+    assert (scheduler.prefix_cache_queries, scheduler.prefix_cache_hits) == (10 + 13, 8)
+
+
+def test_a_hit_leaves_the_last_prompt_token_to_compute():
+    scheduler = make_scheduler(num_blocks=10, block_size=4)
+    run(scheduler, make_seq(list(range(8))))
+    assert first_step_context(scheduler, make_seq(list(range(8)))) == 4  # 8 cached, 7 usable, one block
+
+
+def test_under_dcp_hits_are_whole_virtual_blocks_shared_by_the_group():
+    scheduler = make_scheduler(num_blocks=10, block_size=4, dcp=2)  # 8 tokens per virtual block
+    first = make_seq(list(range(20)))
+    run(scheduler, first)
+    second = make_seq(list(range(20)) + [1])
+    assert first_step_context(scheduler, second) == 16
+    assert second.block_table[:2] == scheduler.pool.lookup(first.block_hashes[:2])
+    assert scheduler.pool.ref_counts[second.block_table[0]] == 1  # the first request is gone, its blocks cached
+
+
+def test_running_requests_share_cached_blocks_by_reference_count():
+    scheduler = make_scheduler(num_blocks=10, block_size=4, budget=8)
+    first, second = make_seq(list(range(12)), max_tokens=4), make_seq(list(range(12)), max_tokens=4)
+    scheduler.add(first)
+    scheduler.mark_computed(scheduler.schedule())  # 8 tokens: two named blocks
+    scheduler.add(second)
+    batch = scheduler.schedule()  # first's last chunk and second's, from its cached prefix
+    assert batch.context_lens == [8, 8]
+    assert second.block_table[:2] == first.block_table[:2]
+    assert [scheduler.pool.ref_counts[b] for b in first.block_table] == [2, 2, 1]
+    scheduler.finish(first, "abort")
+    assert [scheduler.pool.ref_counts[b] for b in second.block_table] == [1, 1, 1]
+
+
+def test_free_cached_blocks_are_evicted_least_recently_freed_first_and_only_when_needed():
+    scheduler = make_scheduler(num_blocks=6, block_size=4)
+    old, new = make_seq([1] * 9), make_seq([2] * 9)  # 2 full blocks each, then a partial one
+    run(scheduler, old)
+    run(scheduler, new)
+    assert scheduler.pool.num_cached == 4 and scheduler.pool.num_free == 6
+    run(scheduler, make_seq([3] * 3))  # a partial block: an unnamed free one, nothing evicted
+    assert scheduler.pool.num_evictions == 0
+    run(scheduler, make_seq([4] * 9))  # 3 blocks: two partial or unnamed, then the oldest prompt's tail
+    assert scheduler.pool.num_evictions == 1
+    for prompt, cached in (([2] * 9, 8), ([1] * 9, 4)):
+        seq = make_seq(prompt)
+        assert first_step_context(scheduler, seq) == cached
+        scheduler.finish(seq, "abort")
+
+
+def test_reset_forgets_every_prefix_and_disabled_caching_never_hits():
+    scheduler = make_scheduler(num_blocks=10, block_size=4)
+    run(scheduler, make_seq(list(range(9))))
+    scheduler.reset_prefix_cache()
+    assert scheduler.pool.num_cached == 0
+    assert first_step_context(scheduler, make_seq(list(range(9)))) == 0
+    disabled = make_scheduler(num_blocks=10, block_size=4, enable_prefix_caching=False)
+    run(disabled, make_seq(list(range(9))))
+    assert first_step_context(disabled, make_seq(list(range(9)))) == 0
+    assert disabled.pool.num_cached == 0
+
+
+def test_a_preempted_request_resumes_from_its_own_cached_blocks():
+    scheduler = make_scheduler(num_blocks=4, block_size=4)
+    seq = make_seq(list(range(10)), max_tokens=3)
+    scheduler.add(seq)
+    scheduler.mark_computed(scheduler.schedule())
+    scheduler.running.remove(seq)  # as the decode loop does when blocks run out
+    scheduler._release(seq)
+    seq.status = SequenceStatus.WAITING
+    scheduler.waiting.appendleft(seq)
+    batch = scheduler.schedule()
+    assert batch.context_lens == [8] and batch.query_lens == [2]
+    assert seq.num_cached_tokens == 0  # reported for the first admission only
