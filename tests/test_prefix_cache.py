@@ -3,9 +3,13 @@ greedy outputs identical with and without the cache on every layout."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvshard.config import SchedulerConfig
+from kvshard.config import EngineConfig, SchedulerConfig
+from kvshard.engine.llm_engine import LLMEngine
 from kvshard.engine.scheduler import Scheduler
 from kvshard.engine.sequence import Sequence, SequenceStatus
 from kvshard.kv.block_pool import BlockPool
@@ -207,3 +211,118 @@ def test_a_preempted_request_resumes_from_its_own_cached_blocks():
     batch = scheduler.schedule()
     assert batch.context_lens == [8] and batch.query_lens == [2]
     assert seq.num_cached_tokens == 0  # reported for the first admission only
+
+
+# --- greedy outputs with and without the cache, on real ranks ------------------------------------
+
+BLOCK = 4
+KV_TOKENS = 160  # per layout: less than the workload's prompts, so cached blocks are evicted
+GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
+STEM = [(11 * i) % 97 + 2 for i in range(22)]
+TAILS = [[5], [6, 7, 8], [9, 10, 11, 12, 13, 14]]
+SESSIONS = [[(3 * i) % 89 + 2 for i in range(13)], [(13 * i) % 83 + 2 for i in range(13)]]
+NEW_TEXT = [[20, 21, 22, 23, 24], [30, 31, 32, 33, 34]]
+TURNS = 3
+UNRELATED = [[(p * i + 7) % 101 + 2 for i in range(30)] for p in (17, 19, 23, 29)]
+
+# (model, tp, dcp, interleave); the reference of each model is tp=1 with the cache off
+LAYOUTS = [
+    ("kvshard-demo-gqa", 1, 1, 1), ("kvshard-demo-gqa", 2, 2, 1), ("kvshard-demo-gqa", 2, 2, BLOCK),
+    ("kvshard-demo-gqa", 4, 4, 1),
+    ("kvshard-demo", 1, 1, 1), ("kvshard-demo", 2, 2, 1), ("kvshard-demo", 2, 2, BLOCK), ("kvshard-demo", 4, 4, 1),
+]
+
+
+def make_engine(model: str, tp: int, dcp: int, interleave: int, enable_prefix_caching: bool) -> LLMEngine:
+    config = EngineConfig.create(
+        model, tensor_parallel_size=tp, decode_context_parallel_size=dcp, dcp_kv_interleave_size=interleave,
+        block_size=BLOCK, max_model_len=96, num_kv_blocks=KV_TOKENS // (BLOCK * dcp), max_num_seqs=4,
+        max_num_batched_tokens=16, dtype="float32",  # 16: prompts prefill in chunks that later requests hit
+    )
+    return LLMEngine(dataclasses.replace(
+        config, cache=dataclasses.replace(config.cache, enable_prefix_caching=enable_prefix_caching)))
+
+
+class Completion:
+    def __init__(self, seq: Sequence) -> None:
+        self.prompt_len = len(seq.prompt_token_ids)
+        self.tokens = list(seq.output_token_ids)
+        self.logprobs = list(seq.output_logprobs)
+        self.num_cached_tokens = seq.num_cached_tokens
+
+
+def generate(engine: LLMEngine, prompts: dict[str, list[int]]) -> dict[str, Completion]:
+    seqs = {}
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, GREEDY)
+        seqs[request_id] = engine.requests[request_id].seqs[0]
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {request_id: Completion(seq) for request_id, seq in seqs.items()}
+
+
+def workload(engine: LLMEngine) -> dict[str, Completion]:
+    """A shared-prefix batch, two multi-turn sessions side by side, then more than the cache holds
+    and the first prompts again; every request's completion by name."""
+    done = generate(engine, {f"stem{i}": STEM + tail for i, tail in enumerate(TAILS)})
+    history = [list(prompt) for prompt in SESSIONS]
+    for turn in range(TURNS):
+        turns = generate(engine, {f"s{s}t{turn}": history[s] for s in range(len(SESSIONS))})
+        for s in range(len(SESSIONS)):
+            history[s] += turns[f"s{s}t{turn}"].tokens + NEW_TEXT[s]
+        done.update(turns)
+    done.update(generate(engine, {f"unrelated{i}": p for i, p in enumerate(UNRELATED)}))
+    done.update(generate(engine, {"stem0 again": STEM + TAILS[0], "s0 again": history[0]}))
+    return done
+
+
+@pytest.fixture(scope="module")
+def reference():
+    made: dict[str, dict[str, Completion]] = {}
+
+    def get(model: str) -> dict[str, Completion]:
+        if model not in made:
+            engine = make_engine(model, 1, 1, 1, enable_prefix_caching=False)
+            try:
+                made[model] = workload(engine)
+                assert engine.stats().prefix_cache_hits == 0
+            finally:
+                engine.shutdown()
+        return made[model]
+
+    return get
+
+
+@pytest.mark.parametrize("model, tp, dcp, interleave", LAYOUTS)
+def test_greedy_outputs_are_the_same_with_the_cache(reference, model, tp, dcp, interleave):
+    engine = make_engine(model, tp, dcp, interleave, enable_prefix_caching=True)
+    try:
+        got = workload(engine)
+        stats = engine.stats()
+        evictions = engine.pool.num_evictions
+    finally:
+        engine.shutdown()
+    want = reference(model)
+    assert got.keys() == want.keys()
+    for name, completion in want.items():
+        assert got[name].tokens == completion.tokens, name
+        for got_step, want_step in zip(got[name].logprobs, completion.logprobs, strict=True):
+            assert got_step.keys() == want_step.keys(), name
+            for token, logprob in want_step.items():
+                assert got_step[token] == pytest.approx(logprob, abs=2e-4), name
+
+    per_block = BLOCK * dcp
+    # the batch: the first prompt prefills in 16-token chunks; the second, admitted with its last
+    # chunk, finds the first 16 tokens, and the third finds them too, or also the blocks of that chunk
+    assert got["stem1"].num_cached_tokens == 16
+    assert 16 <= got["stem2"].num_cached_tokens <= len(STEM) // per_block * per_block
+    # each turn reuses the whole conversation so far, in full virtual blocks, but for the last answer
+    # token (sampled, never computed) and the last prompt token (computed for its logits)
+    for s in range(len(SESSIONS)):
+        for turn in range(1, TURNS):
+            before = got[f"s{s}t{turn - 1}"]
+            computed = before.prompt_len + len(before.tokens) - 1
+            now = got[f"s{s}t{turn}"]
+            assert now.num_cached_tokens == min(computed, now.prompt_len - 1) // per_block * per_block
+    assert evictions > 0 and stats.prefix_cache_hits > 0
+    assert stats.kv_blocks_used == 0 and stats.kv_blocks_cached > 0
