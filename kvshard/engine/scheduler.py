@@ -51,7 +51,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the tail is preempted first
         self.num_preemptions = 0
-        # tokens of admitted requests looked up in the prefix cache, and of those found there
+        # tokens of admitted requests looked up in the prefix cache (each admission, re-admissions after
+        # preemption too), and of those found there
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -164,8 +165,9 @@ class Scheduler:
             seq.num_computed_tokens, seq.num_named_blocks = hit, len(cached)
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = hit
-            self.prefix_cache_queries += seq.num_tokens
-            self.prefix_cache_hits += hit
+            if self.enable_prefix_caching:
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += hit
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
