@@ -44,6 +44,10 @@ class EngineStats:
     steps: int = 0
     # per DCP rank: tokens of live requests stored there (the engine's own accounting)
     kv_tokens_per_dcp_rank: list[int] = field(default_factory=list)
+    # prefix cache: tokens of admitted requests looked up and found; blocks holding a cached prefix (per rank)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    kv_blocks_cached: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -95,7 +99,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config)
         self.layout = config.dcp_layout
         self.pool = BlockPool(config.num_kv_blocks)
-        self.scheduler = Scheduler(config.scheduler, self.pool, self.layout)
+        self.scheduler = Scheduler(config.scheduler, self.pool, self.layout, config.cache.enable_prefix_caching)
         self.requests: dict[str, _Request] = {}
         self.default_generator = torch.Generator().manual_seed(config.seed)
         self.prompt_tokens_total = 0
@@ -319,7 +323,14 @@ class LLMEngine:
                 generation_tokens=self.generation_tokens_total,
                 steps=self.steps,
                 kv_tokens_per_dcp_rank=per_rank,
+                prefix_cache_queries=self.scheduler.prefix_cache_queries,
+                prefix_cache_hits=self.scheduler.prefix_cache_hits,
+                kv_blocks_cached=self.pool.num_cached,
             )
+
+    def reset_prefix_cache(self) -> None:
+        with self._lock:
+            self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
         if self._closed:

@@ -8,6 +8,13 @@ the decodes. A new request is admitted only while every running request (itself
 included) could still grow by block_size tokens, so that an admission does not
 simply lead to a preemption a few steps later. A DCP group of N holds `block_size * N` tokens per virtual block,
 so the same per-rank memory admits about N times the tokens.
+
+With prefix caching, a request admitted from the queue first takes the longest
+cached prefix of its tokens in whole virtual blocks (never its last token: the
+model must compute at least one to give logits) and prefills only the rest, the
+way a chunked prefill continues against cached context. Each virtual block is
+named once its K/V are all computed, so a block is shared only when it is full
+and no request writes into it again.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from kvshard.config import SchedulerConfig
 from kvshard.engine.sequence import Sequence, SequenceStatus
 from kvshard.kv.block_pool import BlockPool
 from kvshard.kv.layout import DCPLayout
+from kvshard.kv.prefix_cache import extend_block_hashes
 
 
 @dataclass
@@ -34,13 +42,19 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: BlockPool, layout: DCPLayout) -> None:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, layout: DCPLayout,
+                 enable_prefix_caching: bool = True) -> None:
         self.config = config
         self.pool = pool
         self.layout = layout
+        self.enable_prefix_caching = enable_prefix_caching
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the tail is preempted first
         self.num_preemptions = 0
+        # tokens of admitted requests looked up in the prefix cache (each admission, re-admissions after
+        # preemption too), and of those found there
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     # --- bookkeeping -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -63,6 +77,30 @@ class Scheduler:
         self.pool.free(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_named_blocks = 0
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix; running requests keep their blocks, now private to them."""
+        self.pool.reset_prefix_cache()
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Blocks holding the longest cached prefix of `seq`, at most its tokens but the last."""
+        if not self.enable_prefix_caching:
+            return []
+        per_block = self.layout.tokens_per_virtual_block
+        extend_block_hashes(seq.block_hashes, seq.all_token_ids, per_block)
+        return self.pool.lookup(seq.block_hashes[: (seq.num_tokens - 1) // per_block])
+
+    def _name_full_blocks(self, seq: Sequence) -> None:
+        """Name the blocks whose K/V are now complete, so that later requests can find them."""
+        per_block = self.layout.tokens_per_virtual_block
+        full = seq.num_computed_tokens // per_block
+        if full <= seq.num_named_blocks:
+            return
+        extend_block_hashes(seq.block_hashes, seq.all_token_ids, per_block)
+        for index in range(seq.num_named_blocks, full):
+            self.pool.name(seq.block_table[index], seq.block_hashes[index])
+        seq.num_named_blocks = full
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -110,16 +148,26 @@ class Scheduler:
 
         # 3. Admit waiting requests while tokens, sequence slots and blocks remain, keeping room for
         #    every running request (the new one too) to grow by block_size tokens: a request admitted
-        #    into the last free blocks would be preempted within a few steps and recomputed.
+        #    into the last free blocks would be preempted within a few steps and recomputed. Cached
+        #    blocks that are free cost free blocks too.
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            chunk = min(seq.num_uncomputed_tokens, budget)
-            missing = self.layout.num_virtual_blocks(seq.num_computed_tokens + chunk) - len(seq.block_table)
+            seq = self.waiting[0]  # holds no block: new, or preempted and released
+            cached = self._cached_prefix(seq)
+            hit = len(cached) * self.layout.tokens_per_virtual_block
+            chunk = min(seq.num_tokens - hit, budget)
+            missing = self.layout.num_virtual_blocks(hit + chunk) - len(cached)
+            taken = missing + self.pool.num_unheld(cached)
             headroom = self.layout.num_virtual_blocks((len(self.running) + 1) * self.layout.block_size)
-            if self.running and self.pool.num_free - missing < headroom:
+            if taken > self.pool.num_free or (self.running and self.pool.num_free - taken < headroom):
                 break
-            if not self._grow(seq, seq.num_computed_tokens + chunk):
-                break
+            self.pool.take(cached)  # before allocating, which could otherwise evict them
+            seq.block_table = cached + self.pool.allocate(missing)
+            seq.num_computed_tokens, seq.num_named_blocks = hit, len(cached)
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = hit
+            if self.enable_prefix_caching:
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += hit
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -140,3 +188,5 @@ class Scheduler:
     def mark_computed(self, batch: ScheduledBatch) -> None:
         for seq, n in zip(batch.seqs, batch.query_lens):
             seq.num_computed_tokens += n
+            if self.enable_prefix_caching:
+                self._name_full_blocks(seq)

@@ -7,6 +7,7 @@ import itertools
 
 import torch
 
+from kvshard.kv.prefix_cache import BlockHash
 from kvshard.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
@@ -34,6 +35,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []  # virtual block ids, shared by every rank of the DCP group
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.block_hashes: list[BlockHash] = []  # names of the full virtual blocks of all_token_ids so far
+        self.num_named_blocks = 0  # blocks of block_table named in the prefix cache, from the start
+        self.num_cached_tokens: int | None = None  # prompt tokens reused from the cache at first admission
         self.finish_reason: str | None = None
         self.text = ""
 
