@@ -29,9 +29,12 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
     """A directory on disk, or the name of a built-in demo model (created on first use)."""
     from kvshard.config import ConfigError
     from kvshard.models.demo import DEMO_MODELS, ensure_demo_model
+    from kvshard.models.gguf import resolve_gguf
 
     if str(model) in DEMO_MODELS:
         return ensure_demo_model(str(model))
+    if (converted := resolve_gguf(model)) is not None:
+        return converted
     path = Path(model).expanduser()
     if not path.exists():
         raise ConfigError(
