@@ -118,7 +118,7 @@ def convert_gguf(gguf_path: Path, directory: Path) -> None:
             weights = _unpermute_rotary_rows(weights, config.num_attention_heads)
         elif gguf_architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             weights = _unpermute_rotary_rows(weights, config.num_key_value_heads)
-        tensors[name] = torch.from_numpy(np.ascontiguousarray(weights))
+        tensors[name] = torch.from_numpy(np.array(weights))  # a copy: F32 data is a read-only map of the file
 
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(directory)
