@@ -6,9 +6,9 @@ float32) named after the file's SHA-256, so the second start reads safetensors o
 other engines can load the same directory. The tensors are dequantized by the `gguf`
 library; config and tokenizer come from transformers' own GGUF support.
 
-float32 holds every GGUF type exactly (F16 and BF16 widen losslessly; quantized blocks are
-small integers times half-precision scales), and kvshard casts to the dtype asked for when
-it loads, so one cache per file serves every dtype.
+The cache is float32 because that loses nothing (F16 and BF16 widen exactly, and the gguf
+library computes quantized blocks in float32); kvshard casts to the dtype asked for when it
+loads, so one cache per file serves every dtype.
 """
 
 from __future__ import annotations
