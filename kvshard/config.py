@@ -20,6 +20,7 @@ import torch
 from kvshard.errors import ConfigError
 from kvshard.kv.layout import DCPLayout
 from kvshard.models.demo import DEMO_MODELS, ensure_demo_model
+from kvshard.models.gguf import resolve_gguf
 from kvshard.models.quantization import parse_quantization_config
 from kvshard.models.registry import MLA_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 
@@ -220,6 +221,8 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
     """A directory on disk, or the name of a built-in demo model (created on first use)."""
     if str(model) in DEMO_MODELS:
         return ensure_demo_model(str(model))
+    if (converted := resolve_gguf(model)) is not None:
+        return converted
     path = Path(model).expanduser()
     if not path.exists():
         raise ConfigError(

