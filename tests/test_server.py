@@ -17,7 +17,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from test_server_harness import API_KEY, MODEL, ROOT, SERVE_ARGS, Server, serve_command
+from server_harness import API_KEY, MODEL, ROOT, SERVE_ARGS, Server, serve_command
 
 PROMPTS = [f"Request {i}: " + "Decode context parallelism shards the key value cache. " * (i % 4) + "The capital of"
            for i in range(32)]  # 5 to 45 tokens: shorter and longer than one virtual block (2 x 16 tokens)

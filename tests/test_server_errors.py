@@ -11,7 +11,7 @@ import time
 import openai
 import pytest
 
-from test_server_harness import MODEL, ROOT, SERVE_ARGS, Server, serve_command
+from server_harness import MODEL, ROOT, SERVE_ARGS, Server, serve_command
 
 
 def run_serve(*flags: str) -> subprocess.CompletedProcess:
