@@ -412,6 +412,35 @@ CHAT_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "n", 
                "frequency_penalty", "presence_penalty", "logit_bias", "add_generation_prompt", "tools",
                "response_format", "user"]
 NON_FINITE = [b"NaN", b"Infinity", b"-Infinity"]
+_short_text = st.text(max_size=6)
+# values of each field's own type, at and beyond the edges of its range; short answers only (n, max_tokens small)
+WELL_TYPED = {
+    "model": st.sampled_from([MODEL, "", "gpt-4"]),
+    "prompt": st.one_of(_short_text, st.lists(st.integers(-1, 600), max_size=5),
+                        st.lists(_short_text, min_size=1, max_size=2), st.lists(st.lists(st.integers(0, 511)), max_size=2)),
+    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
+                                                "content": st.one_of(_short_text, st.none())}), max_size=2),
+    "max_tokens": st.one_of(st.integers(-1, 6), st.sampled_from([512, 2**63, 2**64])),
+    "max_completion_tokens": st.integers(-1, 6),
+    "n": st.one_of(st.integers(-1, 3), st.sampled_from([129, 2**63])),
+    "best_of": st.integers(-1, 3),
+    "temperature": st.one_of(st.floats(-1, 3), st.sampled_from([0.0, 1e-300, 5e-324, 1e300, 1.7976931348623157e308])),
+    "top_p": st.one_of(st.floats(-0.5, 1.5), st.sampled_from([0.0, 1e-300, 5e-324, 1.0, 1.0000000001])),
+    "top_k": st.one_of(st.integers(-3, 600), st.sampled_from([2**63 - 1, 2**63])),
+    "seed": st.integers(-(2**65), 2**65),
+    "stop": st.one_of(_short_text, st.lists(_short_text, max_size=3)),
+    "stop_token_ids": st.lists(st.integers(-1, 600), max_size=3),
+    "logprobs": st.one_of(st.integers(-1, 21), st.booleans()),  # an int for completions, a bool for chat
+    "top_logprobs": st.integers(-1, 21),
+    "frequency_penalty": st.one_of(st.just(0.0), st.floats(-2, 2)),
+    "presence_penalty": st.one_of(st.just(0), st.floats(-2, 2)),
+    "logit_bias": st.dictionaries(st.sampled_from(["1", "50", "x"]), st.floats(-100, 100), max_size=2),
+    "stream_options": st.one_of(st.none(), st.fixed_dictionaries({"include_usage": st.booleans()})),
+    "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}),
+    "tools": st.lists(st.just({"type": "function"}), max_size=1),
+    "suffix": st.one_of(st.none(), _short_text),
+    "user": _short_text,
+}
 
 
 @st.composite
@@ -423,11 +452,7 @@ def _requests(draw) -> tuple[str, bytes]:
     body["max_tokens"] = 2
     chosen = draw(st.lists(st.sampled_from(fields), min_size=1, max_size=3, unique=True))
     for name in chosen:
-        body[name] = draw(_values())
-    if chat and draw(st.booleans()):
-        body["messages"] = [{"role": draw(st.sampled_from(["user", "system", "wizard"])), "content": draw(_values())}]
-    if body.get("stream") is True and isinstance(body.get("n"), int) and not isinstance(body["n"], bool):
-        body["n"] = max(1, min(body["n"], 4))  # keep a streamed answer short
+        body[name] = draw(st.one_of(WELL_TYPED.get(name, st.booleans()), _values()))
     raw = json.dumps(body).encode()
     if draw(st.booleans()):  # non-standard JSON numbers that Python's json accepts
         raw = raw.replace(b'"%s": ' % chosen[0].encode(), b'"%s": %s, "_": ' % (chosen[0].encode(),
