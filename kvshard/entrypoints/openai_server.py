@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
@@ -411,7 +410,6 @@ class OpenAIServer:
         app.add_exception_handler(APIError, lambda request, error: error.response())
         app.add_exception_handler(EngineDeadError, lambda request, error: _engine_dead(str(error)).response())
         app.add_exception_handler(StarletteHTTPException, _http_error)
-        app.add_exception_handler(RequestValidationError, _validation_error)
         app.add_exception_handler(Exception, _internal_error)
 
         app.get("/health")(self.health)
@@ -613,13 +611,6 @@ async def _http_error(request: Request, error: StarletteHTTPException) -> JSONRe
     messages = {404: f"Invalid URL ({request.method} {request.url.path})",
                 405: f"Method {request.method} is not allowed on {request.url.path}"}
     return APIError(error.status_code, messages.get(error.status_code, str(error.detail))).response()
-
-
-async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-    first = error.errors()[0] if error.errors() else {"loc": (), "msg": "invalid request"}
-    path = [str(p) for p in first["loc"] if p not in ("body", "query", "path", "header")]
-    return APIError(400, f"{'.'.join(path)}: {first['msg']}" if path else first["msg"],
-                    path[0] if path else None).response()
 
 
 async def _internal_error(request: Request, error: Exception) -> JSONResponse:
