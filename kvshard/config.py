@@ -344,7 +344,8 @@ def load_model_config(model: str | os.PathLike, dtype: str | torch.dtype = "auto
     try:
         raw = json.loads(config_file.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ConfigError(f"{config_file} is not valid JSON ({error}); the checkpoint is corrupt or incomplete") from None
+        raise ConfigError(f"{config_file} is not valid JSON ({error}); the checkpoint is corrupt or incomplete") \
+            from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{config_file} holds {type(raw).__name__}, not a JSON object; the checkpoint is corrupt")
     architectures = raw.get("architectures") or []

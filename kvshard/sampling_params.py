@@ -52,7 +52,8 @@ class SamplingParams:
         check(self.max_tokens is None or _is_int(self.max_tokens, 1),
               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings")
-        check(len(self.stop) <= MAX_STOP_STRINGS, f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        check(len(self.stop) <= MAX_STOP_STRINGS,
+              f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
         check(all(len(s) <= MAX_STOP_LENGTH for s in self.stop),
               f"stop strings must be at most {MAX_STOP_LENGTH} characters long")
         check(all(_is_int(t, 0) for t in self.stop_token_ids),

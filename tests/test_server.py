@@ -346,7 +346,8 @@ def test_bad_request_gets_a_clear_4xx_and_the_server_keeps_serving(server, clien
     assert complete(client, "Hello", max_tokens=2).choices[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("extreme", [dict(top_p=1e-300), dict(temperature=1e-300), dict(temperature=1e-45, top_p=5e-324)],
+@pytest.mark.parametrize("extreme", [dict(top_p=1e-300), dict(temperature=1e-300),
+                                     dict(temperature=1e-45, top_p=5e-324)],
                          ids=["top_p 1e-300", "temperature 1e-300", "both denormal"])
 def test_extreme_but_legal_sampling_values_sample_the_top_token(server, client, extreme):
     # such values once made the distribution NaN and killed the engine for everyone
@@ -370,7 +371,8 @@ def test_stream_whose_client_stops_reading_is_aborted_and_frees_its_blocks(serve
         silent.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         silent.connect((host, int(port)))
         silent.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: kvshard\r\nContent-Type: application/json\r\n"
-                       b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s" % (API_KEY.encode(), len(body), body))
+                       b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s"
+                       % (API_KEY.encode(), len(body), body))
         assert server.wait_for_metric("kvshard:num_requests_running", lambda v: v > 0) > 0
         started = time.monotonic()
         # the others are still served while it runs (and after)
@@ -417,7 +419,8 @@ _short_text = st.text(max_size=6)
 WELL_TYPED = {
     "model": st.sampled_from([MODEL, "", "gpt-4"]),
     "prompt": st.one_of(_short_text, st.lists(st.integers(-1, 600), max_size=5),
-                        st.lists(_short_text, min_size=1, max_size=2), st.lists(st.lists(st.integers(0, 511)), max_size=2)),
+                        st.lists(_short_text, min_size=1, max_size=2),
+                        st.lists(st.lists(st.integers(0, 511)), max_size=2)),
     "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
                                                 "content": st.one_of(_short_text, st.none())}), max_size=2),
     "max_tokens": st.one_of(st.integers(-1, 6), st.sampled_from([512, 2**63, 2**64])),
