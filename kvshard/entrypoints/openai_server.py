@@ -281,8 +281,12 @@ async def _merged(engine: AsyncLLMEngine, request_id: str, prompts: list[list[in
             task.cancel()
 
 
-class _StreamBacklog(Exception):
-    """A streaming client fell too far behind: its request was aborted."""
+class _StreamBacklog(APIError):
+    """A streaming client fell too far behind: its request was aborted (and its connection is cut, so
+    this reaches the client only if it reads again before the cut)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(500, message, code="stream_backlog", type="server_error")
 
 
 def _num_tokens(output: RequestOutput) -> int:
