@@ -21,6 +21,7 @@ from kvshard.errors import ConfigError
 from kvshard.kv.layout import DCPLayout
 from kvshard.models.demo import DEMO_MODELS, ensure_demo_model
 from kvshard.models.gguf import resolve_gguf
+from kvshard.models.loader import check_checkpoint_files
 from kvshard.models.quantization import parse_quantization_config
 from kvshard.models.registry import MLA_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 
@@ -239,7 +240,13 @@ def load_model_config(model: str | os.PathLike, dtype: str | torch.dtype = "auto
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"model directory {path} has no config.json: point --model at a Hugging Face checkpoint directory")
-    raw = json.loads(config_file.read_text())
+    try:
+        raw = json.loads(config_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError(f"{config_file} is not valid JSON ({error}); the checkpoint is corrupt or incomplete") \
+            from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{config_file} holds {type(raw).__name__}, not a JSON object; the checkpoint is corrupt")
     architectures = raw.get("architectures") or []
     supported = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
     if not supported:
@@ -250,6 +257,7 @@ def load_model_config(model: str | os.PathLike, dtype: str | torch.dtype = "auto
     quantization = parse_quantization_config(raw.get("quantization_config"), config_file)
     if not any(path.glob("*.safetensors")):
         raise ConfigError(f"model directory {path} has no *.safetensors weights")
+    check_checkpoint_files(path)
 
     hf_config = _load_hf_config(path, raw, supported[0])
     checkpoint_dtype = raw.get("dtype") or raw.get("torch_dtype")

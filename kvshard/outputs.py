@@ -26,3 +26,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    error: str | None = None  # why this request alone failed (finished, finish_reason "error"); None if it did not

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Integers travel as int64 (torch tensors, generator seeds): anything wider is refused at the door.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_LOGPROBS = 20  # OpenAI's limit on alternatives per token
+MAX_STOP_STRINGS = 64  # every stop string is searched for at every step
+MAX_STOP_LENGTH = 1024  # characters; a stream holds back the longest stop string minus one
 
 
 @dataclass
@@ -30,27 +37,40 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> None:
-        """Raise ValueError with what to change; the server answers 400 with this text."""
+        """Raise ValueError naming the field first (the server answers 400 with this text, `param` = that word)."""
         def check(ok: bool, message: str) -> None:
             if not ok:
                 raise ValueError(message)
 
-        check(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
-        check(_is_number(self.temperature) and self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}")
-        check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
-        check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 0), f"top_k must be -1 (off) or >= 0, got {self.top_k!r}")
-        check(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
-        check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+        check(_is_int(self.n, 1), f"n must be an integer >= 1, got {self.n!r}")
+        check(_is_finite(self.temperature) and self.temperature >= 0,
+              f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        check(_is_finite(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        check(_is_int(self.top_k, -1), f"top_k must be -1 (off) or an integer >= 0, got {self.top_k!r}")
+        check(self.seed is None or _is_int(self.seed, INT64_MIN),
+              f"seed must be an integer in [{INT64_MIN}, {INT64_MAX}], got {self.seed!r}")
+        check(self.max_tokens is None or _is_int(self.max_tokens, 1),
               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings")
-        check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative integers")
-        check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-              f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        check(len(self.stop) <= MAX_STOP_STRINGS,
+              f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        check(all(len(s) <= MAX_STOP_LENGTH for s in self.stop),
+              f"stop strings must be at most {MAX_STOP_LENGTH} characters long")
+        check(all(_is_int(t, 0) for t in self.stop_token_ids),
+              f"stop_token_ids must be integers in [0, {INT64_MAX}]")
+        check(self.logprobs is None or (_is_int(self.logprobs, 0) and self.logprobs <= MAX_LOGPROBS),
+              f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _is_int(value, minimum: int) -> bool:
+    """An int (not a bool) in [minimum, INT64_MAX]."""
+    return isinstance(value, int) and not isinstance(value, bool) and minimum <= value <= INT64_MAX
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+def _is_finite(value) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False

@@ -7,17 +7,21 @@ shows preemption, and a two-"node" torchrun launch shows multi-node serving.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import socket
 import time
 import subprocess
 import sys
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from test_server_harness import API_KEY, MODEL, ROOT, SERVE_ARGS, Server, serve_command
+from server_harness import API_KEY, MODEL, ROOT, SERVE_ARGS, Server, serve_command
 
 PROMPTS = [f"Request {i}: " + "Decode context parallelism shards the key value cache. " * (i % 4) + "The capital of"
            for i in range(32)]  # 5 to 45 tokens: shorter and longer than one virtual block (2 x 16 tokens)
@@ -288,6 +292,18 @@ BAD_REQUESTS = {
     "logprobs above 20": ("POST", "/v1/completions", {**OK, "logprobs": 50}, {}, 400, "logprobs"),
     "empty stop string": ("POST", "/v1/completions", {**OK, "stop": [""]}, {}, 400, "stop"),
     "seed not an integer": ("POST", "/v1/completions", {**OK, "seed": "abc"}, {}, 400, "seed"),
+    "seed beyond 64 bits": ("POST", "/v1/completions", {**OK, "seed": 2**64}, {}, 400, "seed"),
+    "temperature Infinity": ("POST", "/v1/completions", b'{"model": "%s", "prompt": "Hi", "temperature": Infinity}'
+                             % MODEL.encode(), {}, 400, "temperature"),
+    "top_p NaN": ("POST", "/v1/completions", b'{"model": "%s", "prompt": "Hi", "top_p": NaN}' % MODEL.encode(), {},
+                  400, "top_p"),
+    "temperature beyond float": ("POST", "/v1/completions", {**OK, "temperature": 10**400}, {}, 400, "temperature"),
+    "top_k beyond int64": ("POST", "/v1/completions", {**OK, "top_k": 2**63}, {}, 400, "top_k"),
+    "too many stop strings": ("POST", "/v1/completions", {**OK, "stop": ["x"] * 65}, {}, 400, "stop"),
+    "stop token id outside the vocabulary": ("POST", "/v1/completions", {**OK, "stop_token_ids": [10**6]}, {}, 400,
+                                             "stop_token_ids"),
+    "negative token id": ("POST", "/v1/completions", {**OK, "prompt": [-1]}, {}, 400, "prompt"),
+    "best_of other than n": ("POST", "/v1/completions", {**OK, "best_of": 2}, {}, 400, "best_of"),
     "stream_options without stream": ("POST", "/v1/completions", {**OK, "stream_options": {"include_usage": True}},
                                       {}, 400, "stream_options"),
     "unsupported penalty": ("POST", "/v1/completions", {**OK, "frequency_penalty": 0.5}, {}, 400,
@@ -308,6 +324,11 @@ BAD_REQUESTS = {
                                         400, "max_tokens"),
     "chat top_logprobs without logprobs": ("POST", "/v1/chat/completions", {**CHAT, "top_logprobs": 2}, {}, 400,
                                            "top_logprobs"),
+    "chat top_logprobs above 20": ("POST", "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21},
+                                   {}, 400, "top_logprobs"),
+    "chat presence_penalty Infinity": ("POST", "/v1/chat/completions",
+                                       b'{"model": "%s", "messages": [{"role": "user", "content": "Hi"}], '
+                                       b'"presence_penalty": -Infinity}' % MODEL.encode(), {}, 400, "presence_penalty"),
 }
 
 
@@ -323,6 +344,152 @@ def test_bad_request_gets_a_clear_4xx_and_the_server_keeps_serving(server, clien
     assert error["message"] and error["type"] == "invalid_request_error"
     assert error["param"] == param, error
     assert complete(client, "Hello", max_tokens=2).choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("extreme", [dict(top_p=1e-300), dict(temperature=1e-300),
+                                     dict(temperature=1e-45, top_p=5e-324)],
+                         ids=["top_p 1e-300", "temperature 1e-300", "both denormal"])
+def test_extreme_but_legal_sampling_values_sample_the_top_token(server, client, extreme):
+    # such values once made the distribution NaN and killed the engine for everyone
+    sampled = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, seed=1, **extreme,
+                                        extra_body={"ignore_eos": True})
+    assert sampled.choices[0].text == complete(client, "Hello", max_tokens=6).choices[0].text
+    assert server.http.get("/health").status_code == 200
+
+
+# --- a client that stops reading -------------------------------------------------------------------
+
+def test_stream_whose_client_stops_reading_is_aborted_and_frees_its_blocks(server, client):
+    aborted = server.metric("kvshard:request_success_total", finished_reason="abort")
+    generated = server.metric("kvshard:generation_tokens_total")
+    # 128 choices with 20 alternatives each: ~100 KB of events per step, so the socket buffers of both
+    # ends (a few MB) fill within tens of steps, long before 400 steps end the request
+    body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 400, "n": 128, "logprobs": 20,
+                       "ignore_eos": True, "stream": True}).encode()
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    with socket.socket() as silent:
+        silent.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        silent.connect((host, int(port)))
+        silent.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: kvshard\r\nContent-Type: application/json\r\n"
+                       b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s"
+                       % (API_KEY.encode(), len(body), body))
+        assert server.wait_for_metric("kvshard:num_requests_running", lambda v: v > 0) > 0
+        started = time.monotonic()
+        # the others are still served while it runs (and after)
+        assert complete(client, "Hello", max_tokens=2).choices[0].finish_reason == "length"
+        assert server.wait_for_metric("kvshard:request_success_total", lambda v: v == aborted + 128, timeout=120,
+                                      finished_reason="abort") == aborted + 128
+        aborted_after = time.monotonic() - started
+        assert server.wait_for_metric("kvshard:kv_cache_usage_perc", lambda v: v == 0, timeout=5) == 0
+        assert server.metric("kvshard:num_requests_running") == server.metric("kvshard:num_requests_waiting") == 0
+        # stopped by its backlog, not by max_tokens: fewer than 400 tokens of each of the 128 choices were made
+        assert server.metric("kvshard:generation_tokens_total") - generated < 128 * 400
+        # the server closed the connection: what reached the socket buffers, then the end
+        silent.settimeout(10)
+        while silent.recv(1 << 16):
+            pass
+    print(f"unread stream aborted {aborted_after:.1f}s after it started")
+    assert complete(client, "Hello", max_tokens=2).choices[0].finish_reason == "length"
+
+
+# --- fuzzing the request schema --------------------------------------------------------------------
+
+def _values() -> st.SearchStrategy:
+    """Well- and ill-typed JSON values, with the edges of every range a field has."""
+    numbers = st.one_of(
+        st.integers(-3, 3), st.integers(), st.sampled_from([2**63 - 1, 2**63, 2**64, -(2**63) - 1, 10**30, 511, 512]),
+        st.floats(allow_nan=False, allow_infinity=False),
+        st.sampled_from([0.0, 1e-300, 5e-324, 1e-45, 1.0, 1.0000001, 2.0, 1e300, -0.0]),
+    )
+    scalars = st.one_of(st.none(), st.booleans(), numbers, st.text(max_size=8))
+    return st.one_of(scalars, st.lists(scalars, max_size=3), st.dictionaries(st.text(max_size=4), scalars, max_size=2),
+                     st.lists(st.integers(-2, 600), min_size=1, max_size=4))
+
+
+COMPLETION_FIELDS = ["model", "prompt", "max_tokens", "n", "best_of", "temperature", "top_p", "top_k", "seed", "stop",
+                     "stop_token_ids", "ignore_eos", "logprobs", "echo", "suffix", "stream", "stream_options",
+                     "frequency_penalty", "presence_penalty", "logit_bias", "user"]
+CHAT_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "n", "temperature", "top_p", "top_k",
+               "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "stream", "stream_options",
+               "frequency_penalty", "presence_penalty", "logit_bias", "add_generation_prompt", "tools",
+               "response_format", "user"]
+NON_FINITE = [b"NaN", b"Infinity", b"-Infinity"]
+_short_text = st.text(max_size=6)
+# values of each field's own type, at and beyond the edges of its range; short answers only (n, max_tokens small)
+WELL_TYPED = {
+    "model": st.sampled_from([MODEL, "", "gpt-4"]),
+    "prompt": st.one_of(_short_text, st.lists(st.integers(-1, 600), max_size=5),
+                        st.lists(_short_text, min_size=1, max_size=2),
+                        st.lists(st.lists(st.integers(0, 511)), max_size=2)),
+    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
+                                                "content": st.one_of(_short_text, st.none())}), max_size=2),
+    "max_tokens": st.one_of(st.integers(-1, 6), st.sampled_from([512, 2**63, 2**64])),
+    "max_completion_tokens": st.integers(-1, 6),
+    "n": st.one_of(st.integers(-1, 3), st.sampled_from([129, 2**63])),
+    "best_of": st.integers(-1, 3),
+    "temperature": st.one_of(st.floats(-1, 3), st.sampled_from([0.0, 1e-300, 5e-324, 1e300, 1.7976931348623157e308])),
+    "top_p": st.one_of(st.floats(-0.5, 1.5), st.sampled_from([0.0, 1e-300, 5e-324, 1.0, 1.0000000001])),
+    "top_k": st.one_of(st.integers(-3, 600), st.sampled_from([2**63 - 1, 2**63])),
+    "seed": st.one_of(st.integers(-(2**65), 2**65), st.sampled_from([2**63 - 1, 2**63, 2**64, -(2**63), -(2**63) - 1])),
+    "stop": st.one_of(_short_text, st.lists(_short_text, max_size=3)),
+    "stop_token_ids": st.lists(st.integers(-1, 600), max_size=3),
+    "logprobs": st.one_of(st.integers(-1, 21), st.booleans()),  # an int for completions, a bool for chat
+    "top_logprobs": st.integers(-1, 21),
+    "frequency_penalty": st.one_of(st.just(0.0), st.floats(-2, 2)),
+    "presence_penalty": st.one_of(st.just(0), st.floats(-2, 2)),
+    "logit_bias": st.dictionaries(st.sampled_from(["1", "50", "x"]), st.floats(-100, 100), max_size=2),
+    "stream_options": st.one_of(st.none(), st.fixed_dictionaries({"include_usage": st.booleans()})),
+    "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}),
+    "tools": st.lists(st.just({"type": "function"}), max_size=1),
+    "suffix": st.one_of(st.none(), _short_text),
+    "user": _short_text,
+}
+
+
+@st.composite
+def _requests(draw) -> tuple[str, bytes]:
+    """A valid small request with 1 to 3 fields replaced by generated values (maybe NaN or Infinity)."""
+    chat = draw(st.booleans())
+    path, fields = ("/v1/chat/completions", CHAT_FIELDS) if chat else ("/v1/completions", COMPLETION_FIELDS)
+    body = dict(CHAT if chat else OK)
+    body["max_tokens"] = 2
+    chosen = draw(st.lists(st.sampled_from(fields), min_size=1, max_size=3, unique=True))
+    for name in chosen:
+        well_typed = WELL_TYPED.get(name, st.booleans())
+        body[name] = draw(st.one_of(well_typed, well_typed, _values()))  # two in three of the field's own type
+    raw = json.dumps(body).encode()
+    if draw(st.booleans()):  # non-standard JSON numbers that Python's json accepts
+        raw = raw.replace(b'"%s": ' % chosen[0].encode(), b'"%s": %s, "_": ' % (chosen[0].encode(),
+                                                                             draw(st.sampled_from(NON_FINITE))), 1)
+    return path, raw
+
+
+def test_fuzzed_requests_never_get_a_5xx_nor_hurt_the_engine(server, client):
+    reference = complete(client, PROMPTS[3], max_tokens=8).choices[0].text
+    seen: dict[int, int] = {}
+    started = time.monotonic()
+
+    @settings(max_examples=200, deadline=None, database=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(_requests())
+    # values that once killed the engine or got a 500
+    @example(("/v1/completions", json.dumps({**OK, "temperature": 1, "top_p": 1e-300}).encode()))
+    @example(("/v1/chat/completions", json.dumps({**CHAT, "temperature": 1e-300}).encode()))
+    @example(("/v1/completions", json.dumps({**OK, "seed": 2**64}).encode()))
+    def one_request(request):
+        path, raw = request
+        response = server.http.post(path, content=raw, headers={"content-type": "application/json"}, timeout=60)
+        seen[response.status_code] = seen.get(response.status_code, 0) + 1
+        assert response.status_code < 500, (raw, response.text)
+        if response.status_code >= 400:
+            error = response.json()["error"]
+            assert error["message"] and error["type"] == "invalid_request_error", (raw, response.text)
+
+    one_request()
+    print(f"fuzzed answers by status: {dict(sorted(seen.items()))} in {time.monotonic() - started:.1f}s")
+    assert seen.get(200, 0) > 10 and sum(n for code, n in seen.items() if 400 <= code < 500) > 10
+    assert server.http.get("/health").status_code == 200
+    assert complete(client, PROMPTS[3], max_tokens=8).choices[0].text == reference
 
 
 # --- multi-node -------------------------------------------------------------------------------------

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import time
 
+from pathlib import Path
+
 import openai
 import pytest
 
-from test_server_harness import MODEL, ROOT, SERVE_ARGS, Server, serve_command
+from server_harness import MODEL, ROOT, SERVE_ARGS, Server, serve_command
 
 
 def run_serve(*flags: str) -> subprocess.CompletedProcess:
@@ -40,6 +43,28 @@ def test_port_in_use_is_a_flag_error():
         taken.listen()
         port = taken.getsockname()[1]
         assert_flag_error(run_serve(MODEL, "--port", str(port)), f"cannot listen on 127.0.0.1:{port}")
+
+
+@pytest.fixture
+def checkpoint_copy(tmp_path):
+    from kvshard.models.demo import ensure_demo_model
+
+    return Path(shutil.copytree(ensure_demo_model(MODEL), tmp_path / "model"))
+
+
+def test_truncated_checkpoint_is_one_line_naming_the_file_and_exit_2(checkpoint_copy):
+    weights = checkpoint_copy / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size // 2)  # an interrupted download
+    assert_flag_error(run_serve(str(checkpoint_copy)), f"{weights} is truncated")
+
+
+@pytest.mark.parametrize("content", [b'{"architectures": ["LlamaForCausalLM"], ', b"\xff\xfe", b"[1, 2]"],
+                         ids=["cut short", "not UTF-8", "not an object"])
+def test_corrupt_config_is_one_line_naming_the_file_and_exit_2(checkpoint_copy, content):
+    config = checkpoint_copy / "config.json"
+    config.write_bytes(content)
+    assert_flag_error(run_serve(str(checkpoint_copy)), str(config))
 
 
 @pytest.fixture

@@ -26,15 +26,20 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.
 
 
 def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
-    temperature = torch.tensor([p.temperature for p in params]).unsqueeze(1)
+    # extreme but legal temperatures must not turn into 0 or inf in float32
+    finfo = torch.finfo(logits.dtype)
+    temperature = torch.tensor([p.temperature for p in params]).clamp(finfo.tiny, finfo.max).unsqueeze(1)
     top_k = torch.tensor([p.top_k if p.top_k > 0 else logits.shape[1] for p in params]).unsqueeze(1)
     top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)
-    sorted_logits, order = (logits / temperature).sort(dim=-1, descending=True)
+    # shifted so the top logit is 0: dividing by a tiny temperature gives -inf elsewhere, never inf - inf
+    shifted = logits - logits.max(dim=-1, keepdim=True).values
+    sorted_logits, order = (shifted / temperature).sort(dim=-1, descending=True)
     rank = torch.arange(logits.shape[1]).unsqueeze(0)
     sorted_probs = sorted_logits.softmax(dim=-1)
     # keep a token if it is within top-k and the mass before it is below top-p (the first always stays)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep = (rank < top_k) & (mass_before < top_p)
+    # a top_p that float32 rounds to 0 would otherwise drop the first token too
+    keep = ((rank < top_k) & (mass_before < top_p)) | (rank == 0)
     sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
     filtered = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
     return filtered.softmax(dim=-1)

@@ -2,14 +2,19 @@
 
 Every error a client can cause is answered with a 4xx in OpenAI's shape,
 `{"error": {"message", "type", "param", "code"}}`, before anything reaches the
-engine; a dead engine answers 503 with the reason. A client that goes away,
-streaming or not, has its request aborted and its KV blocks freed.
+engine; a dead engine answers 503 with the reason, and a request that fails
+alone (sampling or post-processing) gets a 500 of its own while the engine serves
+on. A client that goes away, streaming or not, has its request aborted and its KV
+blocks freed; so has a streaming client that stops reading, once it falls
+`max_stream_backlog` tokens behind.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
 import secrets
 import time
 import uuid
@@ -28,7 +33,9 @@ from kvshard.engine.async_engine import AsyncLLMEngine
 from kvshard.engine.llm_engine import EngineDeadError, LLMEngine
 from kvshard.metrics import ServerMetrics
 from kvshard.outputs import CompletionOutput, RequestOutput
-from kvshard.sampling_params import SamplingParams
+from kvshard.sampling_params import MAX_LOGPROBS, SamplingParams
+
+logger = logging.getLogger("kvshard.server")
 
 # Used when the tokenizer brings no chat template of its own.
 DEFAULT_CHAT_TEMPLATE = (
@@ -36,6 +43,9 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 MAX_N = 128  # OpenAI's limit on choices per request
+# Tokens a stream may run ahead of what its client has read before it is aborted. Beyond this the
+# client has stopped reading (kernel buffers are already full), and its KV blocks serve better elsewhere.
+DEFAULT_MAX_STREAM_BACKLOG = 1024
 
 
 class APIError(Exception):
@@ -57,6 +67,11 @@ def _engine_dead(reason: str) -> APIError:
     return APIError(503, f"the engine is dead: {reason}", code="engine_dead", type="server_error")
 
 
+def _request_failed(reason: str) -> APIError:
+    """This request alone failed behind the door; the engine serves on."""
+    return APIError(500, f"the request failed: {reason}", code="request_failed", type="server_error")
+
+
 # --- protocol ---------------------------------------------------------------------------
 
 def _check_prompt(value: Any) -> Any:
@@ -72,14 +87,14 @@ def _check_prompt(value: Any) -> Any:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
     include_usage: bool = False
 
 
 class _GenerationRequest(BaseModel):
     """Fields both endpoints take. Unknown fields are ignored, as vLLM does."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)  # no NaN, Infinity
     model: str
     n: int = 1
     temperature: float = 1.0
@@ -142,13 +157,13 @@ class CompletionRequest(_GenerationRequest):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -179,6 +194,9 @@ class ChatCompletionRequest(_GenerationRequest):
                            "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                           "top_logprobs")
 
 
 def _parse(model: type[BaseModel], body: bytes) -> Any:
@@ -212,35 +230,71 @@ class _ChoiceDelta:
 
 
 async def _merged(engine: AsyncLLMEngine, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                  stream: bool) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of every prompt as they come, tagged with the prompt's index; closing this aborts the rest."""
-    outputs: asyncio.Queue = asyncio.Queue()
+                  stream: bool, max_backlog: int | None = None,
+                  cut: asyncio.Event | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of every prompt as they come, tagged with the prompt's index; closing this aborts the rest.
+
+    Outputs are cumulative, so only each prompt's newest one waits to be taken: a slow reader costs no
+    memory. With `max_backlog`, a prompt whose newest output runs more tokens ahead of the last one
+    taken is aborted (its KV blocks freed) and `cut` is set: its client has stopped reading.
+    """
+    newest: dict[int, RequestOutput | Exception] = {}
+    taken: dict[int, int] = {}  # tokens of each prompt already handed out
+    arrived = asyncio.Event()
 
     async def pump(index: int, prompt: list[int]) -> None:
         try:
             async with aclosing(engine.generate(f"{request_id}-{index}", prompt, params, stream)) as generator:
                 async for output in generator:
-                    outputs.put_nowait((index, output))
-        except Exception as error:
-            outputs.put_nowait((index, error))
+                    newest[index] = output
+                    arrived.set()
+                    behind = _num_tokens(output) - taken.get(index, 0)
+                    if max_backlog is not None and not output.finished and behind > max_backlog:
+                        raise _StreamBacklog(f"{request_id}-{index}: the client stopped reading, {behind} tokens "
+                                             f"behind (limit {max_backlog}); aborted")
+        except Exception as error:  # leaving the generator above aborted the request
+            newest[index] = error
+            arrived.set()
+            if isinstance(error, _StreamBacklog) and cut is not None:
+                logger.warning("%s", error)
+                cut.set()
 
     tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
     try:
-        remaining = len(prompts)
+        remaining = set(range(len(prompts)))
         while remaining:
-            index, item = await outputs.get()
-            if isinstance(item, Exception):
-                raise item
-            yield index, item
-            if item.finished:
-                remaining -= 1
+            await arrived.wait()
+            arrived.clear()
+            ready = sorted(newest.items(), key=lambda item: item[0])
+            newest.clear()
+            for index, item in ready:
+                if isinstance(item, Exception):
+                    raise item
+                if item.error is not None:
+                    raise _request_failed(item.error)
+                taken[index] = _num_tokens(item)
+                yield index, item
+                if item.finished:
+                    remaining.discard(index)
     finally:
         for task in tasks:
             task.cancel()
 
 
-async def _deltas(engine: AsyncLLMEngine, request_id: str, prompts: list[list[int]],
-                  params: SamplingParams) -> AsyncIterator[_ChoiceDelta]:
+class _StreamBacklog(APIError):
+    """A streaming client fell too far behind: its request was aborted (and its connection is cut, so
+    this reaches the client only if it reads again before the cut)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(500, message, code="stream_backlog", type="server_error")
+
+
+def _num_tokens(output: RequestOutput) -> int:
+    return sum(len(c.token_ids) for c in output.outputs)
+
+
+async def _deltas(engine: AsyncLLMEngine, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                  max_backlog: int, cut: asyncio.Event) -> AsyncIterator[_ChoiceDelta]:
     """Streaming: each choice's text as it becomes final.
 
     Held back until the choice ends: the last characters that might start a stop
@@ -250,7 +304,7 @@ async def _deltas(engine: AsyncLLMEngine, request_id: str, prompts: list[list[in
     sent_text: dict[int, str] = {}
     sent_tokens: dict[int, int] = {}
     finished: set[int] = set()
-    async for prompt_index, output in _merged(engine, request_id, prompts, params, stream=True):
+    async for prompt_index, output in _merged(engine, request_id, prompts, params, True, max_backlog, cut):
         for completion in output.outputs:
             index = prompt_index * params.n + completion.index
             if index in finished:
@@ -306,17 +360,41 @@ def _sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+class _CuttableStream(StreamingResponse):
+    """An event stream that stops, closing its connection, once `cut` is set (its client stopped reading,
+    so a last event could not reach it anyway)."""
+
+    def __init__(self, content: AsyncIterator[str], cut: asyncio.Event) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.cut = cut
+
+    async def __call__(self, scope, receive, send) -> None:
+        stream = asyncio.ensure_future(super().__call__(scope, receive, send))
+        cut = asyncio.ensure_future(self.cut.wait())
+        try:
+            await asyncio.wait({stream, cut}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            cut.cancel()
+            stream.cancel()  # stuck writing to a client that does not read
+        await asyncio.gather(stream, return_exceptions=True)
+        if not stream.cancelled() and stream.exception() is not None:
+            raise stream.exception()
+
+
 # --- the app ----------------------------------------------------------------------------------
 
 class OpenAIServer:
     """The routes over one engine. `app` is the FastAPI application; its lifespan starts the
     engine loop and, at the end, stops every rank."""
 
-    def __init__(self, engine: LLMEngine, served_model_names: list[str], api_key: str | None = None) -> None:
+    def __init__(self, engine: LLMEngine, served_model_names: list[str], api_key: str | None = None,
+                 max_stream_backlog: int | None = None) -> None:
         self.model_names = served_model_names
         self.tokenizer = engine.tokenizer
         self.validate_prompt = engine.validate_prompt
         self.max_model_len = engine.config.scheduler.max_model_len
+        self.vocab_size = engine.config.model.hf_config.vocab_size
+        self.max_stream_backlog = max_stream_backlog or _backlog_from_env()
         self.model_root = str(engine.config.model.path)
         self.metrics = ServerMetrics(engine.config, served_model_names[0])
         self.engine = AsyncLLMEngine(engine, self.metrics)
@@ -377,6 +455,8 @@ class OpenAIServer:
         if request.model not in self.model_names:
             raise APIError(404, f"The model `{request.model}` does not exist.", "model", "model_not_found")
         request.check_supported()
+        if any(not 0 <= t < self.vocab_size for t in request.stop_token_ids or []):
+            raise APIError(400, f"stop_token_ids must be token ids in [0, {self.vocab_size})", "stop_token_ids")
 
     def _tokenize(self, prompt: str | list[int], params: SamplingParams, param: str) -> list[int]:
         if isinstance(prompt, str) and self.tokenizer is None:
@@ -455,22 +535,26 @@ class OpenAIServer:
                 include_usage: bool, choice: Callable[[_ChoiceDelta], dict],
                 first_choices: list[dict] | None = None) -> StreamingResponse:
         """SSE: `first_choices` one event each, then one event per delta (shaped by `choice`), the usage
-        if asked for, an error event if the engine dies, and [DONE]."""
+        if asked for, an error event if the engine dies or the request fails, and [DONE]."""
+        cut = asyncio.Event()
+
         async def events() -> AsyncIterator[str]:
             for first in first_choices or []:
                 yield _sse({**envelope, "choices": [first]})
             completion_tokens = 0
             try:
-                async for delta in _deltas(self.engine, request_id, prompts, params):
+                async for delta in _deltas(self.engine, request_id, prompts, params, self.max_stream_backlog, cut):
                     completion_tokens += len(delta.token_ids)
                     yield _sse({**envelope, "choices": [choice(delta)]})
                 if include_usage:
                     yield _sse({**envelope, "choices": [], "usage": _usage(prompts, completion_tokens)})
             except EngineDeadError as error:
                 yield _sse(_engine_dead(str(error)).body())
+            except APIError as error:
+                yield _sse(error.body())
             yield _sse("[DONE]")
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return _CuttableStream(events(), cut)
 
     def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
         if self.tokenizer is None:
@@ -518,6 +602,13 @@ class OpenAIServer:
              "top_logprobs": [item(i, lp) for i, lp in sorted(entry.items(), key=lambda kv: -kv[1])[:top]]}
             for t, entry in zip(token_ids, logprobs)
         ]}
+
+
+def _backlog_from_env() -> int:
+    raw = os.environ.get("KVSHARD_MAX_STREAM_BACKLOG", str(DEFAULT_MAX_STREAM_BACKLOG))
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"KVSHARD_MAX_STREAM_BACKLOG={raw!r}: use a number of tokens >= 1")
+    return int(raw)
 
 
 async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:

@@ -8,11 +8,14 @@ FP8 block-scaled weights are dequantized whole before any slicing (`quantization
 
 from __future__ import annotations
 
+import json
+import struct
 from pathlib import Path
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from kvshard.errors import ConfigError
 from kvshard.models.quantization import Fp8BlockQuantization, QuantizedCheckpoint
 
 # Buffers some checkpoints carry that kvshard recomputes.
@@ -27,6 +30,26 @@ def checkpoint_to_parameter(name: str, packed_modules: dict[str, tuple[str, obje
     return name, None
 
 
+def check_checkpoint_files(path: Path) -> None:
+    """Read only the headers of every *.safetensors file: a truncated or corrupt one is a ConfigError
+    naming the file, before any rank starts (the format: an 8-byte little-endian header length, a JSON
+    header giving each tensor's byte range, then the data)."""
+    for file in sorted(path.glob("*.safetensors")):
+        size = file.stat().st_size
+        try:
+            with open(file, "rb") as f:
+                (header_len,) = struct.unpack("<Q", f.read(8))
+                if header_len > size - 8:
+                    raise ValueError(f"its header claims {header_len:,} bytes but the file has {size:,}")
+                header = json.loads(f.read(header_len))
+            ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+        except (struct.error, ValueError, TypeError, KeyError, IndexError, AttributeError) as error:
+            raise ConfigError(f"{file} is not a readable safetensors file ({error}); download it again") from None
+        if 8 + header_len + max(ends, default=0) > size:
+            raise ConfigError(f"{file} is truncated: {size:,} bytes, its header needs "
+                              f"{8 + header_len + max(ends):,}; download it again")
+
+
 def load_weights(model: nn.Module, path: Path, quantization: Fp8BlockQuantization | None = None) -> None:
     params = dict(model.named_parameters())
     filled: dict[str, set] = {}  # parameter -> shards loaded into it (None for a whole tensor)
@@ -34,27 +57,10 @@ def load_weights(model: nn.Module, path: Path, quantization: Fp8BlockQuantizatio
     files = sorted(path.glob("*.safetensors"))
     checkpoint = QuantizedCheckpoint(files, quantization)
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                if name.endswith(IGNORED_SUFFIXES) or checkpoint.is_scale(name):
-                    continue
-                target, shard_id = checkpoint_to_parameter(name, packed)
-                if hasattr(model, "remap_weight_name"):
-                    target, shard_id = model.remap_weight_name(target, shard_id)
-                if target is None:
-                    continue
-                if target not in params:
-                    if target == "lm_head.weight":
-                        continue  # tied to the embedding, already shared
-                    raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
-                param = params[target]
-                loader = param.weight_loader
-                tensor = checkpoint.prepare(name, f.get_tensor(name))
-                if shard_id is None:
-                    loader(param, tensor)
-                else:
-                    loader(param, tensor, shard_id)
-                filled.setdefault(target, set()).add(shard_id)
+        try:
+            _load_file(model, file, params, packed, filled, checkpoint)
+        except SafetensorError as error:  # corrupt although its header looked whole
+            raise ConfigError(f"{file} cannot be read: {error}; download it again") from None
     missing = sorted(set(params) - set(filled))
     missing += sorted(
         f"{name} ({', '.join(sorted(map(str, lacking)))})"
@@ -63,6 +69,31 @@ def load_weights(model: nn.Module, path: Path, quantization: Fp8BlockQuantizatio
     )
     if missing:
         raise ValueError(f"checkpoint at {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _load_file(model: nn.Module, file: Path, params: dict[str, nn.Parameter], packed: dict[str, tuple[str, object]],
+               filled: dict[str, set], checkpoint: QuantizedCheckpoint) -> None:
+    with safe_open(str(file), framework="pt") as f:
+        for name in f.keys():
+            if name.endswith(IGNORED_SUFFIXES) or checkpoint.is_scale(name):
+                continue
+            target, shard_id = checkpoint_to_parameter(name, packed)
+            if hasattr(model, "remap_weight_name"):
+                target, shard_id = model.remap_weight_name(target, shard_id)
+            if target is None:
+                continue
+            if target not in params:
+                if target == "lm_head.weight":
+                    continue  # tied to the embedding, already shared
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+            param = params[target]
+            loader = param.weight_loader
+            tensor = checkpoint.prepare(name, f.get_tensor(name))
+            if shard_id is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard_id)
+            filled.setdefault(target, set()).add(shard_id)
 
 
 def _packed_shards(name: str, packed_modules: dict[str, tuple[str, object]]) -> set:

@@ -35,14 +35,14 @@ class Server:
     """`kvshard serve ARGS --port 0` in a subprocess, up and healthy once constructed."""
 
     def __init__(self, args: list[str], log_path: Path, api_key: str | None = None, command: list[str] | None = None,
-                 startup_timeout: float = 180) -> None:
+                 startup_timeout: float = 180, env: dict[str, str] | None = None) -> None:
         self.api_key = api_key
         self.log_path = log_path
         extra = ["--api-key", api_key] if api_key else []
         self._log = open(log_path, "wb")
         self.process = subprocess.Popen(command or serve_command(*args, *extra, "--port", "0"), cwd=ROOT,
-                                        stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ,
-                                                                                         "PYTHONUNBUFFERED": "1"})
+                                        stdout=self._log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self.url = self._wait_for_url(startup_timeout)
         self.http = httpx.Client(base_url=self.url, timeout=60,
                                  headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
