@@ -139,3 +139,35 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = tp_all_reduce(nn.functional.linear(x, self.weight), self.parallel)
         return y + self.bias if self.bias is not None else y
+
+
+class PartialRowParallelLinear(RowParallelLinear):
+    """Row-parallel without its own all-reduce: the MoE block sums this partial with the
+    routed experts' partial and reduces both at once."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, parallel: ParallelState) -> None:
+        super().__init__(in_features, out_features, False, dtype, parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight)
+
+
+class HeadParallelLinear(nn.Module):
+    """Column-parallel by attention heads over a given span of heads (q_proj, q_b_proj).
+
+    Without Q replication the span is the rank's own heads, as in ColumnParallelLinear;
+    with it, the heads of the rank's DCP group, so the Q all-gather is not needed.
+    """
+
+    def __init__(self, in_features: int, head_size: int, heads: range, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.head_size = head_size
+        self.heads = heads
+        self.weight = nn.Parameter(torch.empty(len(heads) * head_size, in_features, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        param.data.copy_(loaded.narrow(0, self.heads.start * self.head_size, len(self.heads) * self.head_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight)
