@@ -76,26 +76,25 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """Q, K and V in one matmul. With tp > KV heads, rank r holds KV head r // (tp / kv_heads).
 
-    With `replicate_q` a rank computes the queries of its whole DCP group (its ranks hold
-    the same KV head), so attention needs no all-gather of Q.
+    `q_heads` are the heads whose query this rank computes (attention.backend.query_heads): its
+    own, or with Q replication those of its whole DCP group (its ranks hold the same KV head),
+    so attention needs no all-gather of Q.
     """
 
     def __init__(
         self,
         hidden_size: int,
         head_dim: int,
-        num_heads: int,
+        q_heads: range,
         num_kv_heads: int,
         bias: bool,
         dtype: torch.dtype,
         parallel: ParallelState,
-        replicate_q: bool = False,
     ) -> None:
         tp = parallel.tp_size
         self.head_dim = head_dim
-        q_ranks = parallel.dcp_size if replicate_q else 1
-        self.num_heads = num_heads // tp * q_ranks  # heads whose query this rank computes
-        self.q_first_rank = parallel.dcp_group_index * parallel.dcp_size if replicate_q else parallel.tp_rank
+        self.q_heads = q_heads
+        self.num_heads = len(q_heads)
         self.num_kv_heads = max(1, num_kv_heads // tp)
         self.kv_replicas = max(1, tp // num_kv_heads)
         out_features = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
@@ -105,8 +104,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         rank, d = self.parallel.tp_rank, self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         if shard_id == "q":
-            # one rank's share of the query rows, times the first rank whose queries this one computes
-            offset, size, start = 0, q_size, self.q_first_rank * (loaded.shape[0] // self.parallel.tp_size)
+            offset, size, start = 0, q_size, self.q_heads.start * d
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
             size, start = kv_size, (rank // self.kv_replicas) * kv_size

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvshard.attention.backend import DCPAttention
+from kvshard.attention.backend import DCPAttention, query_heads
 from kvshard.attention.metadata import AttentionMetadata
 from kvshard.kv.cache import KVCacheLayer, head_dim_of
 from kvshard.models.causal_lm import CausalLM
@@ -29,8 +29,9 @@ class LlamaAttention(nn.Module):
         super().__init__()
         d = head_dim_of(cfg)
         self.replicate_q = replicate_q
+        q_heads = query_heads(cfg.num_attention_heads, parallel, replicate_q)
         self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads, qkv_bias, dtype, parallel, replicate_q
+            cfg.hidden_size, d, q_heads, cfg.num_key_value_heads, qkv_bias, dtype, parallel
         )
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, o_bias, dtype, parallel)
         self.attn = DCPAttention(cfg.num_attention_heads // parallel.tp_size, d**-0.5, parallel)
