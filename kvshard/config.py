@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kvshard.errors import ConfigError
+from kvshard.kv.cache import KVCacheSpec, kv_cache_spec
 from kvshard.kv.layout import DCPLayout
 from kvshard.models.demo import DEMO_MODELS, ensure_demo_model
 from kvshard.models.gguf import resolve_gguf
@@ -127,15 +128,6 @@ class ModelConfig:
         """KV heads as the cache sees them: MLA has one shared latent."""
         return 1 if self.is_mla else self.hf_config.num_key_value_heads
 
-    @property
-    def kv_values_per_token_per_kv_head(self) -> int:
-        """Values stored per token, layer and KV head (K and V together for GQA)."""
-        cfg = self.hf_config
-        if self.is_mla:
-            return cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return 2 * head_dim
-
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -153,9 +145,13 @@ class EngineConfig:
 
     # --- KV accounting (DESIGN.md section 6), all per rank -------------------
     @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """The cache one rank holds, derived once from the model: the runner allocates this spec."""
+        return kv_cache_spec(self.model, self.parallel.tensor_parallel_size)
+
+    @property
     def kv_heads_per_rank(self) -> int:
-        # With tp > kv heads each rank holds one head (neighbours are replicas).
-        return max(1, self.model.num_kv_heads // self.parallel.tensor_parallel_size)
+        return self.kv_cache_spec.num_kv_heads
 
     @property
     def kv_copies_per_token(self) -> int:
@@ -171,9 +167,7 @@ class EngineConfig:
     @property
     def kv_bytes_per_slot(self) -> int:
         """Bytes of one physical cache slot (one token, all layers) on one rank."""
-        element = torch.tensor([], dtype=self.model.dtype).element_size()
-        per_layer = self.kv_heads_per_rank * self.model.kv_values_per_token_per_kv_head * element
-        return self.model.num_layers * per_layer
+        return self.kv_cache_spec.bytes_per_slot(self.model.dtype)
 
     @property
     def num_kv_blocks(self) -> int:

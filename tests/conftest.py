@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import glob
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,53 @@ def no_shared_memory_left_behind():
     yield
     left = set(glob.glob("/dev/shm/kvshard-*")) - before
     assert not left, f"shared-memory segments left behind: {sorted(left)}"
+
+
+@contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the block (ranks spawned inside inherit them), then restore."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
+
+
+def tiny_llama_config(config_cls=None, **overrides):
+    """A two-layer Llama-family config (GQA, 4 query heads over 1 KV head) with large random
+    weights, so that greedy choices stand well apart; `config_cls` picks Qwen2 or Mistral."""
+    from transformers import LlamaConfig
+
+    base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
+                initializer_range=0.2, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    base.update(overrides)
+    return (config_cls or LlamaConfig)(**base)
+
+
+def assert_same_generation(got_tokens: list[list[int]], got_logprobs: list[list[dict[int, float]]],
+                           want_tokens: list[list[int]], want_logprobs: list[list[dict[int, float]]],
+                           atol: float, same_candidates: bool = True) -> None:
+    """Greedy tokens equal, and every candidate's log-probability within `atol` of the wanted one.
+
+    `same_candidates`: both sides list the same top-k tokens at every step; without it `want`
+    may list more (a reference that keeps the whole vocabulary).
+    """
+    assert got_tokens == want_tokens
+    assert len(got_logprobs) == len(want_logprobs)
+    for prompt, (got_steps, want_steps) in enumerate(zip(got_logprobs, want_logprobs)):
+        assert len(got_steps) == len(want_steps) == len(got_tokens[prompt])
+        for step, (got_step, want_step) in enumerate(zip(got_steps, want_steps)):
+            where = f"prompt {prompt}, new token {step}"
+            if same_candidates:
+                assert got_step.keys() == want_step.keys(), where
+            for token, logprob in got_step.items():
+                assert logprob == pytest.approx(want_step[token], abs=atol), f"{where}, candidate {token}"
 
 
 def save_hf_checkpoint(config, directory: Path, seed: int = 0) -> Path:

@@ -9,14 +9,12 @@ without DCP. Each configuration starts its ranks once (module-scoped cache).
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from transformers import LlamaConfig, MistralConfig, Qwen2Config
+from transformers import MistralConfig, Qwen2Config
 
 from kvshard import LLM, SamplingParams
 from kvshard.shm import shm_supported
-from conftest import hf_greedy
+from conftest import assert_same_generation, environment, hf_greedy, tiny_llama_config
 
 BLOCK = 4
 NEW_TOKENS = 32
@@ -35,19 +33,11 @@ LLAMA_LAYOUTS = [
 ]
 
 
-def tiny(config_cls, **extra):
-    base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=256,
-                initializer_range=0.2, tie_word_embeddings=False)
-    base.update(extra)
-    return config_cls(**base)
-
-
 MODELS = {
-    "llama": lambda: tiny(LlamaConfig, architectures=["LlamaForCausalLM"]),
-    "qwen2": lambda: tiny(Qwen2Config, num_key_value_heads=2, architectures=["Qwen2ForCausalLM"]),
-    "mistral": lambda: tiny(MistralConfig, sliding_window=None, tie_word_embeddings=True,
-                            architectures=["MistralForCausalLM"]),
+    "llama": lambda: tiny_llama_config(),
+    "qwen2": lambda: tiny_llama_config(Qwen2Config, num_key_value_heads=2, architectures=["Qwen2ForCausalLM"]),
+    "mistral": lambda: tiny_llama_config(MistralConfig, sliding_window=None, tie_word_embeddings=True,
+                                         architectures=["MistralForCausalLM"]),
 }
 
 
@@ -69,17 +59,12 @@ def run(checkpoints):
     cache: dict[tuple, Run] = {}
 
     def get(model: str, tp: int, dcp: int, interleave: int = 1, budget: int | None = None,
-            replicate_q: bool = False, collectives: dict | None = None) -> Run:
-        key = (model, tp, dcp, interleave, budget, replicate_q, tuple(sorted((collectives or {}).items())))
+            replicate_q: bool = False, env: dict | None = None) -> Run:
+        key = (model, tp, dcp, interleave, budget, replicate_q, tuple(sorted((env or {}).items())))
         if key not in cache:
             path = checkpoints(model, MODELS[model]())
-            saved = {name: os.environ.get(name) for name in collectives or {}}
-            os.environ.update(collectives or {})  # the spawned ranks inherit them
-            try:
+            with environment(env or {}):
                 cache[key] = _run(path, tp, dcp, interleave, budget, replicate_q)
-            finally:
-                for name, value in saved.items():
-                    os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
         return cache[key]
 
     return get
@@ -118,20 +103,17 @@ def reference(checkpoints):
     return get
 
 
-def assert_logprobs_close(got: list[list[dict]], want: list[list[dict]]) -> None:
-    for seq_got, seq_want in zip(got, want):
-        assert len(seq_got) == len(seq_want) == NEW_TOKENS
-        for step_got, step_want in zip(seq_got, seq_want):
-            assert step_got.keys() == step_want.keys()
-            for token, value in step_want.items():
-                assert step_got[token] == pytest.approx(value, abs=1e-4)
+def assert_same_as(got: Run, want: Run) -> None:
+    """The same greedy tokens, top-3 candidates and log-probabilities (up to float rounding)."""
+    assert all(len(tokens) == NEW_TOKENS for tokens in got.tokens)
+    assert_same_generation(got.tokens, got.logprobs, want.tokens, want.logprobs, atol=1e-4)
 
 
 @pytest.mark.parametrize("tp, dcp, interleave, budget", LLAMA_LAYOUTS)
 def test_llama_matches_transformers_and_no_dcp(run, reference, tp, dcp, interleave, budget):
     result = run("llama", tp, dcp, interleave, budget)
     assert result.tokens == reference("llama")
-    assert_logprobs_close(result.logprobs, run("llama", 1, 1).logprobs)
+    assert_same_as(result, run("llama", 1, 1))
 
 
 @pytest.mark.parametrize("model, tp, dcp, interleave", [
@@ -140,7 +122,7 @@ def test_llama_matches_transformers_and_no_dcp(run, reference, tp, dcp, interlea
 def test_qwen2_and_mistral_match_transformers(run, reference, model, tp, dcp, interleave):
     result = run(model, tp, dcp, interleave)
     assert result.tokens == reference(model)
-    assert_logprobs_close(result.logprobs, run(model, 1, 1).logprobs)
+    assert_same_as(result, run(model, 1, 1))
 
 
 @pytest.mark.parametrize("tp, dcp, interleave, budget", [(4, 4, 1, 16), (4, 2, BLOCK, None)])
@@ -148,7 +130,7 @@ def test_replicated_queries_change_nothing(run, tp, dcp, interleave, budget):
     """Each rank computes its whole group's queries instead of all-gathering them."""
     result = run("llama", tp, dcp, interleave, budget, replicate_q=True)
     assert result.tokens == run("llama", tp, dcp, interleave, budget).tokens
-    assert_logprobs_close(result.logprobs, run("llama", 1, 1).logprobs)
+    assert_same_as(result, run("llama", 1, 1))
 
 
 # gloo alone; and shared-memory slots so small that the prefill's activations go through gloo while
@@ -162,10 +144,21 @@ def test_gloo_and_shared_memory_collectives_agree(run, tp, dcp, interleave, budg
     default = run("llama", tp, dcp, interleave, budget)
     assert default.shared_memory == shm_supported()
     for collectives in (GLOO, MIXED):
-        other = run("llama", tp, dcp, interleave, budget, collectives=collectives)
+        other = run("llama", tp, dcp, interleave, budget, env=collectives)
         assert other.shared_memory == (collectives is MIXED and shm_supported())
-        assert other.tokens == default.tokens
-        assert_logprobs_close(other.logprobs, default.logprobs)
+        assert_same_as(other, default)
+
+
+# Tiny models never reach the canonical merge (a rank's partial output above 256 KiB) nor decode
+# groups split by length (contexts 1,024 tokens apart): at 0 every merge takes the LSE all-gather +
+# ReduceScatter path, and decodes of different local lengths attend in groups of their own.
+CANONICAL_MERGE_AND_SPLIT_GROUPS = {"KVSHARD_FUSED_MERGE_MAX_BYTES": "0", "KVSHARD_DECODE_GROUP_SPREAD": "0"}
+
+
+def test_canonical_merge_and_split_decode_groups_match_transformers(run, reference):
+    result = run("llama", 4, 4, 1, 16, env=CANONICAL_MERGE_AND_SPLIT_GROUPS)
+    assert result.tokens == reference("llama")
+    assert_same_as(result, run("llama", 1, 1))
 
 
 def test_per_rank_kv_memory_at_dcp_n_is_one_nth(run):

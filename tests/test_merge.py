@@ -1,12 +1,14 @@
-"""The LSE merge on its own (DESIGN.md section 8)."""
+"""The attention kernels and the LSE merge on their own (DESIGN.md section 8)."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
-from kvshard.attention.merge import attention_with_lse, merge_attention_states
+from kvshard.attention.kernels import attention_with_lse
+from kvshard.attention.merge import merge_attention_states
 
 
 def _random_attention(seed: int, length: int, heads: int = 3, dim: int = 8):
@@ -96,7 +98,7 @@ def _causal_bias(s: int) -> torch.Tensor:
 def test_fused_kernel_equals_the_reference_matmuls():
     """The CPU fused-kernel path (decodes folded by KV head, causal chunks, MLA's V as a prefix of K,
     a query with no key) gives what the plain-matmul reference gives."""
-    from kvshard.attention.merge import _flash_applies, reference_attention_with_lse
+    from kvshard.attention.kernels import _flash_applies, reference_attention_with_lse
 
     g = torch.Generator().manual_seed(3)
     q = torch.randn(3, 1, 8, 16, generator=g)
@@ -128,7 +130,7 @@ def test_fused_kernel_equals_the_reference_matmuls():
 
 
 def test_fused_kernel_in_bfloat16_is_close_to_float32():
-    from kvshard.attention.merge import reference_attention_with_lse
+    from kvshard.attention.kernels import reference_attention_with_lse
 
     g = torch.Generator().manual_seed(4)
     q, k, v = torch.randn(2, 1, 4, 32, generator=g), torch.randn(2, 40, 1, 32, generator=g), torch.randn(2, 40, 1, 32, generator=g)
@@ -143,7 +145,7 @@ def test_fused_kernel_in_bfloat16_is_close_to_float32():
 def test_fused_kernel_with_value_and_key_of_different_sizes():
     """MLA's expanded chunk attention: keys of n + r channels, values of v (smaller, padded inside);
     and the other way round."""
-    from kvshard.attention.merge import reference_attention_with_lse
+    from kvshard.attention.kernels import reference_attention_with_lse
 
     g = torch.Generator().manual_seed(5)
     for dk, dv in [(24, 8), (8, 24)]:
@@ -153,3 +155,15 @@ def test_fused_kernel_with_value_and_key_of_different_sizes():
         assert out.shape == (1, 7, 4, dv)
         torch.testing.assert_close(out, ref_out)
         torch.testing.assert_close(lse, ref_lse)
+
+
+def test_fused_merge_threshold_comes_from_the_environment(monkeypatch):
+    from kvshard.attention.backend import FUSED_MERGE_MAX_BYTES, fused_merge_max_bytes_from_env
+
+    monkeypatch.delenv("KVSHARD_FUSED_MERGE_MAX_BYTES", raising=False)
+    assert fused_merge_max_bytes_from_env() == FUSED_MERGE_MAX_BYTES == 256 * 1024
+    monkeypatch.setenv("KVSHARD_FUSED_MERGE_MAX_BYTES", "0")
+    assert fused_merge_max_bytes_from_env() == 0
+    monkeypatch.setenv("KVSHARD_FUSED_MERGE_MAX_BYTES", "256KiB")
+    with pytest.raises(ValueError, match="KVSHARD_FUSED_MERGE_MAX_BYTES='256KiB' is not a non-negative integer"):
+        fused_merge_max_bytes_from_env()

@@ -18,8 +18,10 @@ from collections.abc import Callable
 
 import torch
 
-from kvshard.attention.merge import attention_with_lse, lse_weights, merge_attention_states
-from kvshard.attention.metadata import AttentionMetadata
+from kvshard.attention.kernels import attention_with_lse
+from kvshard.attention.merge import lse_weights, merge_attention_states
+from kvshard.attention.metadata import AttentionMetadata, int_from_env
+from kvshard.kv.cache import KVCacheLayer
 from kvshard.parallel import ParallelState, dcp_all_gather, dcp_reduce_scatter
 
 # Below this many bytes of partial output per rank, a merge costs its collectives' latency, not
@@ -28,53 +30,33 @@ from kvshard.parallel import ParallelState, dcp_all_gather, dcp_reduce_scatter
 FUSED_MERGE_MAX_BYTES = 256 * 1024
 
 
-class KVCacheLayer:
-    """One layer's cache on one rank: key [slots, Hk, dk] and value [slots, Hk, dv].
+def fused_merge_max_bytes_from_env() -> int:
+    """FUSED_MERGE_MAX_BYTES, or KVSHARD_FUSED_MERGE_MAX_BYTES: 0 always takes the LSE all-gather +
+    ReduceScatter merge (tests use it to reach that path with tiny models)."""
+    return int_from_env("KVSHARD_FUSED_MERGE_MAX_BYTES", FUSED_MERGE_MAX_BYTES)
 
-    The value may be a view into the key (MLA keeps [c_kv | k_pe] and reads c_kv as V),
-    in which case only the key is written.
+
+def query_heads(num_heads: int, parallel: ParallelState, replicate_q: bool) -> range:
+    """The heads whose query this rank computes: its own, or those of its whole DCP group.
+
+    DCP groups are contiguous slices of the TP ranks, so the group's heads are contiguous too.
     """
-
-    def __init__(self, key: torch.Tensor, value: torch.Tensor, block_size: int) -> None:
-        self.key = key
-        self.value = value
-        self.block_size = block_size
-        self.value_is_view = value.data_ptr() == key.data_ptr()
-
-    def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        self.key.index_copy_(0, slots, key.to(self.key.dtype))
-        if not self.value_is_view:
-            self.value.index_copy_(0, slots, value.to(self.value.dtype))
-
-    def gather(self, blocks: torch.Tensor, workspace: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Whole blocks [g, nb] -> keys [g, nb*B, Hk, dk], values [g, nb*B, Hk, dv].
-
-        `workspace` (one per group and step, shared by the layers) keeps the gathered copies'
-        memory from one layer to the next: a fresh multi-MB buffer every layer costs more in page
-        faults than the copy itself.
-        """
-        keys = self._by_block(self.key, blocks, workspace, "key")
-        if self.value_is_view:  # MLA: V is the leading channels of the gathered latent
-            return keys, keys[..., : self.value.shape[-1]]
-        return keys, self._by_block(self.value, blocks, workspace, "value")
-
-    def _by_block(self, cache: torch.Tensor, blocks: torch.Tensor, workspace: dict | None, name: str) -> torch.Tensor:
-        per_block = cache.unflatten(0, (-1, self.block_size))  # [num_blocks, B, Hk, d]
-        shape = (blocks.numel(), *per_block.shape[1:])
-        out = None if workspace is None else workspace.get(name)
-        if out is None or out.shape != shape or out.dtype != cache.dtype:
-            out = per_block.new_empty(shape)
-            if workspace is not None:
-                workspace[name] = out
-        torch.index_select(per_block, 0, blocks.flatten(), out=out)  # far faster than per_block[blocks] on CPU
-        return out.view(blocks.shape[0], -1, *cache.shape[1:])
+    per_rank = num_heads // parallel.tp_size
+    if replicate_q:
+        per_group = per_rank * parallel.dcp_size
+        return range(parallel.dcp_group_index * per_group, (parallel.dcp_group_index + 1) * per_group)
+    return range(parallel.tp_rank * per_rank, (parallel.tp_rank + 1) * per_rank)
 
 
 class DCPAttention:
+    """One layer's attention on one rank; the model gives it projected q, k, v and gets back
+    the output of this rank's own heads, whether DCP is on or not."""
+
     def __init__(self, num_heads: int, scale: float, parallel: ParallelState) -> None:
         self.num_heads = num_heads  # this rank's query heads (H_l)
         self.scale = scale
         self.parallel = parallel
+        self.fused_merge_max_bytes = fused_merge_max_bytes_from_env()
 
     def forward(
         self,
@@ -137,7 +119,7 @@ class DCPAttention:
             if group.context_blocks is None:  # this rank holds none of these requests' tokens yet
                 continue
             rows = slice(group.start, group.end)
-            keys, values = cache.gather(group.context_blocks, group.workspace)  # [g, L, Hk, dk], [g, L, Hk, dv]
+            keys, values = cache.gather(group.context_blocks, group.buffers)  # [g, L, Hk, dk], [g, L, Hk, dv]
             queries = q[rows].unflatten(0, (group.num_seqs, group.query_len))  # [g, s, H, dk]
             o, l = attention_with_lse(queries, keys, values, group.context_bias, self.scale)
             out[rows], lse[rows] = o.flatten(0, 1), l.flatten(0, 1)
@@ -148,7 +130,7 @@ class DCPAttention:
         state = self.parallel
         if state.dcp_size == 1:
             return out, lse
-        if out.numel() * out.element_size() <= FUSED_MERGE_MAX_BYTES:
+        if out.numel() * out.element_size() <= self.fused_merge_max_bytes:
             return self._merge_by_one_gather(out, lse)
         total = torch.logsumexp(dcp_all_gather(lse, state), dim=0)  # [t, N*H_l]
         scaled = out * lse_weights(lse, total).unsqueeze(-1)  # [t, N*H_l, dv]

@@ -9,10 +9,12 @@ attends to itself causally and to the context cached before it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 
+from kvshard.kv.cache import GatherBuffers
 from kvshard.kv.layout import DCPLayout
 
 
@@ -23,6 +25,22 @@ from kvshard.kv.layout import DCPLayout
 DECODE_GROUP_SPREAD = 1024
 
 
+def int_from_env(name: str, default: int) -> int:
+    """A non-negative integer setting from the environment, which spawned ranks inherit."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    if not value.isdigit():
+        raise ValueError(f"{name}={value!r} is not a non-negative integer: set it to one, or unset it for {default}")
+    return int(value)
+
+
+def decode_group_spread_from_env() -> int:
+    """DECODE_GROUP_SPREAD, or KVSHARD_DECODE_GROUP_SPREAD: 0 gives decodes of different
+    local lengths groups of their own (tests use it to reach group splitting on short contexts)."""
+    return int_from_env("KVSHARD_DECODE_GROUP_SPREAD", DECODE_GROUP_SPREAD)
+
+
 @dataclass(frozen=True)
 class AttentionGroup:
     start: int  # rows [start, end) of the flat token batch
@@ -30,7 +48,7 @@ class AttentionGroup:
     query_len: int  # new tokens per request: 1 for a decode group
     context_blocks: torch.Tensor | None  # [g, nb] this rank's blocks of the requests; None if it holds no token
     context_bias: torch.Tensor | None  # [g, 1, nb * B]: 0 for this rank's cached tokens, -inf past them
-    workspace: dict = field(default_factory=dict)  # buffers the layers reuse within the step
+    buffers: GatherBuffers = field(default_factory=GatherBuffers)  # the layers reuse them within the step
 
     @property
     def num_seqs(self) -> int:
@@ -63,6 +81,7 @@ class AttentionMetadata:
         layout: DCPLayout,
         dcp_rank: int,
         device: torch.device,
+        decode_group_spread: int = DECODE_GROUP_SPREAD,
     ) -> "AttentionMetadata":
         num_seqs = len(query_lens)
         max_blocks = max(1, max(len(t) for t in block_tables))
@@ -87,7 +106,7 @@ class AttentionMetadata:
             if query_lens[i] == 1:  # a run of decodes, split where padding to the group's longest would waste
                 longest = shortest = lens[i]
                 while j < num_seqs and query_lens[j] == 1 and \
-                        max(longest, lens[j]) - min(shortest, lens[j]) <= DECODE_GROUP_SPREAD:
+                        max(longest, lens[j]) - min(shortest, lens[j]) <= decode_group_spread:
                     longest, shortest = max(longest, lens[j]), min(shortest, lens[j])
                     j += 1
             groups.append(_group(i, j, query_lens[i], int(starts[i]), local_ctx, tables, layout, device))

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvshard.attention.metadata import AttentionMetadata
+from kvshard.attention.metadata import AttentionMetadata, decode_group_spread_from_env
 from kvshard.config import EngineConfig
 from kvshard.kv.cache import allocate_kv_cache
 from kvshard.models.loader import load_weights
@@ -45,8 +45,9 @@ class ModelRunner:
         load_weights(self.model, config.model.path, config.model.quantization)
         self.model.eval()
         self.kv_caches = allocate_kv_cache(
-            self.model.kv_cache_spec(), config.num_kv_blocks, config.cache.block_size, config.model.dtype, device
+            config.kv_cache_spec, config.num_kv_blocks, config.cache.block_size, config.model.dtype, device
         )
+        self.decode_group_spread = decode_group_spread_from_env()
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -62,7 +63,8 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         """Run the plan; rank 0 gets float32 logits [len(sample_rows), V], the others None."""
         meta = AttentionMetadata.build(
-            plan.context_lens, plan.query_lens, plan.block_tables, self.layout, self.parallel.dcp_rank, self.device
+            plan.context_lens, plan.query_lens, plan.block_tables, self.layout, self.parallel.dcp_rank, self.device,
+            self.decode_group_spread,
         )
         input_ids = torch.tensor(plan.token_ids, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, meta, self.kv_caches)  # [t, D]

@@ -76,26 +76,25 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """Q, K and V in one matmul. With tp > KV heads, rank r holds KV head r // (tp / kv_heads).
 
-    With `replicate_q` a rank computes the queries of its whole DCP group (its ranks hold
-    the same KV head), so attention needs no all-gather of Q.
+    `q_heads` are the heads whose query this rank computes (attention.backend.query_heads): its
+    own, or with Q replication those of its whole DCP group (its ranks hold the same KV head),
+    so attention needs no all-gather of Q.
     """
 
     def __init__(
         self,
         hidden_size: int,
         head_dim: int,
-        num_heads: int,
+        q_heads: range,
         num_kv_heads: int,
         bias: bool,
         dtype: torch.dtype,
         parallel: ParallelState,
-        replicate_q: bool = False,
     ) -> None:
         tp = parallel.tp_size
         self.head_dim = head_dim
-        q_ranks = parallel.dcp_size if replicate_q else 1
-        self.num_heads = num_heads // tp * q_ranks  # heads whose query this rank computes
-        self.q_first_rank = parallel.dcp_group_index * parallel.dcp_size if replicate_q else parallel.tp_rank
+        self.q_heads = q_heads
+        self.num_heads = len(q_heads)
         self.num_kv_heads = max(1, num_kv_heads // tp)
         self.kv_replicas = max(1, tp // num_kv_heads)
         out_features = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
@@ -105,8 +104,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         rank, d = self.parallel.tp_rank, self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         if shard_id == "q":
-            # one rank's share of the query rows, times the first rank whose queries this one computes
-            offset, size, start = 0, q_size, self.q_first_rank * (loaded.shape[0] // self.parallel.tp_size)
+            offset, size, start = 0, q_size, self.q_heads.start * d
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
             size, start = kv_size, (rank // self.kv_replicas) * kv_size
@@ -139,3 +137,35 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = tp_all_reduce(nn.functional.linear(x, self.weight), self.parallel)
         return y + self.bias if self.bias is not None else y
+
+
+class PartialRowParallelLinear(RowParallelLinear):
+    """Row-parallel without its own all-reduce: the MoE block sums this partial with the
+    routed experts' partial and reduces both at once."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, parallel: ParallelState) -> None:
+        super().__init__(in_features, out_features, False, dtype, parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight)
+
+
+class HeadParallelLinear(nn.Module):
+    """Column-parallel by attention heads over a given span of heads (q_proj, q_b_proj).
+
+    Without Q replication the span is the rank's own heads, as in ColumnParallelLinear;
+    with it, the heads of the rank's DCP group, so the Q all-gather is not needed.
+    """
+
+    def __init__(self, in_features: int, head_size: int, heads: range, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.head_size = head_size
+        self.heads = heads
+        self.weight = nn.Parameter(torch.empty(len(heads) * head_size, in_features, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        param.data.copy_(loaded.narrow(0, self.heads.start * self.head_size, len(self.heads) * self.head_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from kvshard.layers.activation import silu_and_mul
-from kvshard.layers.linear import RowParallelLinear, copy_whole
+from kvshard.layers.linear import copy_whole
 from kvshard.parallel import ParallelState
 
 ROUTING_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
@@ -130,14 +130,3 @@ class FusedMoE(nn.Module):
             y = nn.functional.linear(h, self.w2_weight[expert]) * topk_weights[token, slot, None]  # [m, D] float32
             out.index_add_(0, token, y.to(out.dtype))
         return out
-
-
-class PartialRowParallelLinear(RowParallelLinear):
-    """Row-parallel without its own all-reduce: the MoE block sums this partial with the
-    routed experts' partial and reduces both at once."""
-
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, parallel: ParallelState) -> None:
-        super().__init__(in_features, out_features, False, dtype, parallel)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvshard.attention.backend import KVCacheLayer
 from kvshard.attention.metadata import AttentionMetadata
+from kvshard.kv.cache import KVCacheLayer
 
 
 class CausalLM(nn.Module):

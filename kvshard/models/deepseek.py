@@ -21,14 +21,16 @@ import re
 import torch
 from torch import nn
 
-from kvshard.attention.backend import DCPAttention, KVCacheLayer
+from kvshard.attention.backend import DCPAttention, query_heads
 from kvshard.attention.metadata import AttentionMetadata
-from kvshard.kv.cache import KVCacheSpec
+from kvshard.kv.cache import KVCacheLayer
 from kvshard.models.causal_lm import CausalLM
 from kvshard.layers.activation import silu_and_mul
 from kvshard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from kvshard.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from kvshard.layers.moe import FusedMoE, PartialRowParallelLinear, Routing, TopKRouter
+from kvshard.layers.linear import (
+    HeadParallelLinear, MergedColumnParallelLinear, PartialRowParallelLinear, ReplicatedLinear, RowParallelLinear,
+)
+from kvshard.layers.moe import FusedMoE, Routing, TopKRouter
 from kvshard.layers.norm import RMSNorm
 from kvshard.layers.rotary import RotaryEmbedding, apply_rotary
 from kvshard.parallel import ParallelState, tp_all_reduce
@@ -46,39 +48,6 @@ def softmax_scale(cfg) -> float:
         mscale = 0.1 * rope["mscale_all_dim"] * math.log(factor) + 1.0 if factor > 1 else 1.0
         scale *= mscale * mscale
     return scale
-
-
-def query_heads(cfg, parallel: ParallelState, replicate_q: bool) -> range:
-    """The heads whose query this rank computes: its own, or those of its whole DCP group.
-
-    DCP groups are contiguous slices of the TP ranks, so the group's heads are contiguous too.
-    """
-    per_rank = cfg.num_attention_heads // parallel.tp_size
-    if replicate_q:
-        per_group = per_rank * parallel.dcp_size
-        return range(parallel.dcp_group_index * per_group, (parallel.dcp_group_index + 1) * per_group)
-    return range(parallel.tp_rank * per_rank, (parallel.tp_rank + 1) * per_rank)
-
-
-class HeadParallelLinear(nn.Module):
-    """Column-parallel by attention heads over a given span of heads (q_proj, q_b_proj).
-
-    Without Q replication the span is the rank's own heads, as in ColumnParallelLinear;
-    with it, the heads of the rank's DCP group, so the Q all-gather is not needed.
-    """
-
-    def __init__(self, in_features: int, head_size: int, heads: range, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.head_size = head_size
-        self.heads = heads
-        self.weight = nn.Parameter(torch.empty(len(heads) * head_size, in_features, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        param.data.copy_(loaded.narrow(0, self.heads.start * self.head_size, len(self.heads) * self.head_size))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight)
 
 
 class LatentUpProjection(nn.Module):
@@ -133,8 +102,8 @@ class DeepseekV2MLAAttention(nn.Module):
         self.rope_interleaved = rope_interleaved
         self.replicate_q = replicate_q
         self.q_lora = cfg.q_lora_rank is not None
-        q_heads = query_heads(cfg, parallel, replicate_q)
-        own_heads = query_heads(cfg, parallel, replicate_q=False)
+        q_heads = query_heads(cfg.num_attention_heads, parallel, replicate_q)
+        own_heads = query_heads(cfg.num_attention_heads, parallel, replicate_q=False)
         self.num_q_heads = len(q_heads)
         qk_head_dim = self.nope_dim + self.rope_dim
         bias = bool(cfg.attention_bias)
@@ -308,13 +277,6 @@ class DeepseekV2ForCausalLM(CausalLM):
         if projection == "down_proj":
             return f"{experts}.w2_weight", (int(index), None)
         return f"{experts}.w13_weight", (int(index), shard_id)
-
-    def kv_cache_spec(self) -> KVCacheSpec:
-        latent = self.cfg.kv_lora_rank
-        return KVCacheSpec(
-            self.cfg.num_hidden_layers, 1, key_dim=latent + self.cfg.qk_rope_head_dim, value_dim=latent,
-            value_in_key=True,
-        )
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvshard.attention.backend import DCPAttention, KVCacheLayer
+from kvshard.attention.backend import DCPAttention, query_heads
 from kvshard.attention.metadata import AttentionMetadata
-from kvshard.kv.cache import KVCacheSpec
+from kvshard.kv.cache import KVCacheLayer, head_dim_of
 from kvshard.models.causal_lm import CausalLM
 from kvshard.layers.activation import silu_and_mul
 from kvshard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -22,10 +22,6 @@ from kvshard.layers.rotary import RotaryEmbedding, apply_rotary
 from kvshard.parallel import ParallelState
 
 
-def head_dim_of(cfg) -> int:
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-
-
 class LlamaAttention(nn.Module):
     def __init__(
         self, cfg, qkv_bias: bool, o_bias: bool, dtype: torch.dtype, parallel: ParallelState, replicate_q: bool
@@ -33,8 +29,9 @@ class LlamaAttention(nn.Module):
         super().__init__()
         d = head_dim_of(cfg)
         self.replicate_q = replicate_q
+        q_heads = query_heads(cfg.num_attention_heads, parallel, replicate_q)
         self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads, qkv_bias, dtype, parallel, replicate_q
+            cfg.hidden_size, d, q_heads, cfg.num_key_value_heads, qkv_bias, dtype, parallel
         )
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, o_bias, dtype, parallel)
         self.attn = DCPAttention(cfg.num_attention_heads // parallel.tp_size, d**-0.5, parallel)
@@ -102,16 +99,11 @@ class LlamaForCausalLM(CausalLM):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg, head_dim_of(cfg))
-        self.kv_heads_per_rank = max(1, cfg.num_key_value_heads // parallel.tp_size)
 
     @staticmethod
     def attention_biases(cfg) -> tuple[bool, bool]:
         bias = bool(getattr(cfg, "attention_bias", False))
         return bias, bias
-
-    def kv_cache_spec(self) -> KVCacheSpec:
-        d = head_dim_of(self.cfg)
-        return KVCacheSpec(self.cfg.num_hidden_layers, self.kv_heads_per_rank, key_dim=d, value_dim=d, value_in_key=False)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -1,0 +1,106 @@
+"""Attention kernels that return the log-sum-exp of the scores with the output.
+
+The LSE is what lets partial attentions over disjoint key sets be merged exactly
+(attention/merge.py). All LSEs are natural-log and float32; a query that may
+attend to no key gets output 0 and `lse = -inf`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+# PyTorch's fused CPU attention (flash-style, tiled, one pass) returns the log-sum-exp with the
+# output; it is what `scaled_dot_product_attention` runs on CPU. Elsewhere (CUDA) the reference
+# below, in plain matmuls, is used.
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float,
+    causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention that also returns the log-sum-exp of the scores.
+
+    q [g, s, H, dk], k [g, L, Hk, dk], v [g, L, Hk, dv], bias [g, s or 1, L] added to the scores
+    (0 where a query may attend, -inf where not), or `causal` (s == L: query i sees keys <= i)
+    with no bias. Query head h reads KV head h // (H / Hk).
+    Returns o [g, s, H, dv], lse [g, s, H], float32; a query with no allowed key gets o = 0,
+    lse = -inf.
+    """
+    if _flash_applies(q, k, v):
+        return _flash_attention_with_lse(q, k, v, bias, scale, causal)
+    if causal:
+        s = q.shape[1]
+        bias = torch.full((s, s), float("-inf"), device=q.device).triu_(1).unsqueeze(0)
+    return reference_attention_with_lse(q, k, v, bias, scale)
+
+
+def _flash_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    if _CPU_FLASH is None or q.device.type != "cpu" or q.dtype not in _FLASH_DTYPES:
+        return False
+    return k.dtype == q.dtype and v.dtype == q.dtype
+
+
+def _is_prefix_view(v: torch.Tensor, k: torch.Tensor) -> bool:
+    """v is k[..., :dv] (MLA reads its latent cache's leading channels as V)."""
+    return v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and v.shape[:-1] == k.shape[:-1]
+
+
+def _flash_attention_with_lse(q, k, v, bias, scale, causal):
+    g, s, num_heads, dk = q.shape
+    num_kv_heads, dv = k.shape[2], v.shape[-1]
+    # the kernel wants one head size: zero channels change no score and add no output
+    if dv < dk:
+        # MLA's latent: V is K's leading channels, so attend over all of K's and keep V's
+        v = k if _is_prefix_view(v, k) else torch.nn.functional.pad(v, (0, dk - dv))
+    elif dv > dk:
+        q, k = (torch.nn.functional.pad(x, (0, dv - dk)) for x in (q, k))
+        dk = dv
+    # When every query row sees the same keys (decodes, cached context), the query heads that share
+    # a KV head become rows of one "head": each K/V block is then read once, not once per query head.
+    fold = bias is not None and bias.shape[1] == 1 and num_heads > num_kv_heads
+    if fold:
+        rep = num_heads // num_kv_heads
+        qh = q.view(g, s, num_kv_heads, rep, dk).permute(0, 2, 3, 1, 4).reshape(g, num_kv_heads, rep * s, dk)
+    else:
+        qh = q.transpose(1, 2)
+    mask = None if bias is None else bias.to(q.dtype).unsqueeze(1)  # [g, 1, s|1, L]
+    out, lse = _CPU_FLASH(qh, k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, attn_mask=mask, scale=scale)
+    if fold:  # [g, Hk, rep*s, d] -> [g, s, H, d]
+        out = out.view(g, num_kv_heads, rep, s, -1).permute(0, 3, 1, 2, 4).reshape(g, s, num_heads, -1)
+        lse = lse.view(g, num_kv_heads, rep, s).permute(0, 3, 1, 2).reshape(g, s, num_heads)
+    else:  # [g, H, s, d] -> [g, s, H, d]
+        out, lse = out.transpose(1, 2), lse.transpose(1, 2)
+    out = out[..., :dv].float()
+    if bias is not None:
+        # the kernel gives a query with no allowed key lse = 0 (and o = 0): make that -inf
+        empty = torch.isneginf(bias.amax(dim=-1))  # [g, s|1]
+        if empty.any():
+            lse = lse.masked_fill(empty.unsqueeze(-1), float("-inf"))
+    return out, lse
+
+
+def reference_attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention_with_lse in plain matmuls, on any device and dtype (bias required)."""
+    g, s, num_heads, dk = q.shape
+    length, num_kv_heads, dv = k.shape[1], k.shape[2], v.shape[-1]
+    rep = num_heads // num_kv_heads
+    qf = q.float().view(g, s, num_kv_heads, rep, dk).permute(0, 2, 3, 1, 4).reshape(g, num_kv_heads, rep * s, dk)
+    kf = k.float().permute(0, 2, 3, 1)  # [g, Hk, dk, L]
+    scores = torch.matmul(qf, kf).mul_(scale).view(g, num_kv_heads, rep, s, length)
+    scores.add_(bias[:, None, None])
+    # one pass of exp: o = softmax(scores) @ v, lse = max + log(sum(exp(scores - max)))
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max.masked_fill_(~torch.isfinite(row_max), 0.0)  # rows with no key: everything below stays 0
+    weights = scores.sub_(row_max).exp_().view(g, num_kv_heads, rep * s, length)
+    total = weights.sum(dim=-1)  # [g, Hk, rep*s]
+    o = torch.matmul(weights, v.float().transpose(1, 2))  # [g, Hk, rep*s, dv]
+    empty = total == 0
+    o = o.div_(total.masked_fill(empty, 1.0).unsqueeze(-1))
+    lse = (total.log() + row_max.view(g, num_kv_heads, rep * s)).masked_fill_(empty, float("-inf"))
+    o = o.view(g, num_kv_heads, rep, s, dv).permute(0, 3, 1, 2, 4).reshape(g, s, num_heads, dv)
+    return o, lse.view(g, num_kv_heads, rep, s).permute(0, 3, 1, 2).reshape(g, s, num_heads)
