@@ -91,7 +91,7 @@ def test_bad_requests_fail_before_anything_runs(llm, prompt, params, message):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"temperature": -1}, "temperature must be >= 0"),
+    ({"temperature": -1}, "temperature must be a finite number >= 0"),
     ({"top_p": 0}, r"top_p must be in \(0, 1\]"),
     ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
     ({"n": 0}, "n must be an integer >= 1"),
