@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, Info, gener
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvshard.config import EngineConfig
-from kvshard.engine.llm_engine import EngineStats
+from kvshard.engine.stats import EngineStats
 
 # vLLM's buckets, in seconds
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

@@ -328,7 +328,7 @@ def test_bad_request_gets_a_clear_4xx_and_the_server_keeps_serving(server, clien
 # --- multi-node -------------------------------------------------------------------------------------
 
 def test_two_torchrun_nodes_serve_what_one_node_serves(server, client, tmp_path):
-    from kvshard.engine.workers import free_port
+    from kvshard.engine.executor import free_port
 
     master_port = free_port()
 
