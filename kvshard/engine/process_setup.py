@@ -1,10 +1,11 @@
 """How a rank process sets itself up before it builds its model shard: device, threads, memory.
 
 Every rank calls `configure_process` first thing. The OpenMP runtime that torch
-uses (libgomp) reads its environment once, when torch is imported: the
-settings it needs are therefore put into the environment of the spawned ranks
-by `rank_environment` before they start, and into rank 0's by importing
-kvshard before torch (see `openmp_defaults`).
+uses (libgomp) reads its environment once, when torch is loaded: the settings
+it needs are therefore put into the environment of the spawned ranks by
+`rank_environment` before they start, and into rank 0's by `import kvshard`
+(which runs `apply_openmp_defaults` before anything loads torch). That is also
+why this module imports torch only inside its functions.
 """
 
 from __future__ import annotations
@@ -14,11 +15,15 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def pick_device(rank: int) -> torch.device:
+    import torch
+
     if torch.cuda.is_available():
         return torch.device("cuda", rank % torch.cuda.device_count())
     return torch.device("cpu")
@@ -26,6 +31,8 @@ def pick_device(rank: int) -> torch.device:
 
 def configure_process(rank: int, world_size: int) -> torch.device:
     """Threads and memory of this rank; returns (and selects) its device."""
+    import torch
+
     configure_threads(world_size)
     keep_freed_memory()
     device = pick_device(rank)
@@ -36,6 +43,8 @@ def configure_process(rank: int, world_size: int) -> torch.device:
 
 def configure_threads(world_size: int) -> None:
     """Ranks on one CPU machine share its cores instead of each taking all of them."""
+    import torch
+
     if os.environ.get("KVSHARD_NUM_THREADS"):
         torch.set_num_threads(int(os.environ["KVSHARD_NUM_THREADS"]))
     else:
@@ -49,13 +58,15 @@ def openmp_defaults() -> dict[str, str]:
     region waiting for its partner threads. When a partner has been descheduled
     by another program, the spinning thread burns its own time slice for nothing,
     at every operator: BENCHMARKS.md measured a 20x slower decode on a busy
-    machine. A passive wait yields the core at once. The user's own settings win.
+    machine (BENCHMARKS.md, "Threads on a shared machine"). A passive wait yields
+    the core at once. The user's own settings win.
     """
     return {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def apply_openmp_defaults() -> None:
-    """Put the OpenMP defaults into this process's environment (effective only before torch is imported)."""
+    """Put the OpenMP defaults into this process's environment (effective only before torch is loaded:
+    a program that imports torch before kvshard keeps OpenMP's own defaults in rank 0)."""
     for name, value in openmp_defaults().items():
         os.environ.setdefault(name, value)
 
