@@ -1,8 +1,9 @@
 """The engine on rank 0: requests in, one scheduled step at a time, outputs out.
 
-A step: the scheduler picks tokens under the KV and token budgets -> the plan is
-broadcast -> every rank runs the model (DCP attention inside) -> rank 0 samples
--> sequences that stop release their blocks.
+A step: the scheduler picks tokens under the KV and token budgets -> the
+executor runs the step's plan on every rank (DCP attention inside) -> rank 0
+samples -> the output processor appends the tokens, detokenizes and applies the
+stop conditions -> sequences that stop release their blocks.
 """
 
 from __future__ import annotations
