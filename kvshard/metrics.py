@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, Info, gener
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvshard.config import EngineConfig
-from kvshard.engine.llm_engine import EngineStats
+from kvshard.engine.stats import EngineStats
 
 # vLLM's buckets, in seconds
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -20,7 +20,7 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                 240.0, 480.0, 960.0, 1920.0, 7680.0)
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class ServerMetrics:

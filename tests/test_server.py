@@ -495,7 +495,7 @@ def test_fuzzed_requests_never_get_a_5xx_nor_hurt_the_engine(server, client):
 # --- multi-node -------------------------------------------------------------------------------------
 
 def test_two_torchrun_nodes_serve_what_one_node_serves(server, client, tmp_path):
-    from kvshard.engine.workers import free_port
+    from kvshard.engine.executor import free_port
 
     master_port = free_port()
 
