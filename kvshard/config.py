@@ -25,6 +25,7 @@ from kvshard.models.gguf import resolve_gguf
 from kvshard.models.loader import check_checkpoint_files
 from kvshard.models.quantization import parse_quantization_config
 from kvshard.models.registry import MLA_ARCHITECTURES, SUPPORTED_ARCHITECTURES
+from kvshard.spec_decode.config import SpeculativeConfig
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -136,6 +137,7 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     seed: int
+    speculative: SpeculativeConfig | None = None
 
     @cached_property
     def dcp_layout(self) -> DCPLayout:
@@ -207,6 +209,8 @@ class EngineConfig:
             f"KV copies of each token across the {p.world_size} rank(s): {self.kv_copies_per_token}"
             + (" (replicated: raise --dcp to shard instead)" if self.kv_copies_per_token > 1 else ""),
         ]
+        if self.speculative is not None:
+            lines.append(self.speculative.describe())
         return "\n".join(lines)
 
 

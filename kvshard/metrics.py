@@ -102,3 +102,23 @@ class ServerMetrics:
         yield counter("kvshard:prompt_tokens", "Prompt tokens admitted (times n).", stats.prompt_tokens)
         yield counter("kvshard:generation_tokens", "Tokens generated.", stats.generation_tokens)
         yield counter("kvshard:engine_steps", "Engine steps run.", stats.steps)
+        if self.config.speculative is not None:
+            yield from _spec_decode_counters(stats, name)
+
+
+def _spec_decode_counters(stats: EngineStats, name: str):
+    """vLLM's speculative-decoding counters; mean acceptance length = 1 + accepted / drafts."""
+    for metric, doc, value in (
+        ("num_drafts", "Requests' steps that verified drafts.", stats.spec_decode_num_drafts),
+        ("num_draft_tokens", "Draft tokens verified.", stats.spec_decode_num_draft_tokens),
+        ("num_accepted_tokens", "Draft tokens accepted.", stats.spec_decode_num_accepted_tokens),
+    ):
+        family = CounterMetricFamily(f"kvshard:spec_decode_{metric}", doc, labels=["model_name"])
+        family.add_metric([name], value)
+        yield family
+    per_pos = CounterMetricFamily("kvshard:spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted, by position in the step's drafts.",
+                                  labels=["model_name", "position"])
+    for position, value in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+        per_pos.add_metric([name, str(position)], value)
+    yield per_pos

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -26,6 +27,7 @@ from kvshard.config import (
     parse_memory_size,
 )
 from kvshard.models.demo import DEFAULT_DEMO_MODEL
+from kvshard.spec_decode.config import parse_speculative_config
 
 INTERLEAVE_ENV_VARS = ("KVSHARD_DCP_KV_INTERLEAVE_SIZE", "VLLM_DCP_KV_INTERLEAVE_SIZE")
 
@@ -67,6 +69,9 @@ class EngineArgs:
     dtype: str = _setting("auto", "auto, float32, bfloat16 or float16")
     seed: int = _setting(0, "seed of requests that give none")
     enable_prefix_caching: bool = _setting(True, "reuse the KV blocks of a shared prompt prefix")
+    speculative_config: str | dict | None = _setting(
+        None, 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+              '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'', cli_type=str)
 
     # --- command line -------------------------------------------------------------------------
     @classmethod
@@ -108,7 +113,7 @@ class EngineArgs:
             if f.metadata["type"] is bool:
                 argv.append(_flag(f.name) if value else _flag(f.name).replace("--", "--no-", 1))
             else:
-                argv += [_flag(f.name), str(value)]
+                argv += [_flag(f.name), json.dumps(value) if isinstance(value, dict) else str(value)]
         return argv
 
     # --- Python API ---------------------------------------------------------------------------
@@ -140,6 +145,7 @@ class EngineArgs:
             value = getattr(self, f.name)
             if f.metadata["positive"] and value is not None:
                 _check_positive(f.name, value)
+        speculative = parse_speculative_config(self.speculative_config)
         model_config = load_model_config(self.model, self.dtype)
         interleave = _resolve_interleave(self.dcp_kv_interleave_size)
         parallel = ParallelConfig(self.tensor_parallel_size, self.decode_context_parallel_size, interleave,
@@ -175,7 +181,7 @@ class EngineArgs:
                 "every running request needs one token per decode step"
             )
         scheduler = SchedulerConfig(self.max_num_seqs, max_num_batched_tokens, max_model_len)
-        config = EngineConfig(model_config, parallel, cache, scheduler, self.seed)
+        config = EngineConfig(model_config, parallel, cache, scheduler, self.seed, speculative)
         if config.kv_capacity_tokens < max_model_len:
             raise ConfigError(
                 f"the KV cache holds {config.kv_capacity_tokens:,} tokens ({config.num_kv_blocks} blocks per rank), "

@@ -3,7 +3,9 @@
 A step: the scheduler picks tokens under the KV and token budgets -> the
 executor runs the step's plan on every rank (DCP attention inside) -> rank 0
 samples -> the output processor appends the tokens, detokenizes and applies the
-stop conditions -> sequences that stop release their blocks.
+stop conditions -> sequences that stop release their blocks. With speculative
+decoding, drafts are proposed for the decoding requests before the scheduler
+runs, and verified after the step (`sampler.verify_drafts`).
 """
 
 from __future__ import annotations
@@ -17,14 +19,15 @@ import torch
 from kvshard.config import EngineConfig
 from kvshard.engine.executor import EngineDeadError, Executor
 from kvshard.engine.output_processor import OutputProcessor, Request
-from kvshard.engine.sampler import sample, top_logprobs
-from kvshard.engine.scheduler import Scheduler
+from kvshard.engine.sampler import sample, top_logprobs, verify_drafts
+from kvshard.engine.scheduler import ScheduledBatch, Scheduler
 from kvshard.engine.sequence import Sequence
 from kvshard.engine.step_plan import StepPlan
 from kvshard.engine.stats import EngineStats
 from kvshard.kv.block_pool import BlockPool
 from kvshard.outputs import RequestOutput
 from kvshard.sampling_params import SamplingParams
+from kvshard.spec_decode.ngram import NgramProposer
 
 __all__ = ["EngineDeadError", "LLMEngine"]
 
@@ -46,6 +49,14 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.steps = 0
+        self.speculative = config.speculative
+        self.proposer = None
+        if self.speculative is not None:
+            self.proposer = NgramProposer(self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
+        # speculative decoding counters, as EngineStats names them
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_accepted_per_pos = [0] * (self.speculative.num_speculative_tokens if self.speculative else 0)
         self._lock = threading.RLock()  # add/abort may come from other threads than step
 
     @property
@@ -120,6 +131,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return an output for every request that advanced or finished."""
         with self._lock:
+            if self.proposer is not None:
+                self._propose()
             batch = self.scheduler.schedule()
             if batch is None:
                 self.executor.check_alive()
@@ -127,23 +140,57 @@ class LLMEngine:
             logits = self.executor.execute(StepPlan.from_batch(batch))
             self.steps += 1
             self.scheduler.mark_computed(batch)
-            sampled = [s for s, do in zip(batch.seqs, batch.sample) if do]
-            return self._process_samples(sampled, logits)
+            return self._process_samples(batch, logits)
 
-    def _process_samples(self, seqs: list[Sequence], logits: torch.Tensor | None) -> list[RequestOutput]:
-        if not seqs:
+    def _propose(self) -> None:
+        """Drafts for every decoding request, never past max_tokens or max_model_len (the token after
+        the drafts must still fit)."""
+        k = self.speculative.num_speculative_tokens
+        for seq in self.scheduler.running:
+            if seq.num_uncomputed_tokens != 1:
+                continue
+            room = self.config.scheduler.max_model_len - seq.num_tokens - 1
+            if seq.params.max_tokens is not None:
+                room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+            seq.spec_token_ids = self.proposer.propose(seq.all_token_ids, min(k, room))
+
+    def _process_samples(self, batch: ScheduledBatch, logits: torch.Tensor | None) -> list[RequestOutput]:
+        sampled = [(s, d) for s, d, do in zip(batch.seqs, batch.drafts, batch.sample) if do]
+        if not sampled:
             return []
         logits = logits.cpu()  # sampling and per-request generators live on the host
-        outcomes = sample(logits, seqs, self.default_generator)
+        seqs = [seq for seq, _ in sampled]
+        first_rows: list[int] = []  # each request's first logits row: it has 1 + len(drafts) rows
+        row = 0
+        for _, drafts in sampled:
+            first_rows.append(row)
+            row += 1 + len(drafts)
+        outcomes: list[list[int] | Exception] = [[] for _ in sampled]
+        plain = [i for i, (_, drafts) in enumerate(sampled) if not drafts]
+        if plain:
+            tokens = sample(logits[[first_rows[i] for i in plain]], [seqs[i] for i in plain], self.default_generator)
+            for i, outcome in zip(plain, tokens):
+                outcomes[i] = outcome if isinstance(outcome, Exception) else [outcome]
+        for i, (seq, drafts) in enumerate(sampled):
+            if drafts:
+                rows = logits[first_rows[i] : first_rows[i] + 1 + len(drafts)]  # [k+1, V]
+                outcomes[i] = verify_drafts(rows, seq, drafts, self.default_generator)
+                if not isinstance(outcomes[i], Exception):
+                    self._count_drafts(len(drafts), len(outcomes[i]) - 1)
         touched: dict[str, Request] = {}
-        for row, (seq, outcome) in enumerate(zip(seqs, outcomes)):
+        for i, ((seq, drafts), outcome) in enumerate(zip(sampled, outcomes)):
             request = touched[seq.request_id] = self.requests[seq.request_id]
             if request.error is not None:
                 continue  # a sibling sequence of this step already failed the request
             try:
                 if isinstance(outcome, Exception):
                     raise outcome
-                self._append(seq, outcome, logits[row])
+                for offset, token in enumerate(outcome):
+                    self._append(seq, token, logits[first_rows[i] + offset])
+                    if seq.is_finished:
+                        break
+                if drafts and not seq.is_finished:
+                    self.scheduler.accept_drafts(seq, len(outcome) - 1)
             except Exception as error:  # this request's sampling or post-processing failed: it alone ends
                 request.error = f"generating this request failed: {error}"
                 self._finish_all(request, "error")
@@ -163,6 +210,12 @@ class LLMEngine:
         reason = self.output_processor.append_token(seq, token)
         if reason is not None:
             self.scheduler.finish(seq, reason)
+
+    def _count_drafts(self, num_drafts: int, num_accepted: int) -> None:
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafts
+        for position in range(num_accepted):
+            self.spec_accepted_per_pos[position] += 1
 
     def heartbeat(self, every_s: float = 1.0) -> None:
         """Let the executor check on every rank while no step runs (at most every `every_s`)."""
@@ -199,6 +252,10 @@ class LLMEngine:
                 prefix_cache_queries=self.scheduler.prefix_cache_queries,
                 prefix_cache_hits=self.scheduler.prefix_cache_hits,
                 kv_blocks_cached=self.pool.num_cached,
+                spec_decode_num_drafts=self.spec_num_drafts,
+                spec_decode_num_draft_tokens=self.spec_num_draft_tokens,
+                spec_decode_num_accepted_tokens=sum(self.spec_accepted_per_pos),
+                spec_decode_num_accepted_tokens_per_pos=list(self.spec_accepted_per_pos),
             )
 
     def reset_prefix_cache(self) -> None:

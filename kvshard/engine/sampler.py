@@ -60,6 +60,54 @@ def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
     return filtered.softmax(dim=-1)
 
 
+def verify_drafts(logits: torch.Tensor, seq: Sequence, drafts: list[int],
+                  default_generator: torch.Generator) -> list[int] | Exception:
+    """logits [k+1, V] of a request's last known token and its k drafts -> the accepted drafts and the
+    token after them (1..k+1 tokens), or the error this request raised.
+
+    Greedy: the drafts that equal the argmax, then the argmax, which are exactly the tokens of plain
+    decoding. Otherwise rejection sampling against the same filtered distribution plain sampling draws
+    from, so the tokens follow the target distribution whatever the drafts.
+    """
+    try:
+        if seq.params.greedy:
+            best = logits.argmax(dim=-1).tolist()
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == best[accepted]:
+                accepted += 1
+            return drafts[:accepted] + [best[accepted]]
+        probs = _filtered_probs(logits, [seq.params] * logits.shape[0])  # [k+1, V]
+        return rejection_sample(probs, drafts, None, seq.generator or default_generator)
+    except Exception as error:
+        return error
+
+
+def rejection_sample(target_probs: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None,
+                     generator: torch.Generator) -> list[int]:
+    """Speculative sampling: target_probs [k+1, V] (row i: the distribution after i drafts), drafts
+    proposed from draft_probs [k, V] (None: deterministic proposals, q = one-hot) -> accepted drafts
+    and one more token.
+
+    Draft x is kept with probability min(1, p(x) / q(x)); the first rejected one is replaced by a draw
+    from the residual max(p - q, 0) (for a one-hot q: p without x), renormalised; if all are kept the
+    last row gives a bonus token. Every emitted token is then distributed as p.
+    """
+    tokens: list[int] = []
+    for i, draft in enumerate(drafts):
+        p = target_probs[i]  # [V]
+        q_draft = 1.0 if draft_probs is None else float(draft_probs[i, draft])
+        if float(torch.rand(1, generator=generator)) * q_draft < float(p[draft]):
+            tokens.append(draft)
+            continue
+        if draft_probs is None:
+            residual = p.clone()
+            residual[draft] = 0.0
+        else:
+            residual = (p - draft_probs[i]).clamp(min=0.0)
+        return tokens + [_draw(residual / residual.sum(), generator)]
+    return tokens + [_draw(target_probs[len(drafts)], generator)]
+
+
 def top_logprobs(logits: torch.Tensor, tokens: list[int], counts: list[int | None]) -> list[dict[int, float] | None]:
     """Log-probabilities of the chosen token and the top-k alternatives, from the raw distribution."""
     logprobs = logits.log_softmax(dim=-1)

@@ -15,6 +15,12 @@ model must compute at least one to give logits) and prefills only the rest, the
 way a chunked prefill continues against cached context. Each virtual block is
 named once its K/V are all computed, so a block is shared only when it is full
 and no request writes into it again.
+
+With speculative decoding a decoding request carries drafts (`Sequence.spec_token_ids`):
+once every decode has its token, the drafts take what is left of the token budget and
+of the free blocks (a draft never preempts anyone), and the request computes its last
+token and the drafts in one step. `accept_drafts` then keeps the K/V of the accepted
+drafts and gives back the blocks only rejected drafts used.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class ScheduledBatch:
     query_lens: list[int]  # tokens each request computes this step
     context_lens: list[int]  # tokens already in the cache before this step
     sample: list[bool]  # whether the step reaches the request's last token
+    drafts: list[list[int]]  # draft tokens each request verifies this step (after its last token)
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +85,7 @@ class Scheduler:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_named_blocks = 0
+        seq.spec_token_ids = []
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix; running requests keep their blocks, now private to them."""
@@ -137,6 +145,18 @@ class Scheduler:
                 chosen[seq.seq_id] = (seq, 1)
                 budget -= 1
 
+        # 1b. Drafts, once every decode has its token: within the budget and the free blocks.
+        drafts: dict[int, list[int]] = {}
+        for seq, _ in list(chosen.values()):
+            if not seq.spec_token_ids or budget == 0:
+                continue
+            room = (len(seq.block_table) + self.pool.num_free) * self.layout.tokens_per_virtual_block - seq.num_tokens
+            wanted = seq.spec_token_ids[: min(budget, room)]
+            if wanted and self._grow(seq, seq.num_tokens + len(wanted)):
+                drafts[seq.seq_id] = wanted
+                chosen[seq.seq_id] = (seq, 1 + len(wanted))
+                budget -= len(wanted)
+
         # 2. Running requests part-way through their prompt: next chunk, no preemption for them.
         for seq in self.running:
             if seq.seq_id in chosen or budget == 0:
@@ -182,11 +202,27 @@ class Scheduler:
         seqs = [seq for seq, _ in items]
         query_lens = [n for _, n in items]
         context_lens = [s.num_computed_tokens for s in seqs]
-        sample = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, query_lens)]
-        return ScheduledBatch(seqs, query_lens, context_lens, sample)
+        step_drafts = [drafts.get(s.seq_id, []) for s in seqs]
+        sample = [s.num_computed_tokens + n - len(d) == s.num_tokens for s, n, d in zip(seqs, query_lens, step_drafts)]
+        for seq in self.running:
+            seq.spec_token_ids = []  # proposed again for every step
+        return ScheduledBatch(seqs, query_lens, context_lens, sample, step_drafts)
 
     def mark_computed(self, batch: ScheduledBatch) -> None:
-        for seq, n in zip(batch.seqs, batch.query_lens):
-            seq.num_computed_tokens += n
+        """The step ran: the requests' known tokens are in the cache. Drafts count once accepted."""
+        for seq, n, step_drafts in zip(batch.seqs, batch.query_lens, batch.drafts):
+            seq.num_computed_tokens += n - len(step_drafts)
             if self.enable_prefix_caching:
                 self._name_full_blocks(seq)
+
+    def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """After the accepted drafts (and the token that follows them) joined a running `seq`: their K/V
+        computed in the step count; blocks that only rejected drafts reached go back to the pool (their
+        slots inside kept blocks lie past the computed length: never read, written again later)."""
+        seq.num_computed_tokens += num_accepted
+        needed = self.layout.num_virtual_blocks(seq.num_tokens)
+        if len(seq.block_table) > needed:
+            self.pool.free(seq.block_table[needed:])
+            del seq.block_table[needed:]
+        if self.enable_prefix_caching:
+            self._name_full_blocks(seq)

@@ -23,6 +23,19 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     kv_blocks_cached: int = 0
+    # speculative decoding (vLLM's counters): requests' steps that verified drafts, drafts verified,
+    # drafts accepted, and accepted drafts by position (index 0: the first draft of a step)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verifying step gives a request on average: its own token plus the accepted drafts."""
+        if not self.spec_decode_num_drafts:
+            return 0.0
+        return 1.0 + self.spec_decode_num_accepted_tokens / self.spec_decode_num_drafts
 
     @property
     def kv_usage(self) -> float:

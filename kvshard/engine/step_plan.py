@@ -18,16 +18,18 @@ class StepPlan:
     query_lens: list[int]
     context_lens: list[int]
     block_tables: list[list[int]]
-    sample_rows: list[int]  # rows of the flat batch whose logits rank 0 needs
+    sample_rows: list[int]  # rows of the flat batch whose logits rank 0 needs (1 + drafts per sampled request)
 
     @classmethod
     def from_batch(cls, batch: ScheduledBatch) -> StepPlan:
         token_ids: list[int] = []
         sample_rows: list[int] = []
-        for seq, ctx, n, do_sample in zip(batch.seqs, batch.context_lens, batch.query_lens, batch.sample):
-            token_ids.extend(seq.all_token_ids[ctx : ctx + n])
-            if do_sample:
-                sample_rows.append(len(token_ids) - 1)
+        for seq, ctx, n, do_sample, drafts in zip(batch.seqs, batch.context_lens, batch.query_lens, batch.sample,
+                                                  batch.drafts):
+            token_ids.extend(seq.all_token_ids[ctx : ctx + n - len(drafts)])
+            token_ids.extend(drafts)
+            if do_sample:  # with drafts, every row from the last known token on gives the next token's logits
+                sample_rows.extend(range(len(token_ids) - 1 - len(drafts), len(token_ids)))
         return cls(
             token_ids=token_ids,
             query_lens=batch.query_lens,

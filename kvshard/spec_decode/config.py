@@ -1,0 +1,57 @@
+"""`--speculative-config`: vLLM's JSON fields, checked before any process starts."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kvshard.errors import ConfigError
+
+METHODS = ("ngram",)
+_FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str  # "ngram"
+    num_speculative_tokens: int  # k: drafts verified per step at most
+    prompt_lookup_max: int = 5  # ngram: longest suffix looked up in the request's tokens
+    prompt_lookup_min: int = 1  # ngram: shortest
+
+    def describe(self) -> str:
+        if self.method == "ngram":
+            return (f"speculative decoding: ngram (prompt lookup), {self.num_speculative_tokens} draft tokens, "
+                    f"n-grams of {self.prompt_lookup_min}..{self.prompt_lookup_max} tokens")
+        return f"speculative decoding: {self.method}, {self.num_speculative_tokens} draft tokens"
+
+
+def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeConfig | None:
+    """A JSON string (the flag) or a dict (`LLM(speculative_config=...)`) -> the config, or None."""
+    if value is None or value == "" or value == {}:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"--speculative-config is not valid JSON ({error}): give e.g. "
+                              '\'{"method": "ngram", "num_speculative_tokens": 3}\'') from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"speculative_config must be a JSON object, got {value!r}")
+    unknown = set(value) - _FIELDS
+    if unknown:
+        raise ConfigError(f"speculative_config has unknown fields {sorted(unknown)}: the fields are {sorted(_FIELDS)}")
+    method = value.get("method")
+    if method not in METHODS:
+        raise ConfigError(f"speculative_config method {method!r} is not supported: use one of {list(METHODS)}")
+    if "num_speculative_tokens" not in value:
+        raise ConfigError("speculative_config needs num_speculative_tokens (draft tokens per step, e.g. 3)")
+    config = SpeculativeConfig(**value)
+    for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+        number = getattr(config, name)
+        if not isinstance(number, int) or isinstance(number, bool) or number < 1:
+            raise ConfigError(f"speculative_config {name} must be a positive integer, got {number!r}")
+    if config.prompt_lookup_min > config.prompt_lookup_max:
+        raise ConfigError(f"speculative_config prompt_lookup_min={config.prompt_lookup_min} exceeds "
+                          f"prompt_lookup_max={config.prompt_lookup_max}: lower the minimum or raise the maximum")
+    return config
