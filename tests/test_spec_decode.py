@@ -1,0 +1,326 @@
+"""Speculative decoding: n-gram drafts verified as a (k+1)-token step through the DCP rhythm.
+
+Greedy tokens equal plain decoding in every layout (drafts cross DCP shard and
+block boundaries, requests are preempted while they speculate, no block leaks);
+sampled tokens follow the target distribution (statistical checks, one of which
+shows that the check catches a sampler without the rejection step).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvshard import LLM, SamplingParams
+from kvshard.config import SchedulerConfig
+from kvshard.engine.arg_utils import EngineArgs
+from kvshard.engine.sampler import _filtered_probs, rejection_sample, verify_drafts
+from kvshard.engine.scheduler import Scheduler
+from kvshard.engine.sequence import Sequence
+from kvshard.errors import ConfigError
+from kvshard.kv.block_pool import BlockPool
+from kvshard.kv.layout import DCPLayout
+from kvshard.spec_decode import parse_speculative_config
+from kvshard.spec_decode.ngram import NgramProposer
+from conftest import environment, tiny_llama_config
+
+BLOCK = 4
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+# --- configuration ----------------------------------------------------------------------------
+
+def test_speculative_config_from_json_and_dict():
+    config = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
+    assert (config.method, config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min) == \
+        ("ngram", 4, 3, 1)
+    assert parse_speculative_config(NGRAM).num_speculative_tokens == 3
+    assert parse_speculative_config(None) is None
+
+
+@pytest.mark.parametrize("value, message", [
+    ("{not json", "not valid JSON"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "not supported"),
+    ({"method": "ngram"}, "needs num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "positive integer"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "exceeds"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 2}, "unknown fields"),
+])
+def test_speculative_config_errors_say_what_to_change(value, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_speculative_config(value)
+
+
+def test_cli_flag_reaches_the_engine_config():
+    import argparse
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["kvshard-demo-gqa", "--speculative-config", '{"method": "ngram", '
+                              '"num_speculative_tokens": 2}'])
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    assert config.speculative.num_speculative_tokens == 2
+    assert "speculative decoding: ngram" in config.layout_report()
+    # a child process (bench, serve) gets the same setting back as a flag
+    argv = EngineArgs(speculative_config=NGRAM).to_cli_args()
+    assert parse_speculative_config(argv[argv.index("--speculative-config") + 1]) == parse_speculative_config(NGRAM)
+
+
+# --- n-gram proposals -------------------------------------------------------------------------
+
+def test_ngram_proposes_what_followed_the_longest_matching_suffix():
+    proposer = NgramProposer(1, 3)
+    # suffix [1, 2] occurred before, followed by 3, 9, 1
+    assert proposer.propose([1, 2, 3, 9, 1, 2], 3) == [3, 9, 1]
+    # the longest suffix wins: [2, 3] -> 4 (after [1, 2, 3] at the start), not the later [3] -> 7
+    assert proposer.propose([1, 2, 3, 4, 3, 7, 2, 3], 2) == [4, 3]
+    # no earlier occurrence: nothing; the draft count is capped
+    assert proposer.propose([1, 2, 3, 4], 3) == []
+    assert proposer.propose([5, 5, 5, 5, 5, 5], 0) == []
+    # a repeating run: the occurrence followed by the most tokens, not the latest overlapping one
+    assert proposer.propose([5, 5, 5, 5, 5], 3) == [5, 5]
+
+
+# --- rejection sampling: the tokens follow the target distribution ------------------------------
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of Pearson's test that `counts` [V] were drawn from `probs` [V] (categories of zero
+    probability must be empty, else 0)."""
+    total = counts.sum()
+    if bool((counts[probs == 0] > 0).any()):
+        return 0.0
+    support = probs > 0
+    expected = probs[support] * total
+    statistic = float(((counts[support] - expected) ** 2 / expected).sum())
+    dof = int(support.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(statistic / 2, dtype=torch.float64)))
+
+
+TARGET = torch.tensor([[0.05, 0.40, 0.15, 0.30, 0.10, 0.00],  # after 0 drafts
+                       [0.25, 0.05, 0.20, 0.10, 0.30, 0.10],  # after draft 1
+                       [0.10, 0.10, 0.10, 0.50, 0.10, 0.10]])  # after drafts 1, 2 (bonus token)
+DRAFTS = [1, 4]
+SAMPLES = 4_000
+
+
+def token_distributions(sampler) -> tuple[torch.Tensor, torch.Tensor]:
+    """Counts of the first emitted token, and of the second one where the first draft was kept (the
+    target rows stand for p(. | any first token))."""
+    first, second = torch.zeros(6), torch.zeros(6)
+    for _ in range(SAMPLES):
+        tokens = sampler()
+        first[tokens[0]] += 1
+        if len(tokens) > 1:
+            second[tokens[1]] += 1
+    return first, second
+
+
+@pytest.mark.parametrize("proposal", ["one-hot", "draft distribution"])
+def test_rejection_sampling_follows_the_target_distribution(proposal):
+    generator = torch.Generator().manual_seed(1234)
+    if proposal == "one-hot":  # n-gram: the same drafts every time
+        def sampler() -> list[int]:
+            return rejection_sample(TARGET, DRAFTS, None, generator)
+    else:  # a draft model: drafts drawn from its own q, which the verification is given
+        draft_probs = torch.tensor([[0.1, 0.5, 0.1, 0.1, 0.1, 0.1], [0.1, 0.1, 0.1, 0.1, 0.5, 0.1]])
+
+        def sampler() -> list[int]:
+            drafts = torch.multinomial(draft_probs, 1, generator=generator).squeeze(1).tolist()
+            return rejection_sample(TARGET, drafts, draft_probs, generator)
+    first, second = token_distributions(sampler)
+    assert chi_square_p_value(first, TARGET[0]) > 1e-3
+    assert chi_square_p_value(second, TARGET[1]) > 1e-3  # the token after an accepted draft: row 1
+
+
+def test_the_check_catches_a_sampler_without_the_rejection_step():
+    """Keeping every draft (no rejection) puts all the first token's mass on the draft."""
+    generator = torch.Generator().manual_seed(1234)
+    first, _ = token_distributions(lambda: DRAFTS + [int(torch.multinomial(TARGET[2], 1, generator=generator))])
+    assert chi_square_p_value(first, TARGET[0]) < 1e-6
+    # nor does rejecting without the residual (redrawing from p, which can give the draft back) pass
+    def redraw_from_p() -> list[int]:
+        if float(torch.rand(1, generator=generator)) < float(TARGET[0, DRAFTS[0]]):
+            return [DRAFTS[0]]
+        return [int(torch.multinomial(TARGET[0], 1, generator=generator))]
+    first, _ = token_distributions(redraw_from_p)
+    assert chi_square_p_value(first, TARGET[0]) < 1e-6
+
+
+def test_verify_drafts_samples_the_filtered_distribution_and_greedy_is_exact():
+    logits = torch.log(TARGET + 1e-3) * 2.0  # [3, 6]
+    params = SamplingParams(temperature=0.7, top_k=4, top_p=0.95, seed=7)
+    seq = Sequence("r", 0, [0], params, torch.Generator().manual_seed(7))
+    wanted = _filtered_probs(logits, [params] * 3)  # what plain sampling would draw from
+    first, second = token_distributions(lambda: verify_drafts(logits, seq, DRAFTS, torch.Generator()))
+    assert chi_square_p_value(first, wanted[0]) > 1e-3
+    assert chi_square_p_value(second, wanted[1]) > 1e-3
+    # the same seed gives the same tokens
+    runs = [verify_drafts(logits, Sequence("r", 0, [0], params, torch.Generator().manual_seed(3)), DRAFTS,
+                          torch.Generator()) for _ in range(2)]
+    assert runs[0] == runs[1]
+    greedy = Sequence("r", 0, [0], SamplingParams(temperature=0), None)
+    best = logits.argmax(dim=-1).tolist()  # [1, 4, 3]
+    assert verify_drafts(logits, greedy, [1, 4], torch.Generator()) == [1, 4, 3]  # both kept, then the bonus
+    assert verify_drafts(logits, greedy, [1, 0], torch.Generator()) == [1, best[1]]  # the second replaced
+    assert verify_drafts(logits, greedy, [2, 4], torch.Generator()) == [best[0]]
+
+
+# --- block accounting of a rollback ---------------------------------------------------------------
+
+def test_rejected_drafts_give_their_blocks_back_and_are_never_named():
+    layout = DCPLayout(BLOCK, 2, 1)  # 8 tokens per virtual block
+    pool = BlockPool(8)
+    scheduler = Scheduler(SchedulerConfig(4, 64, 256), pool, layout)
+    seq = Sequence("r", 0, list(range(7)), SamplingParams(max_tokens=20), None)
+    scheduler.add(seq)
+    scheduler.mark_computed(scheduler.schedule())  # prefill of 7 tokens: 1 block
+    seq.output_token_ids.append(100)  # 8 tokens, the last not computed
+    seq.spec_token_ids = list(range(200, 210))  # 10 drafts reach positions 8..17: 3 blocks
+    batch = scheduler.schedule()
+    assert batch.query_lens == [11] and batch.drafts == [list(range(200, 210))]
+    assert len(seq.block_table) == 3 and pool.num_used == 3
+    scheduler.mark_computed(batch)
+    assert seq.num_computed_tokens == 8  # the drafts count only once accepted
+    seq.output_token_ids += [200, 201]  # one draft accepted, then the token after it
+    scheduler.accept_drafts(seq, 1)
+    assert seq.num_computed_tokens == 9 and seq.num_tokens == 10
+    assert len(seq.block_table) == 2 and pool.num_used == 2
+    assert pool.num_cached == 1  # the first block is full and computed; the second is not named
+    scheduler.finish(seq, "abort")
+    assert pool.num_used == 0
+
+
+def decoding_with_drafts(num_blocks: int, budget: int) -> tuple[Scheduler, Sequence]:
+    """A request of 8 tokens, 7 of them computed (2 blocks of 4), carrying 10 drafts."""
+    scheduler = Scheduler(SchedulerConfig(4, budget, 256), BlockPool(num_blocks), DCPLayout(BLOCK, 1, 1))
+    seq = Sequence("r", 0, list(range(7)), SamplingParams(max_tokens=20), None)
+    scheduler.add(seq)
+    scheduler.mark_computed(scheduler.schedule())
+    seq.output_token_ids.append(7)
+    seq.spec_token_ids = list(range(10))
+    return scheduler, seq
+
+
+@pytest.mark.parametrize("num_blocks, budget, num_drafts", [
+    (3, 64, 4),  # 12 slots in 3 blocks: the 8 known tokens and 4 drafts
+    (8, 8, 7),  # the request's own token and 7 drafts make the budget
+])
+def test_drafts_take_only_the_spare_budget_and_blocks(num_blocks, budget, num_drafts):
+    scheduler, seq = decoding_with_drafts(num_blocks, budget)
+    batch = scheduler.schedule()
+    assert batch.drafts == [list(range(num_drafts))] and batch.query_lens == [1 + num_drafts]
+    assert len(seq.block_table) == scheduler.layout.num_virtual_blocks(8 + num_drafts)
+
+
+def test_a_draft_never_preempts_another_request():
+    scheduler, seq = decoding_with_drafts(4, 64)  # holds 2 blocks of 4
+    other = Sequence("o", 0, list(range(4)), SamplingParams(max_tokens=20), None)
+    other.status, other.block_table, other.num_computed_tokens = seq.status, scheduler.pool.allocate(1), 4
+    other.output_token_ids = [4]  # its 5th token needs the last free block
+    scheduler.running.append(other)
+    batch = scheduler.schedule()
+    assert scheduler.num_preemptions == 0
+    assert batch.drafts == [[], []] and sorted(batch.query_lens) == [1, 1]
+    assert len(other.block_table) == 2
+
+
+# --- end to end: greedy tokens of plain decoding, in every layout -----------------------------------
+
+PROMPTS = [
+    [1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3],  # repeats: long drafts accepted
+    [9, 8, 9, 8, 9, 8, 9],
+    [(7 * i) % 13 + 1 for i in range(30)],  # period 13, crosses several virtual blocks
+    [3, 1, 4, 1, 5],
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+MAX_MODEL_LEN = 64
+# (tp, dcp, interleave); KV blocks per rank for about 96 tokens of the ~200 the batch needs at its peak,
+# so requests are preempted while they speculate
+LAYOUTS = [(1, 1, 1), (2, 2, 1), (2, 2, BLOCK), (4, 4, 1)]
+
+
+def tiny_mla_config():
+    """DeepSeek-V3 attention (MLA, one latent per token) in a dense three-layer model."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
+        num_key_value_heads=8, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        max_position_embeddings=256, bos_token_id=0, eos_token_id=1, initializer_range=0.3, q_lora_rank=None,
+        first_k_dense_replace=3, rope_interleave=False, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, architectures=["DeepseekV3ForCausalLM"])
+
+
+MODELS = {"gqa": tiny_llama_config, "mla": tiny_mla_config}
+
+
+@pytest.fixture(scope="module")
+def models(checkpoints) -> dict[str, str]:
+    return {name: str(checkpoints(f"spec-{name}", config())) for name, config in MODELS.items()}
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    """Plain decoding, tp=1, ample KV."""
+    outputs = {}
+    for name, path in models.items():
+        with LLM(path, block_size=BLOCK, num_kv_blocks=128, max_model_len=MAX_MODEL_LEN) as llm:
+            outputs[name] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    return outputs
+
+
+class ScriptedDrafts:
+    """A drafter for the verification tests: it proposes the reference continuation with every fifth
+    position (of the sequence) changed, so that whole runs are accepted, runs end at every draft
+    position and the rejected slots are rolled back, whatever the model. Tokens it has no reference
+    for get no drafts."""
+
+    def __init__(self, prompts: list[list[int]], outputs: list[list[int]]) -> None:
+        self.sequences = [p + o for p, o in zip(prompts, outputs)]
+
+    def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
+        n = len(token_ids)
+        for full in self.sequences:
+            if full[:n] == token_ids:
+                return [t if (n + j) % 5 != 4 else (t + 1) % 128 for j, t in enumerate(full[n : n + max_drafts])]
+        return []
+
+
+def record_accepted_spans(llm: LLM) -> list[tuple[int, int]]:
+    """Positions [first, last] of every verified span whose drafts were partly accepted: the request's
+    last known token and the accepted drafts after it, recorded as the engine rolls back."""
+    spans: list[tuple[int, int]] = []
+    scheduler = llm.engine.scheduler
+    accept = scheduler.accept_drafts
+
+    def recording(seq: Sequence, num_accepted: int) -> None:
+        if num_accepted:
+            spans.append((seq.num_computed_tokens - 1, seq.num_computed_tokens + num_accepted - 1))
+        accept(seq, num_accepted)
+
+    scheduler.accept_drafts = recording
+    return spans
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("tp, dcp, interleave", LAYOUTS)
+def test_greedy_speculation_gives_the_tokens_of_plain_decoding(models, reference, model, tp, dcp, interleave):
+    """The n-gram drafter first (random weights accept few of its drafts), then scripted drafts."""
+    with environment({"KVSHARD_FUSED_MERGE_MAX_BYTES": "0", "KVSHARD_DECODE_GROUP_SPREAD": "0"}), \
+            LLM(models[model], tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+                dcp_kv_interleave_size=interleave, block_size=BLOCK, num_kv_blocks=96 // (BLOCK * dcp),
+                max_model_len=MAX_MODEL_LEN, speculative_config=NGRAM) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference[model]
+        assert llm.engine.stats().spec_decode_num_draft_tokens > 0
+        llm.engine.proposer = ScriptedDrafts(PROMPTS, reference[model])
+        spans = record_accepted_spans(llm)
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        stats = llm.engine.stats()
+        assert got == reference[model]
+        assert stats.num_preemptions > 0, "the KV budget is meant to preempt speculating requests"
+        assert stats.spec_decode_num_accepted_tokens_per_pos[2] > 0, "whole runs of drafts are meant to be accepted"
+        # accepted drafts crossed a physical block (with dcp > 1: a shard, for either interleave) and a
+        # virtual block boundary
+        assert any(first // BLOCK != last // BLOCK for first, last in spans)
+        assert any(first // (BLOCK * dcp) != last // (BLOCK * dcp) for first, last in spans)
+        assert stats.kv_blocks_used == 0  # no block leaked by rollbacks or preemptions
