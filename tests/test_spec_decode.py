@@ -148,21 +148,26 @@ def test_the_check_catches_a_sampler_without_the_rejection_step():
 
 def test_verify_drafts_samples_the_filtered_distribution_and_greedy_is_exact():
     logits = torch.log(TARGET + 1e-3) * 2.0  # [3, 6]
-    params = SamplingParams(temperature=0.7, top_k=4, top_p=0.95, seed=7)
-    seq = Sequence("r", 0, [0], params, torch.Generator().manual_seed(7))
+    params = SamplingParams(temperature=0.7, top_k=4, top_p=0.95)
     wanted = _filtered_probs(logits, [params] * 3)  # what plain sampling would draw from
-    first, second = token_distributions(lambda: verify_drafts(logits, seq, DRAFTS, torch.Generator()))
+    seq = Sequence("r", 0, [0], params, None)
+    # SAMPLES requests with the same rows in one call, as one step would verify them
+    outcomes = verify_drafts(logits.repeat(SAMPLES, 1), [seq] * SAMPLES, [DRAFTS] * SAMPLES,
+                             torch.Generator().manual_seed(5))
+    samples = iter(outcomes)
+    first, second = token_distributions(lambda: next(samples))
     assert chi_square_p_value(first, wanted[0]) > 1e-3
     assert chi_square_p_value(second, wanted[1]) > 1e-3
-    # the same seed gives the same tokens
-    runs = [verify_drafts(logits, Sequence("r", 0, [0], params, torch.Generator().manual_seed(3)), DRAFTS,
-                          torch.Generator()) for _ in range(2)]
-    assert runs[0] == runs[1]
+    # a request's own seed gives the same tokens whatever else is verified with it
+    seeded = [Sequence("r", 0, [0], params, torch.Generator().manual_seed(3)) for _ in range(2)]
+    alone = verify_drafts(logits, seeded[:1], [DRAFTS], torch.Generator())
+    with_others = verify_drafts(logits.repeat(2, 1), [seq, seeded[1]], [DRAFTS, DRAFTS], torch.Generator())
+    assert alone[0] == with_others[1]
     greedy = Sequence("r", 0, [0], SamplingParams(temperature=0), None)
     best = logits.argmax(dim=-1).tolist()  # [1, 4, 3]
-    assert verify_drafts(logits, greedy, [1, 4], torch.Generator()) == [1, 4, 3]  # both kept, then the bonus
-    assert verify_drafts(logits, greedy, [1, 0], torch.Generator()) == [1, best[1]]  # the second replaced
-    assert verify_drafts(logits, greedy, [2, 4], torch.Generator()) == [best[0]]
+    three = [logits, logits, logits[:2]]  # both drafts kept, then the bonus; the second replaced; one draft
+    assert verify_drafts(torch.cat(three), [greedy] * 3, [[1, 4], [1, 0], [2]], torch.Generator()) == \
+        [[1, 4, 3], [1, best[1]], [best[0]]]
 
 
 # --- block accounting of a rollback ---------------------------------------------------------------
@@ -324,3 +329,29 @@ def test_greedy_speculation_gives_the_tokens_of_plain_decoding(models, reference
         assert any(first // BLOCK != last // BLOCK for first, last in spans)
         assert any(first // (BLOCK * dcp) != last // (BLOCK * dcp) for first, last in spans)
         assert stats.kv_blocks_used == 0  # no block leaked by rollbacks or preemptions
+        # sampling with n-gram drafts: a seed gives the same tokens alone and next to another request
+        llm.engine.proposer = NgramProposer(1, 3)
+        sampled = SamplingParams(temperature=0.8, seed=11, max_tokens=16, ignore_eos=True)
+        runs = llm.generate([PROMPTS[0], PROMPTS[0], PROMPTS[1]], [sampled, sampled, GREEDY], use_tqdm=False)
+        alone = llm.generate([PROMPTS[0]], sampled, use_tqdm=False)
+        assert runs[0].outputs[0].token_ids == runs[1].outputs[0].token_ids == alone[0].outputs[0].token_ids
+        assert llm.engine.stats().kv_blocks_used == 0
+
+
+def test_metrics_name_the_spec_decode_counters():
+    from kvshard.engine.stats import EngineStats
+    from kvshard.metrics import ServerMetrics
+
+    config = EngineArgs("kvshard-demo-gqa", speculative_config=NGRAM).create_engine_config()
+    metrics = ServerMetrics(config, "m")
+    stats = EngineStats(spec_decode_num_drafts=4, spec_decode_num_draft_tokens=12,
+                        spec_decode_num_accepted_tokens=6, spec_decode_num_accepted_tokens_per_pos=[3, 2, 1])
+    assert stats.mean_acceptance_length == 2.5
+    metrics.record_stats(stats)
+    text = metrics.render().decode()
+    assert 'kvshard:spec_decode_num_drafts_total{model_name="m"} 4.0' in text
+    assert 'kvshard:spec_decode_num_draft_tokens_total{model_name="m"} 12.0' in text
+    assert 'kvshard:spec_decode_num_accepted_tokens_total{model_name="m"} 6.0' in text
+    assert 'kvshard:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 1.0' in text
+    plain = ServerMetrics(EngineArgs("kvshard-demo-gqa").create_engine_config(), "m").render().decode()
+    assert "spec_decode" not in plain

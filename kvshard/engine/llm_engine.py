@@ -171,12 +171,15 @@ class LLMEngine:
             tokens = sample(logits[[first_rows[i] for i in plain]], [seqs[i] for i in plain], self.default_generator)
             for i, outcome in zip(plain, tokens):
                 outcomes[i] = outcome if isinstance(outcome, Exception) else [outcome]
-        for i, (seq, drafts) in enumerate(sampled):
-            if drafts:
-                rows = logits[first_rows[i] : first_rows[i] + 1 + len(drafts)]  # [k+1, V]
-                outcomes[i] = verify_drafts(rows, seq, drafts, self.default_generator)
-                if not isinstance(outcomes[i], Exception):
-                    self._count_drafts(len(drafts), len(outcomes[i]) - 1)
+        speculating = [i for i, (_, drafts) in enumerate(sampled) if drafts]
+        if speculating:
+            rows = [r for i in speculating for r in range(first_rows[i], first_rows[i] + 1 + len(sampled[i][1]))]
+            verified = verify_drafts(logits[rows], [seqs[i] for i in speculating],
+                                     [sampled[i][1] for i in speculating], self.default_generator)
+            for i, outcome in zip(speculating, verified):
+                outcomes[i] = outcome
+                if not isinstance(outcome, Exception):
+                    self._count_drafts(len(sampled[i][1]), len(outcome) - 1)
         touched: dict[str, Request] = {}
         for i, ((seq, drafts), outcome) in enumerate(zip(sampled, outcomes)):
             request = touched[seq.request_id] = self.requests[seq.request_id]

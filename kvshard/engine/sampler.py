@@ -60,26 +60,48 @@ def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
     return filtered.softmax(dim=-1)
 
 
-def verify_drafts(logits: torch.Tensor, seq: Sequence, drafts: list[int],
-                  default_generator: torch.Generator) -> list[int] | Exception:
-    """logits [k+1, V] of a request's last known token and its k drafts -> the accepted drafts and the
-    token after them (1..k+1 tokens), or the error this request raised.
+def verify_drafts(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],
+                  default_generator: torch.Generator) -> list[list[int] | Exception]:
+    """logits [sum(k_i + 1), V]: per request, the rows of its last known token and its k_i drafts ->
+    per request the accepted drafts and the token after them (1..k_i + 1 tokens), or its error.
 
-    Greedy: the drafts that equal the argmax, then the argmax, which are exactly the tokens of plain
-    decoding. Otherwise rejection sampling against the same filtered distribution plain sampling draws
-    from, so the tokens follow the target distribution whatever the drafts.
+    Greedy: the drafts that equal the argmax, then the argmax: exactly the tokens of plain decoding.
+    Otherwise rejection sampling against the distribution plain sampling draws from (temperature,
+    top-k, top-p, filtered for all rows at once), so the tokens follow it whatever the drafts.
     """
+    starts = [0]
+    for request_drafts in drafts:
+        starts.append(starts[-1] + len(request_drafts) + 1)
+    best = logits.argmax(dim=-1).tolist()
+    outcomes: list[list[int] | Exception] = []
+    for i, (seq, request_drafts) in enumerate(zip(seqs, drafts)):
+        rows = best[starts[i] : starts[i + 1]]
+        accepted = 0
+        while accepted < len(request_drafts) and request_drafts[accepted] == rows[accepted]:
+            accepted += 1
+        outcomes.append(request_drafts[:accepted] + [rows[accepted]])
+    random = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+    if not random:
+        return outcomes
+    row_index = [r for i in random for r in range(starts[i], starts[i + 1])]
     try:
-        if seq.params.greedy:
-            best = logits.argmax(dim=-1).tolist()
-            accepted = 0
-            while accepted < len(drafts) and drafts[accepted] == best[accepted]:
-                accepted += 1
-            return drafts[:accepted] + [best[accepted]]
-        probs = _filtered_probs(logits, [seq.params] * logits.shape[0])  # [k+1, V]
-        return rejection_sample(probs, drafts, None, seq.generator or default_generator)
-    except Exception as error:
-        return error
+        probs = _filtered_probs(logits[row_index], [seqs[i].params for i in random
+                                                    for _ in range(starts[i], starts[i + 1])])  # [r, V]
+    except Exception:  # not attributable to one request: each alone says which one fails
+        probs = None
+    offset = 0
+    for i in random:
+        seq, count = seqs[i], starts[i + 1] - starts[i]
+        try:
+            if probs is not None:
+                request_probs = probs[offset : offset + count]
+            else:
+                request_probs = _filtered_probs(logits[starts[i] : starts[i + 1]], [seq.params] * count)
+            outcomes[i] = rejection_sample(request_probs, drafts[i], None, seq.generator or default_generator)
+        except Exception as error:
+            outcomes[i] = error
+        offset += count
+    return outcomes
 
 
 def rejection_sample(target_probs: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None,
