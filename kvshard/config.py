@@ -168,8 +168,13 @@ class EngineConfig:
 
     @property
     def kv_bytes_per_slot(self) -> int:
-        """Bytes of one physical cache slot (one token, all layers) on one rank."""
-        return self.kv_cache_spec.bytes_per_slot(self.model.dtype)
+        """Bytes of one physical cache slot (one token, all layers) on one rank; a draft model's cache
+        uses the same block ids, so its slot counts too."""
+        slot = self.kv_cache_spec.bytes_per_slot(self.model.dtype)
+        draft = self.speculative.draft_model_config if self.speculative is not None else None
+        if draft is not None:
+            slot += kv_cache_spec(draft, self.parallel.tensor_parallel_size).bytes_per_slot(draft.dtype)
+        return slot
 
     @property
     def num_kv_blocks(self) -> int:

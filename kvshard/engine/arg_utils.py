@@ -10,6 +10,7 @@ before any process starts. A new setting is one field here (plus where it is use
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import json
 import os
@@ -151,6 +152,8 @@ class EngineArgs:
         parallel = ParallelConfig(self.tensor_parallel_size, self.decode_context_parallel_size, interleave,
                                   self.dcp_replicate_q)
         _validate_parallel(parallel, model_config)
+        if speculative is not None and speculative.method == "draft_model":
+            speculative = _with_draft_model(speculative, model_config, parallel, self.dtype)
         if self.block_size % interleave != 0:
             raise ConfigError(
                 f"block_size={self.block_size} is not a multiple of dcp_kv_interleave_size={interleave}: "
@@ -214,6 +217,21 @@ def _resolve_interleave(flag_value: int | None) -> int:
             _check_positive(name, value)
             return value
     return 1
+
+
+def _with_draft_model(speculative, target: ModelConfig, parallel: ParallelConfig, dtype: str):
+    """Load the draft checkpoint's config and check it against the target and the layout."""
+    draft = load_model_config(speculative.model, dtype)
+    if draft.hf_config.vocab_size != target.hf_config.vocab_size:
+        raise ConfigError(
+            f"the draft model's vocabulary ({draft.hf_config.vocab_size} tokens) differs from the target's "
+            f"({target.hf_config.vocab_size}): a draft model must share the target's tokenizer"
+        )
+    try:
+        _validate_parallel(parallel, draft)
+    except ConfigError as error:
+        raise ConfigError(f"draft model {speculative.model}: {error}") from None
+    return dataclasses.replace(speculative, draft_model_config=draft)
 
 
 def _validate_parallel(parallel: ParallelConfig, model: ModelConfig) -> None:

@@ -27,6 +27,7 @@ from kvshard.engine.stats import EngineStats
 from kvshard.kv.block_pool import BlockPool
 from kvshard.outputs import RequestOutput
 from kvshard.sampling_params import SamplingParams
+from kvshard.spec_decode.draft_model import DraftModelProposer
 from kvshard.spec_decode.ngram import NgramProposer
 
 __all__ = ["EngineDeadError", "LLMEngine"]
@@ -50,9 +51,12 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.steps = 0
         self.speculative = config.speculative
-        self.proposer = None
-        if self.speculative is not None:
+        self.proposer: NgramProposer | None = None  # drafts from the request's tokens, before scheduling
+        self.draft_model: DraftModelProposer | None = None  # drafts from a model, once their blocks are held
+        if self.speculative is not None and self.speculative.method == "ngram":
             self.proposer = NgramProposer(self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
+        elif self.speculative is not None:
+            self.draft_model = DraftModelProposer(self.executor, self.default_generator)
         # speculative decoding counters, as EngineStats names them
         self.spec_num_drafts = 0
         self.spec_num_draft_tokens = 0
@@ -131,16 +135,19 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return an output for every request that advanced or finished."""
         with self._lock:
-            if self.proposer is not None:
+            if self.speculative is not None:
                 self._propose()
             batch = self.scheduler.schedule()
             if batch is None:
                 self.executor.check_alive()
                 return []
+            draft_probs = None
+            if self.draft_model is not None:
+                draft_probs = self._run_draft_model(batch)
             logits = self.executor.execute(StepPlan.from_batch(batch))
             self.steps += 1
             self.scheduler.mark_computed(batch)
-            return self._process_samples(batch, logits)
+            return self._process_samples(batch, logits, draft_probs)
 
     def _propose(self) -> None:
         """Drafts for every decoding request, never past max_tokens or max_model_len (the token after
@@ -152,9 +159,22 @@ class LLMEngine:
             room = self.config.scheduler.max_model_len - seq.num_tokens - 1
             if seq.params.max_tokens is not None:
                 room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
-            seq.spec_token_ids = self.proposer.propose(seq.all_token_ids, min(k, room))
+            if self.proposer is not None:
+                seq.spec_token_ids = self.proposer.propose(seq.all_token_ids, min(k, room))
+            else:  # a draft model fills in the drafts the scheduler found room for (`_run_draft_model`)
+                seq.spec_token_ids = [-1] * max(0, min(k, room))
 
-    def _process_samples(self, batch: ScheduledBatch, logits: torch.Tensor | None) -> list[RequestOutput]:
+    def _run_draft_model(self, batch: ScheduledBatch) -> dict[int, torch.Tensor | None]:
+        """Replace the scheduled placeholder drafts by the draft model's; their distributions by seq_id."""
+        chosen = [i for i, drafts in enumerate(batch.drafts) if drafts]
+        drafts, probs = self.draft_model.propose([batch.seqs[i] for i in chosen], [len(batch.drafts[i]) for i in chosen])
+        for i, request_drafts in zip(chosen, drafts):
+            batch.drafts[i] = request_drafts
+        return {batch.seqs[i].seq_id: p for i, p in zip(chosen, probs)}
+
+    def _process_samples(self, batch: ScheduledBatch, logits: torch.Tensor | None,
+                         draft_probs: dict[int, torch.Tensor | None] | None = None) -> list[RequestOutput]:
+        """`draft_probs`: by seq_id, the distributions a draft model drew the drafts from."""
         sampled = [(s, d) for s, d, do in zip(batch.seqs, batch.drafts, batch.sample) if do]
         if not sampled:
             return []
@@ -175,7 +195,8 @@ class LLMEngine:
         if speculating:
             rows = [r for i in speculating for r in range(first_rows[i], first_rows[i] + 1 + len(sampled[i][1]))]
             verified = verify_drafts(logits[rows], [seqs[i] for i in speculating],
-                                     [sampled[i][1] for i in speculating], self.default_generator)
+                                     [sampled[i][1] for i in speculating], self.default_generator,
+                                     [draft_probs.get(seqs[i].seq_id) for i in speculating] if draft_probs else None)
             for i, outcome in zip(speculating, verified):
                 outcomes[i] = outcome
                 if not isinstance(outcome, Exception):

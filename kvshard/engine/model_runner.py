@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from kvshard.attention.metadata import AttentionMetadata, decode_group_spread_from_env
-from kvshard.config import EngineConfig
+from kvshard.config import EngineConfig, ModelConfig
 from kvshard.engine.step_plan import StepPlan
-from kvshard.kv.cache import allocate_kv_cache
+from kvshard.kv.cache import allocate_kv_cache, kv_cache_spec
 from kvshard.models.loader import load_weights
 from kvshard.models.registry import model_class
 from kvshard.parallel import ParallelState
@@ -19,22 +19,33 @@ class ModelRunner:
         self.parallel = parallel
         self.device = device
         self.layout = config.dcp_layout
-        hf_config = config.model.hf_config
-        cls = model_class(config.model.architecture)
-        with torch.device(device):
-            self.model = cls(hf_config, config.model.dtype, parallel, replicate_q=config.parallel.dcp_replicate_q)
-        load_weights(self.model, config.model.path, config.model.quantization)
-        self.model.eval()
+        self.model = self._load_model(config.model)
         self.kv_caches = allocate_kv_cache(
             config.kv_cache_spec, config.num_kv_blocks, config.cache.block_size, config.model.dtype, device
         )
+        # a speculative draft model: its own cache, sharded as the target's, under the same block ids
+        draft = config.speculative.draft_model_config if config.speculative is not None else None
+        self.draft_model = self.draft_kv_caches = None
+        if draft is not None:
+            self.draft_model = self._load_model(draft)
+            self.draft_kv_caches = allocate_kv_cache(
+                kv_cache_spec(draft, parallel.tp_size), config.num_kv_blocks, config.cache.block_size, draft.dtype,
+                device)
         self.decode_group_spread = decode_group_spread_from_env()
+
+    def _load_model(self, model_config: ModelConfig) -> torch.nn.Module:
+        cls = model_class(model_config.architecture)
+        with torch.device(self.device):
+            model = cls(model_config.hf_config, model_config.dtype, self.parallel,
+                        replicate_q=self.config.parallel.dcp_replicate_q)
+        load_weights(model, model_config.path, model_config.quantization)
+        return model.eval()
 
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes this rank allocated for KV (a view shared with the key is counted once)."""
         total = 0
-        for layer in self.kv_caches:
+        for layer in self.kv_caches + (self.draft_kv_caches or []):
             total += layer.key.numel() * layer.key.element_size()
             if not layer.value_is_view:
                 total += layer.value.numel() * layer.value.element_size()
@@ -48,6 +59,7 @@ class ModelRunner:
             self.decode_group_spread,
         )
         input_ids = torch.tensor(plan.token_ids, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, meta, self.kv_caches)  # [t, D]
+        model, caches = (self.draft_model, self.draft_kv_caches) if plan.draft else (self.model, self.kv_caches)
+        hidden = model(input_ids, meta, caches)  # [t, D]
         rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[rows])
+        return model.compute_logits(hidden[rows])

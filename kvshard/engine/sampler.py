@@ -60,14 +60,31 @@ def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
     return filtered.softmax(dim=-1)
 
 
+def sample_with_probs(logits: torch.Tensor, seqs: list[Sequence],
+                      default_generator: torch.Generator) -> list[tuple[int, torch.Tensor | None]]:
+    """logits [b, V] -> per row a token and, for sampled rows, the distribution [V] it was drawn from
+    (a draft model's q, which rejection sampling needs); greedy rows take the argmax."""
+    best = logits.argmax(dim=-1).tolist()
+    random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    results: list[tuple[int, torch.Tensor | None]] = [(token, None) for token in best]
+    if random_rows:
+        probs = _filtered_probs(logits[random_rows], [seqs[i].params for i in random_rows])  # [r, V]
+        for row, i in zip(probs, random_rows):
+            results[i] = (_draw(row, seqs[i].generator or default_generator), row)
+    return results
+
+
 def verify_drafts(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],
-                  default_generator: torch.Generator) -> list[list[int] | Exception]:
+                  default_generator: torch.Generator,
+                  draft_probs: list[torch.Tensor | None] | None = None) -> list[list[int] | Exception]:
     """logits [sum(k_i + 1), V]: per request, the rows of its last known token and its k_i drafts ->
     per request the accepted drafts and the token after them (1..k_i + 1 tokens), or its error.
 
     Greedy: the drafts that equal the argmax, then the argmax: exactly the tokens of plain decoding.
     Otherwise rejection sampling against the distribution plain sampling draws from (temperature,
     top-k, top-p, filtered for all rows at once), so the tokens follow it whatever the drafts.
+    `draft_probs[i]` [k_i, V]: the distributions request i's drafts were drawn from (None: chosen
+    deterministically, as n-gram drafts are).
     """
     starts = [0]
     for request_drafts in drafts:
@@ -97,7 +114,8 @@ def verify_drafts(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[
                 request_probs = probs[offset : offset + count]
             else:
                 request_probs = _filtered_probs(logits[starts[i] : starts[i + 1]], [seq.params] * count)
-            outcomes[i] = rejection_sample(request_probs, drafts[i], None, seq.generator or default_generator)
+            q = draft_probs[i] if draft_probs is not None else None
+            outcomes[i] = rejection_sample(request_probs, drafts[i], q, seq.generator or default_generator)
         except Exception as error:
             outcomes[i] = error
         offset += count

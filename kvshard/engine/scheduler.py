@@ -86,6 +86,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_named_blocks = 0
         seq.spec_token_ids = []
+        seq.draft_num_computed_tokens = 0
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix; running requests keep their blocks, now private to them."""
@@ -220,6 +221,8 @@ class Scheduler:
         computed in the step count; blocks that only rejected drafts reached go back to the pool (their
         slots inside kept blocks lie past the computed length: never read, written again later)."""
         seq.num_computed_tokens += num_accepted
+        # a draft model's cache holds its drafts' K/V: valid as far as they were accepted
+        seq.draft_num_computed_tokens = min(seq.draft_num_computed_tokens, seq.num_computed_tokens)
         needed = self.layout.num_virtual_blocks(seq.num_tokens)
         if len(seq.block_table) > needed:
             self.pool.free(seq.block_table[needed:])

@@ -19,6 +19,7 @@ class StepPlan:
     context_lens: list[int]
     block_tables: list[list[int]]
     sample_rows: list[int]  # rows of the flat batch whose logits rank 0 needs (1 + drafts per sampled request)
+    draft: bool = False  # run the speculative draft model (and its cache) instead of the target
 
     @classmethod
     def from_batch(cls, batch: ScheduledBatch) -> StepPlan:

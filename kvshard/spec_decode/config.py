@@ -3,27 +3,30 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvshard.errors import ConfigError
 
-METHODS = ("ngram",)
-_FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+METHODS = ("ngram", "draft_model")
+_FIELDS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str  # "ngram"
+    method: str  # "ngram" or "draft_model"
     num_speculative_tokens: int  # k: drafts verified per step at most
     prompt_lookup_max: int = 5  # ngram: longest suffix looked up in the request's tokens
     prompt_lookup_min: int = 1  # ngram: shortest
+    model: str | None = None  # draft_model: its checkpoint, as given
+    draft_model_config: Any = field(default=None, repr=False)  # draft_model: its ModelConfig, once loaded
 
     def describe(self) -> str:
         if self.method == "ngram":
             return (f"speculative decoding: ngram (prompt lookup), {self.num_speculative_tokens} draft tokens, "
                     f"n-grams of {self.prompt_lookup_min}..{self.prompt_lookup_max} tokens")
-        return f"speculative decoding: {self.method}, {self.num_speculative_tokens} draft tokens"
+        return (f"speculative decoding: draft model {self.model}, {self.num_speculative_tokens} draft tokens, "
+                "its KV cache sharded as the target's (same blocks)")
 
 
 def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -41,11 +44,15 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeC
     unknown = set(value) - _FIELDS
     if unknown:
         raise ConfigError(f"speculative_config has unknown fields {sorted(unknown)}: the fields are {sorted(_FIELDS)}")
-    method = value.get("method")
+    method = value.get("method", "draft_model" if "model" in value else None)
+    value = {**value, "method": method}
     if method not in METHODS:
         raise ConfigError(f"speculative_config method {method!r} is not supported: use one of {list(METHODS)}")
     if "num_speculative_tokens" not in value:
         raise ConfigError("speculative_config needs num_speculative_tokens (draft tokens per step, e.g. 3)")
+    if (method == "draft_model") != ("model" in value):
+        raise ConfigError('speculative_config: give "model" (the draft checkpoint) with method "draft_model" '
+                          "and only then")
     config = SpeculativeConfig(**value)
     for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
         number = getattr(config, name)
