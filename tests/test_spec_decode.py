@@ -338,6 +338,55 @@ def test_greedy_speculation_gives_the_tokens_of_plain_decoding(models, reference
         assert llm.engine.stats().kv_blocks_used == 0
 
 
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("tp, dcp, interleave", LAYOUTS)
+def test_greedy_draft_model_gives_the_tokens_of_plain_decoding(models, reference, model, tp, dcp, interleave):
+    """The target as its own draft model: its drafts are mostly accepted, so its cache's rollback
+    and catch-up (after prefill, preemption, rejection) are exercised; a wrong draft K/V would lower
+    the acceptance, never change the tokens, so the acceptance is checked too."""
+    draft = {"model": models[model], "num_speculative_tokens": 3}
+    with environment({"KVSHARD_FUSED_MERGE_MAX_BYTES": "0", "KVSHARD_DECODE_GROUP_SPREAD": "0"}), \
+            LLM(models[model], tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+                dcp_kv_interleave_size=interleave, block_size=BLOCK, num_kv_blocks=96 // (BLOCK * dcp),
+                max_model_len=MAX_MODEL_LEN, speculative_config=draft) as llm:
+        spans = record_accepted_spans(llm)
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        stats = llm.engine.stats()
+        assert got == reference[model]
+        assert stats.num_preemptions > 0
+        assert stats.spec_decode_num_accepted_tokens >= 0.9 * stats.spec_decode_num_draft_tokens
+        assert any(first // (BLOCK * dcp) != last // (BLOCK * dcp) for first, last in spans)
+        assert stats.kv_blocks_used == 0
+
+
+def test_a_different_draft_model_is_rejected_often_and_changes_nothing(models, reference, checkpoints):
+    draft = checkpoints("spec-draft", tiny_llama_config(num_hidden_layers=1))  # other weights, one layer
+    with LLM(models["mla"], tensor_parallel_size=2, decode_context_parallel_size=2, block_size=BLOCK,
+             num_kv_blocks=12, max_model_len=MAX_MODEL_LEN,
+             speculative_config={"model": str(draft), "num_speculative_tokens": 3}) as llm:
+        assert "draft model" in llm.config.layout_report()
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        stats = llm.engine.stats()
+        assert got == reference["mla"]
+        assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens / 2
+        sampled = SamplingParams(temperature=0.8, seed=11, max_tokens=16, ignore_eos=True)
+        runs = llm.generate([PROMPTS[0], PROMPTS[0]], sampled, use_tqdm=False)
+        assert runs[0].outputs[0].token_ids == runs[1].outputs[0].token_ids
+        assert llm.engine.stats().kv_blocks_used == 0
+
+
+def test_draft_model_config_errors(models):
+    draft = {"model": "kvshard-demo-gqa", "num_speculative_tokens": 2}  # 512 tokens, the target 128
+    with pytest.raises(ConfigError, match="share the target's tokenizer"):
+        EngineArgs(models["gqa"], speculative_config=draft).create_engine_config()
+    with pytest.raises(ConfigError, match='give "model"'):
+        parse_speculative_config({"method": "draft_model", "num_speculative_tokens": 2})
+    config = EngineArgs("kvshard-demo", speculative_config=draft).create_engine_config()
+    assert config.speculative.method == "draft_model"  # inferred from "model", as vLLM does
+    plain = EngineArgs("kvshard-demo").create_engine_config()
+    assert config.kv_bytes_per_slot > plain.kv_bytes_per_slot  # the draft's cache shares the budget
+
+
 def test_metrics_name_the_spec_decode_counters():
     from kvshard.engine.stats import EngineStats
     from kvshard.metrics import ServerMetrics
