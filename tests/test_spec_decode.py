@@ -338,6 +338,22 @@ def test_greedy_speculation_gives_the_tokens_of_plain_decoding(models, reference
         assert llm.engine.stats().kv_blocks_used == 0
 
 
+def record_draft_proposals(llm: LLM) -> list[tuple[list[int], list[int]]]:
+    """(the request's tokens, the drafts the draft model proposed after them), for every proposal."""
+    proposals: list[tuple[list[int], list[int]]] = []
+    proposer = llm.engine.draft_model
+    propose = proposer.propose
+
+    def recording(seqs: list[Sequence], counts: list[int]):
+        contexts = [seq.all_token_ids for seq in seqs]
+        drafts, probs = propose(seqs, counts)
+        proposals.extend(zip(contexts, drafts))
+        return drafts, probs
+
+    proposer.propose = recording
+    return proposals
+
+
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("tp, dcp, interleave", LAYOUTS)
 def test_greedy_draft_model_gives_the_tokens_of_plain_decoding(models, reference, model, tp, dcp, interleave):
@@ -365,14 +381,24 @@ def test_a_different_draft_model_is_rejected_often_and_changes_nothing(models, r
              num_kv_blocks=12, max_model_len=MAX_MODEL_LEN,
              speculative_config={"model": str(draft), "num_speculative_tokens": 3}) as llm:
         assert "draft model" in llm.config.layout_report()
+        recorded = record_draft_proposals(llm)
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        proposals = list(recorded)  # the greedy ones
         stats = llm.engine.stats()
         assert got == reference["mla"]
+        assert stats.num_preemptions > 0
         assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens / 2
         sampled = SamplingParams(temperature=0.8, seed=11, max_tokens=16, ignore_eos=True)
         runs = llm.generate([PROMPTS[0], PROMPTS[0]], sampled, use_tqdm=False)
         assert runs[0].outputs[0].token_ids == runs[1].outputs[0].token_ids
         assert llm.engine.stats().kv_blocks_used == 0
+    # the draft model's cache, caught up and rolled back across rejections and preemptions, gave the
+    # drafts the draft model computes from scratch: its greedy continuation of each request's tokens
+    with LLM(str(draft), block_size=BLOCK, num_kv_blocks=256, max_model_len=MAX_MODEL_LEN) as plain:
+        contexts = [tokens for tokens, _ in proposals]
+        params = [SamplingParams(temperature=0, max_tokens=len(d), ignore_eos=True) for _, d in proposals]
+        assert [o.outputs[0].token_ids for o in plain.generate(contexts, params, use_tqdm=False)] == \
+            [d for _, d in proposals]
 
 
 def test_draft_model_config_errors(models):
