@@ -22,7 +22,7 @@ from kvshard.kv.block_pool import BlockPool
 from kvshard.kv.layout import DCPLayout
 from kvshard.spec_decode import parse_speculative_config
 from kvshard.spec_decode.ngram import NgramProposer
-from conftest import environment, tiny_llama_config
+from conftest import assert_same_generation, environment, tiny_llama_config
 
 BLOCK = 4
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -237,7 +237,7 @@ PROMPTS = [
     [(7 * i) % 13 + 1 for i in range(30)],  # period 13, crosses several virtual blocks
     [3, 1, 4, 1, 5],
 ]
-GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
 MAX_MODEL_LEN = 64
 # (tp, dcp, interleave); KV blocks per rank for about 96 tokens of the ~200 the batch needs at its peak,
 # so requests are preempted while they speculate
@@ -266,11 +266,14 @@ def models(checkpoints) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def reference(models):
-    """Plain decoding, tp=1, ample KV."""
-    outputs = {}
+    """Plain decoding, tp=1, ample KV: tokens by model, and their log-probabilities by model."""
+    outputs, logprobs = {}, {}
     for name, path in models.items():
         with LLM(path, block_size=BLOCK, num_kv_blocks=128, max_model_len=MAX_MODEL_LEN) as llm:
-            outputs[name] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+            generated = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+            outputs[name] = [o.outputs[0].token_ids for o in generated]
+            logprobs[name] = [o.outputs[0].logprobs for o in generated]
+    outputs["logprobs"] = logprobs
     return outputs
 
 
@@ -319,9 +322,12 @@ def test_greedy_speculation_gives_the_tokens_of_plain_decoding(models, reference
         assert llm.engine.stats().spec_decode_num_draft_tokens > 0
         llm.engine.proposer = ScriptedDrafts(PROMPTS, reference[model])
         spans = record_accepted_spans(llm)
-        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        generated = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        got = [o.outputs[0].token_ids for o in generated]
         stats = llm.engine.stats()
-        assert got == reference[model]
+        # each token's log-probabilities come from the row that verified it
+        assert_same_generation(got, [o.outputs[0].logprobs for o in generated], reference[model],
+                               reference["logprobs"][model], atol=1e-4)
         assert stats.num_preemptions > 0, "the KV budget is meant to preempt speculating requests"
         assert stats.spec_decode_num_accepted_tokens_per_pos[2] > 0, "whole runs of drafts are meant to be accepted"
         # accepted drafts crossed a physical block (with dcp > 1: a shard, for either interleave) and a
