@@ -167,7 +167,8 @@ class LLMEngine:
     def _run_draft_model(self, batch: ScheduledBatch) -> dict[int, torch.Tensor | None]:
         """Replace the scheduled placeholder drafts by the draft model's; their distributions by seq_id."""
         chosen = [i for i, drafts in enumerate(batch.drafts) if drafts]
-        drafts, probs = self.draft_model.propose([batch.seqs[i] for i in chosen], [len(batch.drafts[i]) for i in chosen])
+        seqs = [batch.seqs[i] for i in chosen]
+        drafts, probs = self.draft_model.propose(seqs, [len(batch.drafts[i]) for i in chosen])
         for i, request_drafts in zip(chosen, drafts):
             batch.drafts[i] = request_drafts
         return {batch.seqs[i].seq_id: p for i, p in zip(chosen, probs)}
