@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from kvshard.bench.cli import main as bench_main
+from kvshard.bench.cli import model_vocab_size
 from kvshard.bench.metrics import MetricsTrace, ServerSnapshot, parse_metrics
 from kvshard.bench.serve import RequestOutcome, summarize
 from kvshard.bench.server import ServerProcess, ServerStartError
@@ -333,23 +334,29 @@ def test_ctrl_c_in_the_middle_of_bench_dcp_stops_its_server_and_ranks(tmp_path):
     assert _group_is_gone(server_pid)
 
 
-def test_tiny_dcp_run_prints_the_table_and_writes_json_and_png(tmp_path, capsys):
+def test_tiny_dcp_run_of_agentic_sessions_prints_the_table_and_writes_json_and_png(tmp_path, capsys):
+    workload = ["--workload", "sessions", "--num-turns", "2", "--context-scale", "1/1024", "--output-scale", "1/32"]
     code = bench_main([
-        "dcp", MODEL, "-tp", "2", "--dcp", "2", "--kv-cache-memory", "1MiB", "--workload", "random",
-        "--input-len", "48", "--output-len", "16", "--concurrency", "1,2", "--prompts-per-concurrency", "1",
-        "--metrics-interval", "0.05", "--output-dir", str(tmp_path), "--no-progress",
+        "dcp", MODEL, "-tp", "2", "--dcp", "2", "--kv-cache-memory", "2MiB", *workload, "--concurrency", "1,2",
+        "--prompts-per-concurrency", "1", "--metrics-interval", "0.05", "--output-dir", str(tmp_path), "--no-progress",
     ])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "max concurrency" in out and "TP=2 + DCP=2 vs TP=2: max concurrency" in out
 
     result = json.loads((tmp_path / "dcp.json").read_text())
+    sessions = WorkloadSpec("sessions", vocab_size=model_vocab_size(MODEL), context_scale=1 / 1024,
+                            output_scale=1 / 32, num_turns=2).sessions(2)
     tp_only, with_dcp = result["configs"]
     assert (tp_only["label"], with_dcp["label"]) == ("TP=2", "TP=2 + DCP=2")
     for config in result["configs"]:
         assert [p["concurrency"] for p in config["points"]] == [1, 2]
-        assert all(p["completed"] == p["num_prompts"] and p["failed"] == 0 for p in config["points"])
-        assert all(p["total_output_tokens"] == 16 * p["num_prompts"] for p in config["points"])
+        for point, num_sessions in zip(config["points"], (1, 2)):
+            assert (point["num_sessions"], point["num_prompts"]) == (num_sessions, 2 * num_sessions)
+            assert point["completed"] == point["num_prompts"] and point["failed"] == 0
+            assert point["total_output_tokens"] == sum(t.output_len for s in sessions[:num_sessions] for t in s)
+            # each point starts from an empty cache: a first turn finds nothing, though it ran at the last point
+            assert point["turns"][0]["mean_cached_tokens"] == 0
         assert config["layout"]["tp"] == "2" and config["max_concurrency_reached"] >= 1
         with pytest.raises(httpx.HTTPError):  # stopped
             httpx.get(f"{config['base_url']}/health", timeout=2)

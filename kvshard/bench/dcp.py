@@ -2,12 +2,14 @@
 
 For each layout (tp alone, then tp with each requested dcp) a `kvshard serve`
 starts with the same per-rank KV budget; the same requests (or sessions of
-requests, with the sessions workload) run at rising client concurrency; /metrics says how many requests the server actually ran at once
-and how full its KV cache was. The table then gives, per layout, the seed's
-columns: the maximum concurrency reached, output tok/s per rank, KV usage, and
-what limits it. A point is *KV-limited* when the server preempted requests, or
-requests waited while its KV cache was (nearly) full; otherwise the server ran
-what it could take and compute (the step time) is the limit.
+requests, with the sessions workload) run at rising client concurrency, each
+point from an empty prefix cache; /metrics says how many requests the server
+actually ran at once and how full its KV cache was. The table then gives, per
+layout, the seed's columns: the maximum concurrency reached, output tok/s per
+rank, KV usage, and what limits it. A point is *KV-limited* when the server
+preempted requests, or requests waited while its KV cache was (nearly) full;
+otherwise the server ran what it could take and compute (the step time) is the
+limit.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from kvshard.bench.report import format_number, format_percent, format_table
-from kvshard.bench.serve import request_list_digest, run_serve_benchmark
+from kvshard.bench.serve import request_list_digest, reset_prefix_cache, run_serve_benchmark
 from kvshard.bench.server import ServerProcess
 from kvshard.bench.workloads import WorkloadSpec
 
@@ -113,6 +115,8 @@ def run_dcp_experiment(experiment: DCPExperiment, log=print) -> dict:
             with server:
                 for concurrency in experiment.concurrencies:
                     batch = sessions[: concurrency * experiment.prompts_per_concurrency]
+                    # each point replays the first sessions of the last: it must not find them cached
+                    reset_prefix_cache(server.base_url)
                     result = run_serve_benchmark(server.base_url, batch, max_concurrency=concurrency, num_ranks=tp,
                                                  metrics_interval=experiment.metrics_interval,
                                                  progress=experiment.progress, label=f"{label} c={concurrency}")
@@ -125,7 +129,8 @@ def run_dcp_experiment(experiment: DCPExperiment, log=print) -> dict:
                     s = point["server"]
                     log(f"   c={concurrency:<4} running peak {s['peak_running']:>3} (mean {s['mean_running']:.1f}), "
                         f"waiting peak {s['peak_waiting']:>3}, KV peak {s['peak_kv_usage']:.0%}, "
-                        f"preemptions {s['preemptions']}, cached {format_percent(point['cached_fraction'], 0)} of prompt tokens, "
+                        f"preemptions {s['preemptions']}, "
+                        f"cached {format_percent(point['cached_fraction'], 0)} of prompt tokens, "
                         f"{point['output_throughput_per_rank']:.1f} out tok/s/rank"
                         + (f", {point['failed']} FAILED: {point['errors'][0]}" if point["failed"] else ""))
                 layout_info = points[0]["server"]["layout"]

@@ -198,6 +198,18 @@ def probe(base_url: str, model: str | None, api_key: str | None) -> str:
     return model
 
 
+def reset_prefix_cache(base_url: str, api_key: str | None = None) -> None:
+    """Empty the server's prefix cache (kvshard; vLLM only with VLLM_SERVER_DEV_MODE=1), so that a run
+    finds no prompt of an earlier run cached."""
+    try:
+        response = httpx.post(f"{base_url.rstrip('/')}/reset_prefix_cache", headers=_auth(api_key), timeout=60.0)
+    except httpx.HTTPError as error:
+        raise BenchmarkError(f"cannot reset the prefix cache of the server at {base_url}: {error}") from None
+    if response.status_code != 200:
+        raise BenchmarkError(f"the server refused to reset its prefix cache (HTTP {response.status_code}): "
+                             f"{response.text[:300]}")
+
+
 def run_serve_benchmark(
     base_url: str,
     sessions: list[list[BenchRequest]],
