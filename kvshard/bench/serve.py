@@ -132,10 +132,9 @@ async def _run(base_url: str, model: str, sessions: list[list[BenchRequest]], ma
         outcomes = []
         for turn, request in enumerate(session):
             if outcomes and not outcomes[-1].success:  # an agent whose call failed does not go on
-                outcomes.append(RequestOutcome(request.input_len, turn=turn,
-                                               error="an earlier turn of its session failed"))
-                continue
-            outcome = await send_request(client, url, model, request, headers)
+                outcome = RequestOutcome(request.input_len, error="an earlier turn of its session failed")
+            else:
+                outcome = await send_request(client, url, model, request, headers)
             outcome.turn = turn
             outcomes.append(outcome)
             snapshot = poller.latest
