@@ -111,6 +111,11 @@ class KVConnector:
     def store_address(self) -> tuple[str, int]:
         return self.config.kv_ip, self.store.port
 
+    def info(self) -> dict:
+        """This instance as another one sees it: role, id, layout and the model's KV signature."""
+        return {"kv_role": self.config.kv_role, "engine_id": self.config.engine_id,
+                "layout": _layout_json(self.layout), "signature": self.signature}
+
     # --- engine hooks --------------------------------------------------------------------
     def has_pending(self) -> bool:
         """Work for the engine thread even when no request runs: a send, or a hold that expired."""

@@ -1,4 +1,4 @@
-"""The producer's control route: a consumer asks for a held request's KV over HTTP."""
+"""The control routes of a producer or consumer: who it is, and (producer) a consumer's fetch."""
 
 from __future__ import annotations
 
@@ -10,8 +10,12 @@ from kvshard.entrypoints.openai_server import APIError, OpenAIServer
 
 
 def attach_kv_transfer(server: OpenAIServer, connector: KVConnector) -> None:
-    """Add `POST /kv_transfer/pull` to the server and let the connector wake its engine loop."""
+    """Add `GET /kv_transfer/info` and `POST /kv_transfer/pull` to the server, and let the connector
+    wake its engine loop."""
     connector.wake = server.engine.wake
+
+    async def info() -> JSONResponse:
+        return JSONResponse(connector.info())
 
     async def pull(request: Request) -> JSONResponse:
         try:
@@ -21,4 +25,5 @@ def attach_kv_transfer(server: OpenAIServer, connector: KVConnector) -> None:
         except (KeyError, TypeError, ValueError) as error:
             raise APIError(400, f"malformed pull request: {error!r}") from None
 
+    server.app.get("/kv_transfer/info")(info)
     server.app.post("/kv_transfer/pull")(pull)
