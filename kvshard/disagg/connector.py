@@ -89,8 +89,6 @@ class KVConnector:
     `before_schedule` and `has_pending` from its step (engine thread, under its lock)."""
 
     def __init__(self, engine: LLMEngine, config: KVTransferConfig) -> None:
-        if engine.config.parallel.world_size > 1 and engine.executor.local_ranks is None:
-            raise NotImplementedError("disaggregated serving runs with locally spawned ranks only for now")
         self.engine = engine
         self.config = config
         self.layout = instance_layout(engine)
@@ -224,7 +222,11 @@ class KVConnector:
             return f"the producer at {url} cannot be reached: {error}"
         if answer.status_code != 200:
             engine.pool.free(blocks)
-            return f"the producer at {url} refused: {answer.json().get('error', {}).get('message', answer.text)}"
+            try:
+                why = answer.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                why = f"status {answer.status_code}: {answer.text[:200]}"
+            return f"the producer at {url} refused: {why}"
         reply = answer.json()
         plan = KVTransferPlan(reply["group_name"], tuple(reply["store"]), False, _layout_from_json(reply["layout"]),
                               reply["blocks"], self.layout, blocks, num_tokens, self.config.transfer_timeout_s)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from kvshard.kv.cache import KVCacheLayer
 from kvshard.kv.relayout import InstanceLayout, RankTransfer, plan_relayout
+from kvshard.parallel import ParallelState
 
 logger = logging.getLogger("kvshard.disagg")
 
@@ -109,7 +110,7 @@ def run_transfer(plan: KVTransferPlan, rank: int, kv_caches: list[KVCacheLayer],
         return False
 
 
-def transfer_on_rank(plan: KVTransferPlan, parallel, kv_caches: list[KVCacheLayer], groups: PairGroups,
+def transfer_on_rank(plan: KVTransferPlan, parallel: ParallelState, kv_caches: list[KVCacheLayer], groups: PairGroups,
                      device: torch.device) -> bool:
     """Every rank of an instance runs this for the same plan; all get True only if every rank's share moved."""
     ok = run_transfer(plan, parallel.rank, kv_caches, groups, device)
