@@ -38,3 +38,10 @@ def test_serve_refuses_a_bad_role_before_starting(capsys):
 def test_proxy_refuses_a_url_that_is_not_one(capsys):
     assert main(["proxy", "--prefill", "localhost:8100", "--decode", "http://127.0.0.1:8200"]) == 2
     assert "is not a server URL" in capsys.readouterr().err
+
+
+def test_offline_llm_refuses_a_kv_transfer_config():
+    from kvshard import LLM
+
+    with pytest.raises(ConfigError, match="needs a server"):
+        LLM(kv_transfer_config='{"kv_role": "kv_producer"}')
