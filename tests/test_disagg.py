@@ -20,6 +20,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvshard.entrypoints.proxy import Proxy
+from kvshard.models.demo import DEMO_CONFIGS, build_demo_model
 from server_harness import Server
 
 BLOCKS_USED = "kvshard:kv_cache_blocks_used"
@@ -38,6 +39,10 @@ PAIRS = {
                                     ["-tp", "2", "--dcp", "2", "--dcp-kv-interleave-size", "16",
                                      "--block-size", "16"]),
     "mla_tp1_to_tp2-dcp2": ("kvshard-demo", ["--block-size", "4"], ["-tp", "2", "--dcp", "2", "--block-size", "4"]),
+    # two KV heads: split over the consumer's ranks, or merged from two producer ranks onto one
+    "gqa2_tp1_to_tp4-dcp2-i2": ("gqa2", ["--block-size", "4"],
+                                ["-tp", "4", "--dcp", "2", "--dcp-kv-interleave-size", "2", "--block-size", "8"]),
+    "gqa2_tp2_to_tp1": ("gqa2", ["-tp", "2", "--block-size", "8"], ["--block-size", "4"]),
 }
 FIRST_PAIR = next(iter(PAIRS))
 
@@ -66,21 +71,32 @@ def start_all(specs: list[tuple[list[str], str]], tmp) -> list[Server]:
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
+def models(tmp_path_factory) -> dict[str, list[str]]:
+    """The MODEL argument of each model served: the demo models, and a GQA checkpoint with 2 KV heads."""
+    path = tmp_path_factory.mktemp("gqa2")
+    config = DEMO_CONFIGS["kvshard-demo-gqa"]()
+    config.num_key_value_heads = 2
+    build_demo_model(config, path)
+    return {"kvshard-demo-gqa": ["kvshard-demo-gqa"], "kvshard-demo": ["kvshard-demo"],
+            "gqa2": [str(path), "--served-model-name", "gqa2"]}
+
+
+@pytest.fixture(scope="module")
+def references(models, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
-    servers = dict(zip(["kvshard-demo-gqa", "kvshard-demo"],
-                       start_all([(["kvshard-demo-gqa", *COMMON], "gqa"), (["kvshard-demo", *COMMON], "mla")], tmp)))
+    servers = dict(zip(models, start_all([([*args, *COMMON], name) for name, args in models.items()], tmp)))
     yield servers
     for server in servers.values():
         assert server.stop() == 0, server.log
 
 
 @pytest.fixture(scope="module", params=list(PAIRS))
-def pair(request, tmp_path_factory):
+def pair(request, models, tmp_path_factory):
     model, producer_flags, consumer_flags = PAIRS[request.param]
     tmp = tmp_path_factory.mktemp(request.param)
-    producer, consumer = start_all([([model, *COMMON, *producer_flags, *role("kv_producer")], "producer"),
-                                    ([model, *COMMON, *consumer_flags, *role("kv_consumer")], "consumer")], tmp)
+    producer, consumer = start_all([([*models[model], *COMMON, *producer_flags, *role("kv_producer")], "producer"),
+                                    ([*models[model], *COMMON, *consumer_flags, *role("kv_consumer")], "consumer")],
+                                   tmp)
     proxy = start_proxy([producer], [consumer], tmp / "proxy.log")
     yield request.param, model, producer, consumer, proxy
     proxy.stop()
@@ -189,11 +205,11 @@ def test_a_consumer_that_dies_mid_transfer_lets_the_producer_free_the_kv(pair, r
     assert complete(proxy, model, PROMPTS[0])["text"] == complete(references[model], model, PROMPTS[0])["text"]
 
 
-def test_a_producer_that_dies_fails_the_request_and_frees_the_consumer_blocks(pair, tmp_path):
+def test_a_producer_that_dies_fails_the_request_and_frees_the_consumer_blocks(pair, models, tmp_path):
     name, model, producer, consumer, proxy = pair
     if name != FIRST_PAIR:
         pytest.skip(f"checked on {FIRST_PAIR} only, to keep the suite short")
-    doomed = Server([model, *COMMON, "--block-size", "4", *role("kv_producer")], tmp_path / "doomed.log")
+    doomed = Server([*models[model], *COMMON, "--block-size", "4", *role("kv_producer")], tmp_path / "doomed.log")
     transfer_id = uuid.uuid4().hex
     prefill_and_hold(doomed, model, transfer_id)
     port = int(doomed.url.rsplit(":", 1)[1])
