@@ -77,9 +77,11 @@ class PairGroups:
         self._groups[plan.group_name] = group
         return group
 
-    def drop(self, name: str) -> None:
-        """Forget a group whose peer failed: the next transfer with that instance makes a new one."""
-        self._groups.pop(name, None)
+    def drop(self, plan: KVTransferPlan) -> None:
+        """Forget a group whose peer failed, and the store connection (the producer may have restarted):
+        the next transfer with that instance makes new ones."""
+        self._groups.pop(plan.group_name, None)
+        self._stores.pop(plan.store, None)
 
 
 def run_transfer(plan: KVTransferPlan, rank: int, kv_caches: list[KVCacheLayer], groups: PairGroups,
@@ -106,7 +108,7 @@ def run_transfer(plan: KVTransferPlan, rank: int, kv_caches: list[KVCacheLayer],
         return True
     except Exception as error:  # a peer died or never came: the instance goes on, this request fails
         logger.warning("KV transfer %s failed on rank %d: %s", plan.group_name, rank, error)
-        groups.drop(plan.group_name)
+        groups.drop(plan)
         return False
 
 

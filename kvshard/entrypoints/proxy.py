@@ -171,7 +171,7 @@ def run_proxy(args: argparse.Namespace) -> int:
     if not 0 <= args.port < 2**16:
         raise ConfigError(f"--port {args.port} is not a TCP port: use 0..65535")
     proxy = Proxy(args.prefill, args.decode)
-    print(f"kvshard proxy: serving disaggregated at http://{args.host}:{args.port}/v1 (prefill: {', '.join(proxy.prefill)}; "
-          f"decode: {', '.join(proxy.decode)})", flush=True)
+    print(f"kvshard proxy: serving disaggregated at http://{args.host}:{args.port}/v1 "
+          f"(prefill: {', '.join(proxy.prefill)}; decode: {', '.join(proxy.decode)})", flush=True)
     uvicorn.run(proxy.app, host=args.host, port=args.port, log_level="info")
     return 0

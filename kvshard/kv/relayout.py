@@ -61,9 +61,6 @@ class InstanceLayout:
     def dcp_rank(self, rank: int) -> int:
         return rank % self.layout.dcp_size
 
-    def group_of(self, rank: int) -> int:
-        return rank // self.layout.dcp_size
-
     def groups_holding(self, head: int) -> list[int]:
         n = self.layout.dcp_size
         return [g for g in range(self.tp // n) if head in self.rank_heads[g * n]]
