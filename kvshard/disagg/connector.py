@@ -202,11 +202,11 @@ class KVConnector:
     # --- consumer -----------------------------------------------------------------------
     def _fetch(self, seq: Sequence) -> str | None:
         """Receive `seq`'s prompt KV (all but the last token) and move it to the running batch.
-        Returns None on success, "later" when blocks are short, or why it failed."""
+        Returns None on success, "later" when blocks or batch places are short, or why it failed."""
         engine, params = self.engine, seq.params.kv_transfer_params
         num_tokens = seq.num_tokens - 1
         count = engine.layout.num_virtual_blocks(seq.num_tokens)
-        if count > engine.pool.num_free:
+        if count > engine.pool.num_free or len(engine.scheduler.running) >= engine.config.scheduler.max_num_seqs:
             return "later"
         seq.params.kv_transfer_params = None  # fetched once: after a preemption the prompt is recomputed
         url = f"http://{params['remote_host']}:{params['remote_port']}"
