@@ -154,10 +154,9 @@ def test_streamed_completion_and_chat_through_the_proxy_equal_a_colocated_server
     assert blocks_back_to_zero(producer, consumer) == [0, 0]
 
 
+@pytest.mark.parametrize("pair", [FIRST_PAIR], indirect=True)  # one pair keeps the suite short
 def test_16_concurrent_requests_through_the_proxy_equal_one_at_a_time(pair, references):
     name, model, producer, consumer, proxy = pair
-    if name != FIRST_PAIR:
-        pytest.skip(f"checked on {FIRST_PAIR} only, to keep the suite short")
     prompts = [f"Question {i}: " + "why shard the cache? " * (i % 5) for i in range(16)]
     want = [complete(references[model], model, p, logprobs=None)["text"] for p in prompts]
 
@@ -205,10 +204,9 @@ def test_a_consumer_that_dies_mid_transfer_lets_the_producer_free_the_kv(pair, r
     assert complete(proxy, model, PROMPTS[0])["text"] == complete(references[model], model, PROMPTS[0])["text"]
 
 
+@pytest.mark.parametrize("pair", [FIRST_PAIR], indirect=True)  # one pair keeps the suite short
 def test_a_producer_that_dies_fails_the_request_and_frees_the_consumer_blocks(pair, models, tmp_path):
     name, model, producer, consumer, proxy = pair
-    if name != FIRST_PAIR:
-        pytest.skip(f"checked on {FIRST_PAIR} only, to keep the suite short")
     doomed = Server([*models[model], *COMMON, "--block-size", "4", *role("kv_producer")], tmp_path / "doomed.log")
     transfer_id = uuid.uuid4().hex
     prefill_and_hold(doomed, model, transfer_id)
