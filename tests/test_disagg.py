@@ -17,11 +17,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch.distributed
 from fastapi.testclient import TestClient
 
 from kvshard.entrypoints.proxy import Proxy
 from kvshard.models.demo import DEMO_CONFIGS, build_demo_model
 from server_harness import Server
+from stand_in import Backend
 
 BLOCKS_USED = "kvshard:kv_cache_blocks_used"
 HOLD_TIMEOUT_S, TRANSFER_TIMEOUT_S = 4, 5
@@ -224,3 +226,26 @@ def test_a_producer_that_dies_fails_the_request_and_frees_the_consumer_blocks(pa
         proxied = client.post("/v1/completions", json={"model": model, "prompt": "hi"})
     assert proxied.status_code == 502
     assert "prefill server" in proxied.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("pair", [FIRST_PAIR], indirect=True)
+def test_a_producer_that_vanishes_mid_transfer_fails_the_request_and_frees_the_consumer_blocks(pair, references):
+    name, model, producer, consumer, proxy = pair
+    # a producer that answers the pull, then never joins the transfer (as if it died right after answering)
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    vanishing = Backend(lambda body: (200, {
+        "group_name": f"vanishing/{uuid.uuid4().hex}", "store": ["127.0.0.1", store.port], "blocks": list(range(16)),
+        "layout": {"block_size": 4, "dcp": 1, "interleave": 1, "rank_heads": [[0, 1]]}}), prefix="/kv_transfer")
+    try:
+        answer = consumer.http.post("/v1/completions", json={
+            "model": model, "prompt": PROMPTS[3], "max_tokens": 4, "temperature": 0, "kv_transfer_params": {
+                "do_remote_prefill": True, "transfer_id": "t", "remote_host": "127.0.0.1",
+                "remote_port": vanishing.port}})
+    finally:
+        vanishing.stop()
+    assert answer.status_code == 500
+    assert "receiving the KV from the producer" in answer.json()["error"]["message"]
+    assert len(vanishing.bodies) == 1
+    assert blocks_back_to_zero(consumer) == [0]
+    # the consumer's ranks all came back from the failed transfer: the pair still serves
+    assert complete(proxy, model, PROMPTS[0])["text"] == complete(references[model], model, PROMPTS[0])["text"]
