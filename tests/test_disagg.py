@@ -67,9 +67,16 @@ def start_proxy(prefill: list[Server], decode: list[Server], log_path) -> Server
 
 
 def start_all(specs: list[tuple[list[str], str]], tmp) -> list[Server]:
-    """Start `kvshard serve ARGS` for every (args, name) at once: startups overlap."""
+    """Start `kvshard serve ARGS` for every (args, name) at once: startups overlap. If one fails, the
+    others are stopped."""
     with ThreadPoolExecutor(len(specs)) as pool:
-        return list(pool.map(lambda spec: Server(spec[0], tmp / f"{spec[1]}.log"), specs))
+        futures = [pool.submit(Server, args, tmp / f"{name}.log") for args, name in specs]
+    started = [f.result() for f in futures if f.exception() is None]
+    if len(started) < len(specs):
+        for server in started:
+            server.stop()
+        raise next(f.exception() for f in futures if f.exception() is not None)
+    return started
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +106,11 @@ def pair(request, models, tmp_path_factory):
     producer, consumer = start_all([([*models[model], *COMMON, *producer_flags, *role("kv_producer")], "producer"),
                                     ([*models[model], *COMMON, *consumer_flags, *role("kv_consumer")], "consumer")],
                                    tmp)
-    proxy = start_proxy([producer], [consumer], tmp / "proxy.log")
+    try:
+        proxy = start_proxy([producer], [consumer], tmp / "proxy.log")
+    except BaseException:
+        producer.stop(), consumer.stop()
+        raise
     yield request.param, model, producer, consumer, proxy
     proxy.stop()
     for server in (producer, consumer):
