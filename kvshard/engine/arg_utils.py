@@ -67,6 +67,9 @@ class EngineArgs:
     dtype: str = _setting("auto", "auto, float32, bfloat16 or float16")
     seed: int = _setting(0, "seed of requests that give none")
     enable_prefix_caching: bool = _setting(True, "reuse the KV blocks of a shared prompt prefix")
+    kv_transfer_config: str | None = _setting(
+        None, "disaggregated prefill/decode, JSON: '{\"kv_role\": \"kv_producer\"}' or \"kv_consumer\" "
+              "(serve only; see docs/disaggregation.md)")
 
     # --- command line -------------------------------------------------------------------------
     @classmethod
@@ -140,6 +143,10 @@ class EngineArgs:
             value = getattr(self, f.name)
             if f.metadata["positive"] and value is not None:
                 _check_positive(f.name, value)
+        if self.kv_transfer_config is not None:
+            from kvshard.disagg.config import KVTransferConfig
+
+            KVTransferConfig.from_json(self.kv_transfer_config)  # a bad role or field fails before any rank starts
         model_config = load_model_config(self.model, self.dtype)
         interleave = _resolve_interleave(self.dcp_kv_interleave_size)
         parallel = ParallelConfig(self.tensor_parallel_size, self.decode_context_parallel_size, interleave,

@@ -47,6 +47,7 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.steps = 0
         self._lock = threading.RLock()  # add/abort may come from other threads than step
+        self.kv_connector = None  # disagg.connector.KVConnector when this instance prefills or decodes remotely
 
     @property
     def runner(self):
@@ -114,21 +115,22 @@ class LLMEngine:
                 self.scheduler.finish(seq, reason)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or (self.kv_connector is not None and self.kv_connector.has_pending())
 
     # --- one step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return an output for every request that advanced or finished."""
         with self._lock:
+            failed = self.kv_connector.before_schedule() if self.kv_connector is not None else []
             batch = self.scheduler.schedule()
             if batch is None:
                 self.executor.check_alive()
-                return []
+                return failed
             logits = self.executor.execute(StepPlan.from_batch(batch))
             self.steps += 1
             self.scheduler.mark_computed(batch)
             sampled = [s for s, do in zip(batch.seqs, batch.sample) if do]
-            return self._process_samples(sampled, logits)
+            return failed + self._process_samples(sampled, logits)
 
     def _process_samples(self, seqs: list[Sequence], logits: torch.Tensor | None) -> list[RequestOutput]:
         if not seqs:
@@ -162,6 +164,8 @@ class LLMEngine:
         self.generation_tokens_total += 1
         reason = self.output_processor.append_token(seq, token)
         if reason is not None:
+            if self.kv_connector is not None:
+                self.kv_connector.on_finish(seq)  # a producer keeps the KV for its consumer
             self.scheduler.finish(seq, reason)
 
     def heartbeat(self, every_s: float = 1.0) -> None:

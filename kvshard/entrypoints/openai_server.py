@@ -111,6 +111,7 @@ class _GenerationRequest(BaseModel):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # disaggregated prefill/decode, set by `kvshard proxy`
 
     def check_supported(self) -> None:
         for name in ("frequency_penalty", "presence_penalty"):
@@ -128,7 +129,7 @@ class _GenerationRequest(BaseModel):
             return SamplingParams(
                 n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                 max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
-                ignore_eos=self.ignore_eos, logprobs=logprobs,
+                ignore_eos=self.ignore_eos, logprobs=logprobs, kv_transfer_params=self.kv_transfer_params,
             )
         except ValueError as error:
             message = str(error)
