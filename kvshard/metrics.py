@@ -86,6 +86,8 @@ class ServerMetrics:
                     stats.kv_usage)
         yield gauge("kvshard:kv_cache_blocks_used", "KV blocks in use per rank (virtual blocks).", stats.kv_blocks_used)
         yield gauge("kvshard:kv_cache_blocks_total", "KV blocks per rank.", stats.kv_blocks_total)
+        yield gauge("kvshard:kv_cache_blocks_cached", "KV blocks per rank holding a cached prefix, in use or free.",
+                    stats.kv_blocks_cached)
         per_rank_usage = GaugeMetricFamily(
             "kvshard:dcp_rank_kv_cache_usage_perc",
             "Fraction of a DCP rank's KV slots holding tokens of live requests.", labels=["model_name", "dcp_rank"])
@@ -102,6 +104,9 @@ class ServerMetrics:
         yield counter("kvshard:prompt_tokens", "Prompt tokens admitted (times n).", stats.prompt_tokens)
         yield counter("kvshard:generation_tokens", "Tokens generated.", stats.generation_tokens)
         yield counter("kvshard:engine_steps", "Engine steps run.", stats.steps)
+        yield counter("kvshard:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      stats.prefix_cache_queries)
+        yield counter("kvshard:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
         if self.config.speculative is not None:
             yield from _spec_decode_counters(stats, name)
 

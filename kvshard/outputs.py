@@ -25,7 +25,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
-    num_cached_tokens: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens whose KV came from the prefix cache; None before admission
     # why the request ended early (sampling or output processing failed for it); finished is then True
     # and every sequence's finish_reason is "error". The other requests and the engine go on.
     error: str | None = None

@@ -24,6 +24,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k log-probabilities to return per generated token
+    # disaggregated prefill/decode (kvshard/disagg): do_remote_decode on a producer, do_remote_prefill on a consumer
+    kv_transfer_params: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,6 +60,7 @@ class SamplingParams:
               f"stop strings must be at most {MAX_STOP_LENGTH} characters long")
         check(all(_is_int(t, 0) for t in self.stop_token_ids),
               f"stop_token_ids must be integers in [0, {INT64_MAX}]")
+        check(self.kv_transfer_params is None or self.n == 1, "n must be 1 when kv_transfer_params is given")
         check(self.logprobs is None or (_is_int(self.logprobs, 0) and self.logprobs <= MAX_LOGPROBS),
               f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 

@@ -14,7 +14,7 @@ import pytest
 from kvshard import LLM, SamplingParams
 from kvshard.config import ConfigError
 from kvshard.engine.executor import EngineDeadError, step_timeout_s
-from test_server_harness import MODEL, SERVE_ARGS, Server
+from server_harness import MODEL, SERVE_ARGS, Server
 
 STEP_TIMEOUT_S = 4
 MARGIN_S = 8  # a loaded shared machine: the kill, the unwinding and the reply take a moment

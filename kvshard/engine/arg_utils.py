@@ -73,6 +73,9 @@ class EngineArgs:
     speculative_config: str | dict | None = _setting(
         None, 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
               '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'', cli_type=str)
+    kv_transfer_config: str | None = _setting(
+        None, "disaggregated prefill/decode, JSON: '{\"kv_role\": \"kv_producer\"}' or \"kv_consumer\" "
+              "(serve only; see docs/disaggregation.md)")
 
     # --- command line -------------------------------------------------------------------------
     @classmethod
@@ -147,6 +150,10 @@ class EngineArgs:
             if f.metadata["positive"] and value is not None:
                 _check_positive(f.name, value)
         speculative = parse_speculative_config(self.speculative_config)
+        if self.kv_transfer_config is not None:
+            from kvshard.disagg.config import KVTransferConfig
+
+            KVTransferConfig.from_json(self.kv_transfer_config)  # a bad role or field fails before any rank starts
         model_config = load_model_config(self.model, self.dtype)
         interleave = _resolve_interleave(self.dcp_kv_interleave_size)
         parallel = ParallelConfig(self.tensor_parallel_size, self.decode_context_parallel_size, interleave,

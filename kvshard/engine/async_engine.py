@@ -46,6 +46,10 @@ class _Abort:
     request_id: str
 
 
+class _Wake:
+    """Makes the loop look for work now (a KV transfer asked for over HTTP)."""
+
+
 @dataclass
 class _RequestState:
     """One open request: where its outputs go, and when its tokens came (for the latency metrics)."""
@@ -61,7 +65,7 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics) -> None:
         self.engine = engine
         self.metrics = metrics
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Wake | None] = queue.SimpleQueue()
         self._requests: dict[str, _RequestState] = {}
         self._lock = threading.Lock()  # guards _requests and _refusal
         self._refusal: str | None = None  # why new requests are refused: death or shutdown
@@ -135,6 +139,9 @@ class AsyncLLMEngine:
             if not finished:  # the client left, or the engine failed: free the KV blocks
                 self.abort(request_id)
 
+    def wake(self) -> None:
+        self._commands.put(_Wake())
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             state = self._requests.pop(request_id, None)
@@ -176,7 +183,7 @@ class AsyncLLMEngine:
         while command is not None:
             if isinstance(command, _Add):
                 self._add(command)
-            else:
+            elif isinstance(command, _Abort):
                 self.engine.abort_request(command.request_id)
             try:
                 command = self._commands.get_nowait()

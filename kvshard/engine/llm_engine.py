@@ -62,6 +62,7 @@ class LLMEngine:
         self.spec_num_draft_tokens = 0
         self.spec_accepted_per_pos = [0] * (self.speculative.num_speculative_tokens if self.speculative else 0)
         self._lock = threading.RLock()  # add/abort may come from other threads than step
+        self.kv_connector = None  # disagg.connector.KVConnector when this instance prefills or decodes remotely
 
     @property
     def runner(self):
@@ -129,25 +130,26 @@ class LLMEngine:
                 self.scheduler.finish(seq, reason)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or (self.kv_connector is not None and self.kv_connector.has_pending())
 
     # --- one step ---------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return an output for every request that advanced or finished."""
         with self._lock:
+            failed = self.kv_connector.before_schedule() if self.kv_connector is not None else []
             if self.speculative is not None:
                 self._propose()
             batch = self.scheduler.schedule()
             if batch is None:
                 self.executor.check_alive()
-                return []
+                return failed
             draft_probs = None
             if self.draft_model is not None:
                 draft_probs = self._run_draft_model(batch)
             logits = self.executor.execute(StepPlan.from_batch(batch))
             self.steps += 1
             self.scheduler.mark_computed(batch)
-            return self._process_samples(batch, logits, draft_probs)
+            return failed + self._process_samples(batch, logits, draft_probs)
 
     def _propose(self) -> None:
         """Drafts for every decoding request, never past max_tokens or max_model_len (the token after
@@ -234,6 +236,8 @@ class LLMEngine:
         self.generation_tokens_total += 1
         reason = self.output_processor.append_token(seq, token)
         if reason is not None:
+            if self.kv_connector is not None:
+                self.kv_connector.on_finish(seq)  # a producer keeps the KV for its consumer
             self.scheduler.finish(seq, reason)
 
     def _count_drafts(self, num_drafts: int, num_accepted: int) -> None:

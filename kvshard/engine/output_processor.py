@@ -81,7 +81,7 @@ class OutputProcessor:
         if finished:
             self.release(request)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished,
-                             error=request.error)
+                             num_cached_tokens=request.seqs[0].num_cached_tokens, error=request.error)
 
     def release(self, request: Request) -> None:
         for seq in request.seqs:

@@ -1,4 +1,4 @@
-"""`kvshard` command line: generate, serve, bench, plan.
+"""`kvshard` command line: generate, serve, proxy, bench, plan.
 
 Each subcommand module adds its own parser; errors a user can cause print one
 line and exit with status 2.
@@ -38,6 +38,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from kvshard.bench.cli import add_bench_parser
+    from kvshard.entrypoints.proxy import add_proxy_parser
     from kvshard.entrypoints.serve import add_serve_parser
     from kvshard.planner.cli import add_plan_parser
 
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate_parser(subparsers)
     add_serve_parser(subparsers)
+    add_proxy_parser(subparsers)
     add_bench_parser(subparsers)
     add_plan_parser(subparsers)
     return parser

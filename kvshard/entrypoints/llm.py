@@ -10,7 +10,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvshard.config import EngineConfig
+from kvshard.config import ConfigError, EngineConfig
 from kvshard.engine.arg_utils import EngineArgs
 from kvshard.engine.llm_engine import LLMEngine
 from kvshard.models.demo import DEFAULT_DEMO_MODEL
@@ -29,7 +29,11 @@ class LLM:
 
     def __init__(self, model: str = DEFAULT_DEMO_MODEL, **kwargs: Any) -> None:
         """`kwargs` are the settings of `EngineArgs` (the CLI flags in snake case, e.g. `max_model_len`)."""
-        config = EngineArgs.from_kwargs(model, **kwargs).create_engine_config()
+        args = EngineArgs.from_kwargs(model, **kwargs)
+        if args.kv_transfer_config is not None:
+            raise ConfigError("kv_transfer_config needs a server: run `kvshard serve ... --kv-transfer-config` "
+                              "and `kvshard proxy` (docs/disaggregation.md)")
+        config = args.create_engine_config()
         self.engine = LLMEngine(config)
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
         atexit.register(self._finalizer)

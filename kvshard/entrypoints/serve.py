@@ -63,7 +63,8 @@ def run_serve(args: argparse.Namespace) -> int:
             run_worker(config, rank, master)
             return 0
     listener = _bind(args.host, args.port)
-    return _serve(config, master, listener, args.served_model_name or [args.model], args.api_key)
+    return _serve(config, master, listener, args.served_model_name or [args.model], args.api_key,
+                  args.kv_transfer_config)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -78,7 +79,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _serve(config: EngineConfig, master: tuple[str, int] | None, listener: socket.socket,
-           model_names: list[str], api_key: str | None) -> int:
+           model_names: list[str], api_key: str | None, kv_transfer_config: str | None = None) -> int:
     import uvicorn
 
     from kvshard.engine.llm_engine import LLMEngine
@@ -88,6 +89,12 @@ def _serve(config: EngineConfig, master: tuple[str, int] | None, listener: socke
     engine = LLMEngine(config, master=master)
     try:
         server = OpenAIServer(engine, model_names, api_key)
+        if kv_transfer_config is not None:
+            from kvshard.disagg.config import KVTransferConfig
+            from kvshard.disagg.connector import KVConnector
+            from kvshard.disagg.routes import attach_kv_transfer
+
+            attach_kv_transfer(server, KVConnector(engine, KVTransferConfig.from_json(kv_transfer_config)))
         host, port = listener.getsockname()[:2]
         url_host = f"[{host}]" if ":" in host else host
         print(f"kvshard: serving {', '.join(model_names)} at http://{url_host}:{port}/v1 "

@@ -1,0 +1,64 @@
+"""`--kv-transfer-config`: an instance's role in disaggregated prefill/decode (vLLM's field names)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from kvshard.config import ConfigError
+
+ROLES = ("kv_producer", "kv_consumer")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    kv_role: str  # kv_producer: prefill and keep the KV until fetched; kv_consumer: fetch it and decode
+    kv_connector: str = "KVShardConnector"  # the only connector: torch.distributed point-to-point
+    engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    kv_ip: str = "127.0.0.1"  # producer: where its rendezvous store listens (reachable by consumer ranks)
+    kv_port: int = 0  # producer: the store's port; 0 picks a free one
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role == "kv_producer"
+
+    @property
+    def hold_timeout_s(self) -> float:
+        """Producer: seconds a finished prefill keeps its KV blocks waiting for a consumer to fetch them."""
+        return float(self.kv_connector_extra_config.get("hold_timeout_s", 60.0))
+
+    @property
+    def transfer_timeout_s(self) -> float:
+        """Both: seconds a transfer (rendezvous included) may take before the peer counts as gone."""
+        return float(self.kv_connector_extra_config.get("transfer_timeout_s", 30.0))
+
+    @classmethod
+    def from_json(cls, text: str) -> KVTransferConfig:
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"--kv-transfer-config is not valid JSON ({error}): give e.g. "
+                              '\'{"kv_role": "kv_producer"}\'') from None
+        if not isinstance(raw, dict):
+            raise ConfigError("--kv-transfer-config must be a JSON object, e.g. '{\"kv_role\": \"kv_consumer\"}'")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"--kv-transfer-config: unknown field(s) {unknown}; known: {sorted(known)}")
+        if raw.get("kv_role") not in ROLES:
+            raise ConfigError(f"--kv-transfer-config: kv_role must be one of {list(ROLES)}, got {raw.get('kv_role')!r}")
+        if raw.get("kv_connector", "KVShardConnector") != "KVShardConnector":
+            raise ConfigError(f"--kv-transfer-config: kv_connector {raw['kv_connector']!r} is not available; "
+                              "kvshard has KVShardConnector (torch.distributed point-to-point)")
+        config = cls(**raw)
+        extra = config.kv_connector_extra_config
+        for name in ("hold_timeout_s", "transfer_timeout_s"):
+            value = extra.get(name, 1.0)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ConfigError(f"--kv-transfer-config: kv_connector_extra_config.{name} must be seconds > 0")
+        if not isinstance(config.kv_port, int) or not 0 <= config.kv_port < 2**16:
+            raise ConfigError(f"--kv-transfer-config: kv_port {config.kv_port!r} is not a TCP port (0 picks one)")
+        return config

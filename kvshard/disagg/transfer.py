@@ -1,0 +1,148 @@
+"""The data plane of a KV transfer: every rank of both instances moves its own share.
+
+Rank 0 of each instance broadcasts a `KVTransferPlan` to its ranks (between steps,
+like a step plan); each rank computes the relayout (kv/relayout.py) from both
+layouts and block tables and posts its point-to-point sends (producer) or
+receives (consumer) on a process group that joins exactly the two instances'
+ranks: producer ranks 0..Tp-1, then consumer ranks Tp..Tp+Tc-1. The group is made
+directly from a `TCPStore` that the producer's rank 0 hosts (a prefix per
+instance pair), not from the default world each instance already uses, and is
+kept for the next transfers between the same pair. gloo carries CPU tensors,
+NCCL GPU tensors.
+
+A rank packs what one peer needs, all layers, into one buffer: one message per
+(producer rank, consumer rank) pair and transfer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from kvshard.kv.cache import KVCacheLayer
+from kvshard.kv.relayout import InstanceLayout, RankTransfer, plan_relayout
+from kvshard.parallel import ParallelState
+
+logger = logging.getLogger("kvshard.disagg")
+
+
+@dataclass(frozen=True)
+class KVTransferPlan:
+    """One request's KV moving between two instances; the same plan on every rank of one side."""
+
+    group_name: str  # one per (producer, consumer) pair and generation
+    store: tuple[str, int]  # the producer's rendezvous TCPStore
+    is_producer: bool
+    producer: InstanceLayout
+    producer_blocks: list[int]
+    consumer: InstanceLayout
+    consumer_blocks: list[int]
+    num_tokens: int
+    timeout_s: float
+
+    def transfers(self) -> list[RankTransfer]:
+        return plan_relayout(self.producer, self.producer_blocks, self.consumer, self.consumer_blocks,
+                             self.num_tokens)
+
+
+class PairGroups:
+    """This rank's process groups with other instances, by name, made on first use."""
+
+    def __init__(self) -> None:
+        self._stores: dict[tuple[str, int], dist.TCPStore] = {}
+        self._groups: dict[str, dist.ProcessGroup] = {}
+
+    def get(self, plan: KVTransferPlan, rank: int, device: torch.device) -> dist.ProcessGroup:
+        group = self._groups.get(plan.group_name)
+        if group is not None:
+            return group
+        timeout = datetime.timedelta(seconds=plan.timeout_s)
+        store = self._stores.get(plan.store)
+        if store is None:
+            store = self._stores[plan.store] = dist.TCPStore(
+                plan.store[0], plan.store[1], is_master=False, timeout=timeout, wait_for_workers=False)
+        size = plan.producer.tp + plan.consumer.tp
+        member = rank if plan.is_producer else plan.producer.tp + rank
+        prefixed = dist.PrefixStore(plan.group_name, store)
+        if device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            group = dist.ProcessGroupNCCL(prefixed, member, size, options)
+        else:
+            group = dist.ProcessGroupGloo(prefixed, member, size, timeout)
+        self._groups[plan.group_name] = group
+        return group
+
+    def drop(self, plan: KVTransferPlan) -> None:
+        """Forget a group whose peer failed, and the store connection (the producer may have restarted):
+        the next transfer with that instance makes new ones."""
+        self._groups.pop(plan.group_name, None)
+        self._stores.pop(plan.store, None)
+
+
+def run_transfer(plan: KVTransferPlan, rank: int, kv_caches: list[KVCacheLayer], groups: PairGroups,
+                 device: torch.device) -> bool:
+    """This rank's share of the transfer; False (and the group dropped) if a peer failed or timed out."""
+    try:
+        group = groups.get(plan, rank, device)
+        works, received = [], []
+        # the tag is the transfer's place in the whole plan, which both sides compute alike
+        for tag, t in enumerate(plan.transfers()):
+            if (t.src_rank if plan.is_producer else t.dst_rank) != rank:
+                continue
+            if plan.is_producer:
+                buffer = _pack(kv_caches, t, t.src_slots.to(device), t.src_heads(plan.producer))
+                works.append(group.send([buffer], plan.producer.tp + t.dst_rank, tag))
+            else:
+                buffer = torch.empty(_packed_numel(kv_caches, t), dtype=kv_caches[0].key.dtype, device=device)
+                works.append(group.recv([buffer], t.src_rank, tag))
+                received.append((t, buffer))
+        for work in works:
+            work.wait()
+        for t, buffer in received:
+            _unpack(kv_caches, t, t.dst_slots.to(device), t.dst_heads(plan.consumer), buffer)
+        return True
+    except Exception as error:  # a peer died or never came: the instance goes on, this request fails
+        logger.warning("KV transfer %s failed on rank %d: %s", plan.group_name, rank, error)
+        groups.drop(plan)
+        return False
+
+
+def transfer_on_rank(plan: KVTransferPlan, parallel: ParallelState, kv_caches: list[KVCacheLayer], groups: PairGroups,
+                     device: torch.device) -> bool:
+    """Every rank of an instance runs this for the same plan; all get True only if every rank's share moved."""
+    ok = run_transfer(plan, parallel.rank, kv_caches, groups, device)
+    if parallel.world_size == 1:
+        return ok
+    flag = torch.tensor([1 if ok else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=parallel.control_group)
+    return bool(flag.item())
+
+
+def _tensors(layer: KVCacheLayer) -> list[torch.Tensor]:
+    # MLA's value is a view of the latent: moving the key moves it
+    return [layer.key] if layer.value_is_view else [layer.key, layer.value]
+
+
+def _packed_numel(kv_caches: list[KVCacheLayer], t: RankTransfer) -> int:
+    n, h = t.dst_slots.numel(), len(t.heads)
+    return sum(n * h * x.shape[-1] for layer in kv_caches for x in _tensors(layer))
+
+
+def _pack(kv_caches: list[KVCacheLayer], t: RankTransfer, slots: torch.Tensor, heads: slice) -> torch.Tensor:
+    # [n, h, d] per layer and tensor, flattened into one message
+    return torch.cat([x[slots, heads].flatten() for layer in kv_caches for x in _tensors(layer)])
+
+
+def _unpack(kv_caches: list[KVCacheLayer], t: RankTransfer, slots: torch.Tensor, heads: slice,
+            buffer: torch.Tensor) -> None:
+    offset, n, h = 0, slots.numel(), len(t.heads)
+    for layer in kv_caches:
+        for x in _tensors(layer):
+            size = n * h * x.shape[-1]
+            x[slots, heads] = buffer[offset: offset + size].view(n, h, x.shape[-1])
+            offset += size

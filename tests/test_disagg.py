@@ -1,0 +1,262 @@
+"""Disaggregated prefill/decode through `kvshard proxy`: the answers equal one colocated server's,
+whatever the two sides' layouts, and no KV block leaks when a side fails.
+
+One pair of servers (producer, consumer) and a proxy per layout pair, started together and
+shared by that pair's checks; a colocated tp=1 server per model is the reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch.distributed
+from fastapi.testclient import TestClient
+
+from kvshard.entrypoints.proxy import Proxy
+from kvshard.models.demo import DEMO_CONFIGS, build_demo_model
+from server_harness import Server
+from stand_in import Backend
+
+BLOCKS_USED = "kvshard:kv_cache_blocks_used"
+HOLD_TIMEOUT_S, TRANSFER_TIMEOUT_S = 4, 5
+PROMPTS = [f"Request {i}: " + "Decode context parallelism shards the key value cache. " * i + "The capital of"
+           for i in range(4)]  # 5 to 40 tokens: within one block and across several on every layout
+COMMON = ["--max-model-len", "256", "--kv-cache-memory", "8MiB"]
+
+# (model, producer flags, consumer flags): the layout pairs the transfer must relayout between
+PAIRS = {
+    "tp2-dcp1_to_tp2-dcp2": ("kvshard-demo-gqa", ["-tp", "2", "--block-size", "4"],
+                             ["-tp", "2", "--dcp", "2", "--block-size", "4"]),
+    "tp1_to_tp4-dcp4-i16": ("kvshard-demo-gqa", ["--block-size", "16"],
+                            ["-tp", "4", "--dcp", "4", "--dcp-kv-interleave-size", "16", "--block-size", "16"]),
+    "tp2-dcp2-i1_to_tp2-dcp2-i16": ("kvshard-demo-gqa", ["-tp", "2", "--dcp", "2", "--block-size", "16"],
+                                    ["-tp", "2", "--dcp", "2", "--dcp-kv-interleave-size", "16",
+                                     "--block-size", "16"]),
+    "mla_tp1_to_tp2-dcp2": ("kvshard-demo", ["--block-size", "4"], ["-tp", "2", "--dcp", "2", "--block-size", "4"]),
+    # two KV heads: split over the consumer's ranks, or merged from two producer ranks onto one
+    "gqa2_tp1_to_tp4-dcp2-i2": ("gqa2", ["--block-size", "4"],
+                                ["-tp", "4", "--dcp", "2", "--dcp-kv-interleave-size", "2", "--block-size", "8"]),
+    "gqa2_tp2_to_tp1": ("gqa2", ["-tp", "2", "--block-size", "8"], ["--block-size", "4"]),
+}
+FIRST_PAIR = next(iter(PAIRS))
+
+
+def role(kv_role: str) -> list[str]:
+    extra = {"hold_timeout_s": HOLD_TIMEOUT_S, "transfer_timeout_s": TRANSFER_TIMEOUT_S}
+    return ["--kv-transfer-config", json.dumps({"kv_role": kv_role, "kv_connector_extra_config": extra})]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_proxy(prefill: list[Server], decode: list[Server], log_path) -> Server:
+    command = [sys.executable, "-m", "kvshard.entrypoints.cli", "proxy", "--port", str(free_port()),
+               "--prefill", *[s.url for s in prefill], "--decode", *[s.url for s in decode]]
+    return Server([], log_path, command=command)
+
+
+def start_all(specs: list[tuple[list[str], str]], tmp) -> list[Server]:
+    """Start `kvshard serve ARGS` for every (args, name) at once: startups overlap. If one fails, the
+    others are stopped."""
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futures = [pool.submit(Server, args, tmp / f"{name}.log") for args, name in specs]
+    started = [f.result() for f in futures if f.exception() is None]
+    if len(started) < len(specs):
+        for server in started:
+            server.stop()
+        raise next(f.exception() for f in futures if f.exception() is not None)
+    return started
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, list[str]]:
+    """The MODEL argument of each model served: the demo models, and a GQA checkpoint with 2 KV heads."""
+    path = tmp_path_factory.mktemp("gqa2")
+    config = DEMO_CONFIGS["kvshard-demo-gqa"]()
+    config.num_key_value_heads = 2
+    build_demo_model(config, path)
+    return {"kvshard-demo-gqa": ["kvshard-demo-gqa"], "kvshard-demo": ["kvshard-demo"],
+            "gqa2": [str(path), "--served-model-name", "gqa2"]}
+
+
+@pytest.fixture(scope="module")
+def references(models, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reference")
+    servers = dict(zip(models, start_all([([*args, *COMMON], name) for name, args in models.items()], tmp)))
+    yield servers
+    for server in servers.values():
+        assert server.stop() == 0, server.log
+
+
+@pytest.fixture(scope="module", params=list(PAIRS))
+def pair(request, models, tmp_path_factory):
+    model, producer_flags, consumer_flags = PAIRS[request.param]
+    tmp = tmp_path_factory.mktemp(request.param)
+    producer, consumer = start_all([([*models[model], *COMMON, *producer_flags, *role("kv_producer")], "producer"),
+                                    ([*models[model], *COMMON, *consumer_flags, *role("kv_consumer")], "consumer")],
+                                   tmp)
+    try:
+        proxy = start_proxy([producer], [consumer], tmp / "proxy.log")
+    except BaseException:
+        producer.stop(), consumer.stop()
+        raise
+    yield request.param, model, producer, consumer, proxy
+    proxy.stop()
+    for server in (producer, consumer):
+        assert server.stop() == 0, server.log
+
+
+def complete(server: Server, model: str, prompt: str, **kwargs) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "logprobs": 1, **kwargs}
+    answer = server.http.post("/v1/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["choices"][0]
+
+
+def stream(server: Server, model: str, path: str, body: dict) -> str:
+    events = []
+    with server.http.stream("POST", path, json={"model": model, "temperature": 0, "max_tokens": 8,
+                                                "ignore_eos": True, "stream": True, **body}) as answer:
+        assert answer.status_code == 200
+        for line in answer.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    assert all("error" not in e for e in events), events
+    choices = [e["choices"][0] for e in events if e["choices"]]
+    return "".join(c.get("text") or c.get("delta", {}).get("content") or "" for c in choices)
+
+
+def blocks_back_to_zero(*servers: Server, timeout: float = 15) -> list[float]:
+    return [s.wait_for_metric(BLOCKS_USED, lambda v: v == 0, timeout=timeout) for s in servers]
+
+
+# --- the answers ----------------------------------------------------------------------------------
+
+def test_greedy_completions_through_the_proxy_equal_a_colocated_server(pair, references):
+    name, model, producer, consumer, proxy = pair
+    for prompt in PROMPTS:
+        got, want = complete(proxy, model, prompt), complete(references[model], model, prompt)
+        assert got["text"] == want["text"]
+        # the decode side's logprobs rest on the transferred KV: wrong KV moves them far from these
+        assert got["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=2e-3)
+    assert blocks_back_to_zero(producer, consumer) == [0, 0]
+
+
+def test_streamed_completion_and_chat_through_the_proxy_equal_a_colocated_server(pair, references):
+    name, model, producer, consumer, proxy = pair
+    reference = references[model]
+    for path, body in [("/v1/completions", {"prompt": PROMPTS[2]}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[1]}]})]:
+        assert stream(proxy, model, path, body) == stream(reference, model, path, body)
+    chat = {"model": model, "messages": [{"role": "user", "content": PROMPTS[3]}], "max_tokens": 6,
+            "temperature": 0}
+    assert (proxy.http.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]
+            == reference.http.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"])
+    assert blocks_back_to_zero(producer, consumer) == [0, 0]
+
+
+@pytest.mark.parametrize("pair", [FIRST_PAIR], indirect=True)  # one pair keeps the suite short
+def test_16_concurrent_requests_through_the_proxy_equal_one_at_a_time(pair, references):
+    name, model, producer, consumer, proxy = pair
+    prompts = [f"Question {i}: " + "why shard the cache? " * (i % 5) for i in range(16)]
+    want = [complete(references[model], model, p, logprobs=None)["text"] for p in prompts]
+
+    async def all_at_once() -> list[str]:
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=120) as client:
+            answers = await asyncio.gather(*(client.post("/v1/completions", json={
+                "model": model, "prompt": p, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+                for p in prompts))
+        return [a.json()["choices"][0]["text"] for a in answers]
+
+    assert asyncio.run(all_at_once()) == want
+    assert blocks_back_to_zero(producer, consumer) == [0, 0]
+
+
+# --- faults ---------------------------------------------------------------------------------------
+
+def prefill_and_hold(producer: Server, model: str, transfer_id: str) -> None:
+    """What the proxy asks of a producer: a one-token prefill whose KV stays for a consumer."""
+    complete(producer, model, PROMPTS[3], max_tokens=1,
+             kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id})
+
+
+def test_kv_nobody_fetches_is_freed_after_the_hold_timeout(pair):
+    name, model, producer, consumer, proxy = pair
+    prefill_and_hold(producer, model, uuid.uuid4().hex)
+    assert producer.metric(BLOCKS_USED) > 0
+    start = time.monotonic()
+    assert blocks_back_to_zero(producer, timeout=HOLD_TIMEOUT_S + 10) == [0]
+    assert time.monotonic() - start > HOLD_TIMEOUT_S / 2  # held, then freed by the timeout
+
+
+def test_a_consumer_that_dies_mid_transfer_lets_the_producer_free_the_kv(pair, references):
+    name, model, producer, consumer, proxy = pair
+    transfer_id = uuid.uuid4().hex
+    prefill_and_hold(producer, model, transfer_id)
+    # a consumer asks for the KV, then never joins the transfer (as if it died right after asking)
+    signature = consumer.http.get("/kv_transfer/info").json()["signature"]
+    answer = producer.http.post("/kv_transfer/pull", json={
+        "transfer_id": transfer_id, "consumer_id": "gone", "generation": 0, "num_tokens": 3,
+        "layout": {"block_size": 4, "dcp": 1, "interleave": 1, "rank_heads": [[0, 1]]}, "blocks": [0],
+        "signature": signature})
+    assert answer.status_code == 200, answer.text
+    assert blocks_back_to_zero(producer, timeout=TRANSFER_TIMEOUT_S + 15) == [0]
+    # and the pair still serves
+    assert complete(proxy, model, PROMPTS[0])["text"] == complete(references[model], model, PROMPTS[0])["text"]
+
+
+@pytest.mark.parametrize("pair", [FIRST_PAIR], indirect=True)  # one pair keeps the suite short
+def test_a_producer_that_dies_fails_the_request_and_frees_the_consumer_blocks(pair, models, tmp_path):
+    name, model, producer, consumer, proxy = pair
+    doomed = Server([*models[model], *COMMON, "--block-size", "4", *role("kv_producer")], tmp_path / "doomed.log")
+    transfer_id = uuid.uuid4().hex
+    prefill_and_hold(doomed, model, transfer_id)
+    port = int(doomed.url.rsplit(":", 1)[1])
+    doomed.process.kill()
+    doomed.stop()
+    answer = consumer.http.post("/v1/completions", json={
+        "model": model, "prompt": PROMPTS[3], "max_tokens": 4, "temperature": 0, "kv_transfer_params": {
+            "do_remote_prefill": True, "transfer_id": transfer_id, "remote_host": "127.0.0.1", "remote_port": port}})
+    assert answer.status_code == 500
+    assert "cannot be reached" in answer.json()["error"]["message"]
+    assert blocks_back_to_zero(consumer) == [0]
+    # through the proxy, a dead producer is a 502 in OpenAI's shape
+    with TestClient(Proxy([f"http://127.0.0.1:{port}"], [consumer.url]).app) as client:
+        proxied = client.post("/v1/completions", json={"model": model, "prompt": "hi"})
+    assert proxied.status_code == 502
+    assert "prefill server" in proxied.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("pair", [FIRST_PAIR], indirect=True)
+def test_a_producer_that_vanishes_mid_transfer_fails_the_request_and_frees_the_consumer_blocks(pair, references):
+    name, model, producer, consumer, proxy = pair
+    # a producer that answers the pull, then never joins the transfer (as if it died right after answering)
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    vanishing = Backend(lambda body: (200, {
+        "group_name": f"vanishing/{uuid.uuid4().hex}", "store": ["127.0.0.1", store.port], "blocks": list(range(16)),
+        "layout": {"block_size": 4, "dcp": 1, "interleave": 1, "rank_heads": [[0, 1]]}}), prefix="/kv_transfer")
+    try:
+        answer = consumer.http.post("/v1/completions", json={
+            "model": model, "prompt": PROMPTS[3], "max_tokens": 4, "temperature": 0, "kv_transfer_params": {
+                "do_remote_prefill": True, "transfer_id": "t", "remote_host": "127.0.0.1",
+                "remote_port": vanishing.port}})
+    finally:
+        vanishing.stop()
+    assert answer.status_code == 500
+    assert "receiving the KV from the producer" in answer.json()["error"]["message"]
+    assert len(vanishing.bodies) == 1
+    assert blocks_back_to_zero(consumer) == [0]
+    # the consumer's ranks all came back from the failed transfer: the pair still serves
+    assert complete(proxy, model, PROMPTS[0])["text"] == complete(references[model], model, PROMPTS[0])["text"]

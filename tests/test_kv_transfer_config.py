@@ -1,0 +1,47 @@
+"""`--kv-transfer-config`: a mistake is one line and exit status 2, before any rank starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvshard.config import ConfigError
+from kvshard.disagg.config import KVTransferConfig
+from kvshard.entrypoints.cli import main
+
+
+def test_a_producer_config_reads_vllm_s_field_names():
+    config = KVTransferConfig.from_json('{"kv_role": "kv_producer", "kv_port": 14579, '
+                                        '"kv_connector_extra_config": {"hold_timeout_s": 2.5}}')
+    assert config.is_producer and config.kv_port == 14579 and config.hold_timeout_s == 2.5
+    assert config.transfer_timeout_s == 30.0
+
+
+@pytest.mark.parametrize("text, says", [
+    ("{kv_role", "not valid JSON"),
+    ('["kv_producer"]', "must be a JSON object"),
+    ('{"kv_role": "kv_both"}', "kv_role must be one of"),
+    ('{"kv_role": "kv_consumer", "kv_rank": 1}', "unknown field"),
+    ('{"kv_role": "kv_consumer", "kv_connector": "NixlConnector"}', "is not available"),
+    ('{"kv_role": "kv_consumer", "kv_connector_extra_config": {"transfer_timeout_s": 0}}', "seconds > 0"),
+    ('{"kv_role": "kv_producer", "kv_port": 70000}', "not a TCP port"),
+])
+def test_a_bad_config_says_what_to_change(text: str, says: str):
+    with pytest.raises(ConfigError, match=says):
+        KVTransferConfig.from_json(text)
+
+
+def test_serve_refuses_a_bad_role_before_starting(capsys):
+    assert main(["serve", "--kv-transfer-config", '{"kv_role": "decode"}']) == 2
+    assert "kv_role must be one of" in capsys.readouterr().err
+
+
+def test_proxy_refuses_a_url_that_is_not_one(capsys):
+    assert main(["proxy", "--prefill", "localhost:8100", "--decode", "http://127.0.0.1:8200"]) == 2
+    assert "is not a server URL" in capsys.readouterr().err
+
+
+def test_offline_llm_refuses_a_kv_transfer_config():
+    from kvshard import LLM
+
+    with pytest.raises(ConfigError, match="needs a server"):
+        LLM(kv_transfer_config='{"kv_role": "kv_producer"}')
