@@ -436,3 +436,21 @@ def test_metrics_name_the_spec_decode_counters():
     assert 'kvshard:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 1.0' in text
     plain = ServerMetrics(EngineArgs("kvshard-demo-gqa").create_engine_config(), "m").render().decode()
     assert "spec_decode" not in plain
+
+
+def test_abort_while_speculating_frees_every_block(models, reference):
+    with LLM(models["gqa"], block_size=BLOCK, num_kv_blocks=64, max_model_len=MAX_MODEL_LEN,
+             speculative_config=NGRAM) as llm:
+        engine = llm.engine
+        engine.proposer = ScriptedDrafts(PROMPTS, reference["gqa"])
+        engine.add_request("kept", PROMPTS[0], GREEDY)
+        engine.add_request("aborted", PROMPTS[2], GREEDY)
+        while engine.stats().spec_decode_num_drafts < 4:
+            engine.step()
+        engine.abort_request("aborted")  # between two of its speculating steps
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += [o for o in engine.step() if o.finished]
+        assert [o.request_id for o in outputs] == ["kept"]
+        assert outputs[0].outputs[0].token_ids == reference["gqa"][0]
+        assert engine.stats().kv_blocks_used == 0
