@@ -24,6 +24,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k log-probabilities to return per generated token
+    prompt_logprobs: int | None = None  # top-k log-probabilities to return per prompt token after the first
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,6 +61,8 @@ class SamplingParams:
               f"stop_token_ids must be integers in [0, {INT64_MAX}]")
         check(self.logprobs is None or (_is_int(self.logprobs, 0) and self.logprobs <= MAX_LOGPROBS),
               f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs, 0) and self.prompt_logprobs <= MAX_LOGPROBS),
+              f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
 
 
 def _is_int(value, minimum: int) -> bool:
