@@ -18,7 +18,7 @@ from kvshard.config import EngineConfig
 from kvshard.engine.executor import EngineDeadError, Executor
 from kvshard.engine.output_processor import OutputProcessor, Request
 from kvshard.engine.sampler import sample, top_logprobs
-from kvshard.engine.scheduler import Scheduler
+from kvshard.engine.scheduler import ScheduledBatch, Scheduler
 from kvshard.engine.sequence import Sequence
 from kvshard.engine.step_plan import StepPlan
 from kvshard.engine.stats import EngineStats
@@ -128,9 +128,31 @@ class LLMEngine:
                 return failed
             logits = self.executor.execute(StepPlan.from_batch(batch))
             self.steps += 1
+            logits = self._take_prompt_logprobs(batch, logits)
             self.scheduler.mark_computed(batch)
             sampled = [s for s, do in zip(batch.seqs, batch.sample) if do]
             return failed + self._process_samples(sampled, logits)
+
+    def _take_prompt_logprobs(self, batch: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:
+        """Record the prompt logprobs that this step's prompt rows give (each request's rows come first,
+        in position order, as StepPlan.from_batch lays them out); returns the logits of the rows to sample."""
+        if all(seq.prompt_logprobs is None for seq in batch.seqs):
+            return logits
+        logits = logits.cpu()  # [prompt rows + sampled rows, V]
+        sampled_rows: list[int] = []
+        row = 0
+        for seq, ctx, n, do_sample in zip(batch.seqs, batch.context_lens, batch.query_lens, batch.sample):
+            positions = seq.pending_prompt_logprobs(ctx, ctx + n)
+            if positions:
+                # the logits at position p predict prompt token p + 1
+                next_tokens = seq.prompt_token_ids[positions.start + 1 : positions.stop + 1]
+                counts = [seq.params.prompt_logprobs] * len(positions)
+                seq.prompt_logprobs.extend(top_logprobs(logits[row : row + len(positions)], next_tokens, counts))
+                row += len(positions)
+            if do_sample:
+                sampled_rows.append(row)
+                row += 1
+        return logits[sampled_rows]  # [sampled rows, V]
 
     def _process_samples(self, seqs: list[Sequence], logits: torch.Tensor | None) -> list[RequestOutput]:
         if not seqs:

@@ -18,13 +18,16 @@ class StepPlan:
     query_lens: list[int]
     context_lens: list[int]
     block_tables: list[list[int]]
-    sample_rows: list[int]  # rows of the flat batch whose logits rank 0 needs
+    # rows of the flat batch whose logits rank 0 needs: per request, the prompt positions its prompt
+    # logprobs still lack (Sequence.pending_prompt_logprobs), then the row it samples from
+    sample_rows: list[int]
 
     @classmethod
     def from_batch(cls, batch: ScheduledBatch) -> StepPlan:
         token_ids: list[int] = []
         sample_rows: list[int] = []
         for seq, ctx, n, do_sample in zip(batch.seqs, batch.context_lens, batch.query_lens, batch.sample):
+            sample_rows.extend(len(token_ids) + p - ctx for p in seq.pending_prompt_logprobs(ctx, ctx + n))
             token_ids.extend(seq.all_token_ids[ctx : ctx + n])
             if do_sample:
                 sample_rows.append(len(token_ids) - 1)
