@@ -26,6 +26,9 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int | None = None  # prompt tokens whose KV came from the prefix cache; None before admission
+    # with SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt token
+    # {token_id: logprob} holding that token and the top-k, given the tokens before it
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     # why the request ended early (sampling or output processing failed for it); finished is then True
     # and every sequence's finish_reason is "error". The other requests and the engine go on.
     error: str | None = None

@@ -26,6 +26,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-k log-probabilities to return per generated token
     # disaggregated prefill/decode (kvshard/disagg): do_remote_decode on a producer, do_remote_prefill on a consumer
     kv_transfer_params: dict | None = None
+    prompt_logprobs: int | None = None  # top-k log-probabilities to return per prompt token after the first
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,6 +64,8 @@ class SamplingParams:
         check(self.kv_transfer_params is None or self.n == 1, "n must be 1 when kv_transfer_params is given")
         check(self.logprobs is None or (_is_int(self.logprobs, 0) and self.logprobs <= MAX_LOGPROBS),
               f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs, 0) and self.prompt_logprobs <= MAX_LOGPROBS),
+              f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
 
 
 def _is_int(value, minimum: int) -> bool:

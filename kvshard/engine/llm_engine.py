@@ -148,6 +148,7 @@ class LLMEngine:
                 draft_probs = self._run_draft_model(batch)
             logits = self.executor.execute(StepPlan.from_batch(batch))
             self.steps += 1
+            logits = self._take_prompt_logprobs(batch, logits)
             self.scheduler.mark_computed(batch)
             return failed + self._process_samples(batch, logits, draft_probs)
 
@@ -174,6 +175,28 @@ class LLMEngine:
         for i, request_drafts in zip(chosen, drafts):
             batch.drafts[i] = request_drafts
         return {batch.seqs[i].seq_id: p for i, p in zip(chosen, probs)}
+
+    def _take_prompt_logprobs(self, batch: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:
+        """Record the prompt logprobs that this step's prompt rows give (each request's rows come first,
+        in position order, as StepPlan.from_batch lays them out); returns the logits of the rows to sample."""
+        if all(seq.prompt_logprobs is None for seq in batch.seqs):
+            return logits
+        logits = logits.cpu()  # [prompt rows + sampled rows, V]
+        sampled_rows: list[int] = []
+        row = 0
+        for seq, ctx, n, do_sample, drafts in zip(batch.seqs, batch.context_lens, batch.query_lens, batch.sample,
+                                                  batch.drafts):
+            positions = seq.pending_prompt_logprobs(ctx, ctx + n)
+            if positions:
+                # the logits at position p predict prompt token p + 1
+                next_tokens = seq.prompt_token_ids[positions.start + 1 : positions.stop + 1]
+                counts = [seq.params.prompt_logprobs] * len(positions)
+                seq.prompt_logprobs.extend(top_logprobs(logits[row : row + len(positions)], next_tokens, counts))
+                row += len(positions)
+            if do_sample:  # its last known token's row, then one per draft
+                sampled_rows.extend(range(row, row + 1 + len(drafts)))
+                row += 1 + len(drafts)
+        return logits[sampled_rows]  # [sampled rows, V]
 
     def _process_samples(self, batch: ScheduledBatch, logits: torch.Tensor | None,
                          draft_probs: dict[int, torch.Tensor | None] | None = None) -> list[RequestOutput]:

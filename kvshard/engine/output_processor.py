@@ -81,8 +81,15 @@ class OutputProcessor:
         if finished:
             self.release(request)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished,
-                             num_cached_tokens=request.seqs[0].num_cached_tokens, error=request.error)
+                             num_cached_tokens=request.seqs[0].num_cached_tokens, error=request.error,
+                             prompt_logprobs=prompt_logprobs(request))
 
     def release(self, request: Request) -> None:
         for seq in request.seqs:
             self._streams.pop(seq.seq_id, None)
+
+
+def prompt_logprobs(request: Request) -> list[dict[int, float] | None] | None:
+    """The request's prompt logprobs as vLLM returns them (kept by its first sequence), or None if not asked."""
+    known = request.seqs[0].prompt_logprobs
+    return None if known is None else [None, *known]

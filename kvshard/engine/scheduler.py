@@ -11,8 +11,9 @@ so the same per-rank memory admits about N times the tokens.
 
 With prefix caching, a request admitted from the queue first takes the longest
 cached prefix of its tokens in whole virtual blocks (never its last token: the
-model must compute at least one to give logits) and prefills only the rest, the
-way a chunked prefill continues against cached context. Each virtual block is
+model must compute at least one to give logits, nor a prompt position whose
+prompt logprobs the request still needs) and prefills only the rest, the way a
+chunked prefill continues against cached context. Each virtual block is
 named once its K/V are all computed, so a block is shared only when it is full
 and no request writes into it again.
 
@@ -98,7 +99,10 @@ class Scheduler:
             return []
         per_block = self.layout.tokens_per_virtual_block
         extend_block_hashes(seq.block_hashes, seq.all_token_ids, per_block)
-        return self.pool.lookup(seq.block_hashes[: (seq.num_tokens - 1) // per_block])
+        reusable = seq.num_tokens - 1
+        if pending := seq.pending_prompt_logprobs(0, reusable):
+            reusable = pending.start  # a position whose prompt logprobs are still missing must be computed
+        return self.pool.lookup(seq.block_hashes[: reusable // per_block])
 
     def _name_full_blocks(self, seq: Sequence) -> None:
         """Name the blocks whose K/V are now complete, so that later requests can find them."""

@@ -30,6 +30,10 @@ class Sequence:
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[dict[int, float]] = []
+        # {token: logprob} of prompt token p + 1 given tokens 0..p, for p = 0, 1, ...: kept by the request's
+        # first sequence when it asks for prompt logprobs (its siblings read the same prompt), else None
+        self.prompt_logprobs: list[dict[int, float]] | None = (
+            [] if params.prompt_logprobs is not None and index == 0 else None)
         self.params = params
         self.generator = generator
         self.status = SequenceStatus.WAITING
@@ -54,6 +58,13 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    def pending_prompt_logprobs(self, start: int, end: int) -> range:
+        """Positions in [start, end) whose logits the prompt logprobs still lack (a preempted request
+        recomputes positions it already has)."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs)), min(end, len(self.prompt_token_ids) - 1))
 
     @property
     def is_finished(self) -> bool:

@@ -18,7 +18,10 @@ class StepPlan:
     query_lens: list[int]
     context_lens: list[int]
     block_tables: list[list[int]]
-    sample_rows: list[int]  # rows of the flat batch whose logits rank 0 needs (1 + drafts per sampled request)
+    # rows of the flat batch whose logits rank 0 needs: per request, the prompt positions its prompt
+    # logprobs still lack (Sequence.pending_prompt_logprobs), then the rows it samples from (its last
+    # known token, and each of its drafts when it verifies some)
+    sample_rows: list[int]
     draft: bool = False  # run the speculative draft model (and its cache) instead of the target
 
     @classmethod
@@ -27,6 +30,7 @@ class StepPlan:
         sample_rows: list[int] = []
         for seq, ctx, n, do_sample, drafts in zip(batch.seqs, batch.context_lens, batch.query_lens, batch.sample,
                                                   batch.drafts):
+            sample_rows.extend(len(token_ids) + p - ctx for p in seq.pending_prompt_logprobs(ctx, ctx + n))
             token_ids.extend(seq.all_token_ids[ctx : ctx + n - len(drafts)])
             token_ids.extend(drafts)
             if do_sample:  # with drafts, every row from the last known token on gives the next token's logits
