@@ -16,7 +16,7 @@ from kvshard import LLM, ConfigError, SamplingParams
 from kvshard.config import HEAD_SPLIT, REPLICATED, EngineConfig
 from kvshard.engine.arg_utils import EngineArgs
 from kvshard.parallel import ParallelState
-from conftest import assert_same_generation, hf_greedy, tiny_llama_config
+from conftest import assert_same_generation, environment, hf_greedy, tiny_llama_config
 
 BLOCK = 4
 NEW_TOKENS = 12
@@ -31,10 +31,14 @@ MODELS = {
     "16q8kv": lambda: tiny_llama_config(num_attention_heads=16, num_key_value_heads=8, head_dim=4),
 }
 
+# Tiny models merge by one all-gather of [output | lse]; at 0 the merge takes the LSE all-gather +
+# ReduceScatter of features, which hands a rank part of a head.
+CANONICAL_MERGE = {"KVSHARD_FUSED_MERGE_MAX_BYTES": "0"}
+
 # (model, tp, dcp, interleave, prefill budget): none of these passed the old rule. A 12-token budget
 # prefills the 21-token prompt in chunks that attend to the cache across the group.
 RUNS = [
-    ("9q3kv", 2, 2, 1, 12),  # A=1: 9 heads' features split 36 / 36 over the group, mid-head
+    ("9q3kv", 2, 2, 1, 12),  # A=1: 9 heads' features split 36 / 36 over the group, mid-head (canonical merge)
     ("9q3kv", 3, 3, BLOCK, None),  # A=1: 3 heads each
     ("9q3kv", 6, 2, 1, None),  # A=3: 3 heads per group over 2 ranks, mid-head; MLP over 6
     ("8q8kv", 4, 4, BLOCK, 12),  # A=1: the whole group computes every KV head
@@ -56,7 +60,7 @@ def run(checkpoints):
     def get(model: str, tp: int, dcp: int, interleave: int = 1, budget: int | None = None) -> Run:
         key = (model, tp, dcp, interleave, budget)
         if key not in made:
-            with LLM(str(checkpoints(f"layouts-{model}", MODELS[model]())), tensor_parallel_size=tp,
+            with environment(CANONICAL_MERGE if (model, tp, dcp) == ("9q3kv", 2, 2) else {}), LLM(str(checkpoints(f"layouts-{model}", MODELS[model]())), tensor_parallel_size=tp,
                      decode_context_parallel_size=dcp, dcp_kv_interleave_size=interleave, block_size=BLOCK,
                      max_num_seqs=4, max_num_batched_tokens=budget, kv_cache_memory="256KiB",
                      max_model_len=64) as llm:
