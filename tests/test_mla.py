@@ -65,23 +65,24 @@ class Layout:
     tp: int
     dcp: int
     interleave: int = 1
-    replicate_q: bool = False
+    attention: str = "auto"  # dcp_attention_layout
     env: tuple[tuple[str, str], ...] = ()  # environment the ranks start with
 
     def __str__(self) -> str:
-        return (f"tp{self.tp}-dcp{self.dcp}-i{self.interleave}" + ("-replicate_q" if self.replicate_q else "")
+        return (f"tp{self.tp}-dcp{self.dcp}-i{self.interleave}" + (f"-{self.attention}" if self.attention != "auto" else "")
                 + "".join(f"-{name}={value}" for name, value in self.env))
 
 
 # Each tp=4 start costs ~10 s here, so the layouts cover the features instead of the full cross
 # product: every config runs unsharded (tp=1, the DCP baseline) and at tp=4 with dcp=2 and dcp=4,
 # one of them with interleave 1 and the other with interleave = block size, alternating between
-# configs. Q replication runs on the MoE config at dcp=2, where there are two DCP groups, so the
-# second group's slice of heads is exercised. tp=4 without DCP (4 replicated latents) runs on the
-# dense config, which also carries the accounting checks at dcp 1, 2 and 4.
+# configs. The replicated layout (every rank computes its group's queries) runs on the MoE config at
+# dcp=2, where there are two DCP groups, so the second group's slice of heads is exercised, and on
+# the dense config at dcp=4 next to its head-split run. tp=4 without DCP (4 replicated latents) runs
+# on the dense config, which also carries the accounting checks at dcp 1, 2 and 4.
 RUNS: dict[str, list[Layout]] = {
-    "v3-moe": [Layout(1, 1), Layout(4, 2, 1, replicate_q=True), Layout(4, 4, BLOCK_SIZE)],
-    "v3-dense": [Layout(1, 1), Layout(4, 1), Layout(4, 2, BLOCK_SIZE), Layout(4, 4, 1)],
+    "v3-moe": [Layout(1, 1), Layout(4, 2, 1, "replicated"), Layout(4, 4, BLOCK_SIZE)],
+    "v3-dense": [Layout(1, 1), Layout(4, 1), Layout(4, 2, BLOCK_SIZE), Layout(4, 4, 1), Layout(4, 4, 1, "replicated")],
     "v2-moe": [Layout(1, 1), Layout(4, 2, 1), Layout(4, 4, BLOCK_SIZE)],
 }
 SHARDED_RUNS = [(name, layout) for name, layouts in RUNS.items() for layout in layouts if layout.tp > 1]
@@ -148,7 +149,7 @@ class Run:
 def _run(directory: Path, layout: Layout, prompts: list[list[int]], dtype: str = "auto") -> Run:
     with environment(dict(layout.env)), LLM(
         str(directory), tensor_parallel_size=layout.tp, decode_context_parallel_size=layout.dcp,
-        dcp_kv_interleave_size=layout.interleave, dcp_replicate_q=layout.replicate_q, block_size=BLOCK_SIZE,
+        dcp_kv_interleave_size=layout.interleave, dcp_attention_layout=layout.attention, block_size=BLOCK_SIZE,
         max_model_len=128, num_kv_blocks=64, max_num_seqs=4,
         max_num_batched_tokens=16,  # long prompts prefill in chunks that attend to the sharded cache
         dtype=dtype,
@@ -252,14 +253,19 @@ def test_bfloat16_runs_close_to_float32(run, layout):
         assert logprobs[0][first] == pytest.approx(base_logprobs[0][first], abs=0.15)
 
 
-def test_replicated_q_projects_the_whole_dcp_group_and_changes_nothing(run):
-    cfg = CONFIGS["v3-moe"][0]
-    replicated = run("v3-moe", Layout(4, 2, 1, replicate_q=True))
+@pytest.mark.parametrize("name, dcp, interleave", [("v3-moe", 2, 1), ("v3-dense", 4, 1)])
+def test_replicated_layout_projects_the_whole_dcp_group_and_changes_nothing(run, name, dcp, interleave):
+    cfg = CONFIGS[name][0]
+    replicated = run(name, Layout(4, dcp, interleave, "replicated"))
+    assert replicated.config.parallel.attention_layout == "replicated"
     heads_per_rank = cfg.num_attention_heads // 4
     qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    assert replicated.q_rows_on_rank0 == 2 * heads_per_rank * qk_head_dim  # both ranks' heads, no Q all-gather
-    assert run("v3-moe", Layout(4, 4, BLOCK_SIZE)).q_rows_on_rank0 == heads_per_rank * qk_head_dim
-    single = run("v3-moe", Layout(1, 1)).generation
+    assert replicated.q_rows_on_rank0 == dcp * heads_per_rank * qk_head_dim  # the group's heads, no Q all-gather
+    head_split = run(name, next(l for l in RUNS[name] if l.tp == 4 and l.dcp == dcp and l.attention == "auto"))
+    assert head_split.config.parallel.attention_layout == "head-split"  # auto's choice for MLA
+    assert head_split.q_rows_on_rank0 == heads_per_rank * qk_head_dim
+    assert replicated.generation.tokens == head_split.generation.tokens
+    single = run(name, Layout(1, 1)).generation
     assert_same_generation(replicated.generation.tokens, replicated.generation.logprobs, single.tokens,
                            single.logprobs, atol=2e-4)
 
