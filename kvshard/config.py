@@ -148,12 +148,13 @@ class ModelConfig:
         """Features of one head's attention output, the input of the output projection."""
         return self.hf_config.v_head_dim if self.is_mla else head_dim_of(self.hf_config)
 
-    def query_projection_params(self, query_heads: int) -> int:
-        """Parameters per layer of the projections that make `query_heads` heads' queries
-        (MLA: Q, or q_b after the shared Q LoRA, and W_UK, which takes them into the latent)."""
+    def head_projection_params(self, query_heads: int, kv_heads: int) -> int:
+        """Parameters per layer of the projections a rank splits by head: GQA's Q, K and V for
+        `query_heads` and `kv_heads` heads; MLA's Q (or q_b after the shared Q LoRA) and W_UK, which
+        takes the queries into the latent (the latent's own projections are whole on every rank)."""
         cfg = self.hf_config
         if not self.is_mla:
-            return query_heads * head_dim_of(cfg) * cfg.hidden_size
+            return (query_heads + 2 * kv_heads) * head_dim_of(cfg) * cfg.hidden_size
         q_in = cfg.q_lora_rank or cfg.hidden_size
         per_head = q_in * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) + cfg.qk_nope_head_dim * cfg.kv_lora_rank
         return query_heads * per_head
@@ -272,12 +273,13 @@ class EngineConfig:
 
     @property
     def replicated_projection_bytes_per_rank(self) -> int:
-        """Query-side projection bytes one rank holds beyond its 1/T share (all layers; 0 for head-split):
-        the price of skipping the Q all-gather. Counted at the model dtype."""
-        own = self.model.num_heads // self.parallel.tensor_parallel_size
-        extra = self.model.query_projection_params(self.query_heads_per_rank) - \
-            self.model.query_projection_params(own)
-        return self.model.num_layers * extra * torch.tensor([], dtype=self.model.dtype).element_size()
+        """Projection bytes one rank holds beyond plain TP's share of the heads (all layers; 0 for
+        head-split): the group's queries, and its K/V heads when they outnumber plain TP's. The price
+        of skipping the Q all-gather, counted at the model dtype."""
+        model, tp = self.model, self.parallel.tensor_parallel_size
+        plain_tp = model.head_projection_params(model.num_heads // tp, max(1, model.num_kv_heads // tp))
+        extra = model.head_projection_params(self.query_heads_per_rank, self.kv_heads_per_rank) - plain_tp
+        return model.num_layers * extra * torch.tensor([], dtype=model.dtype).element_size()
 
     @property
     def kv_bytes_per_token_per_rank(self) -> float:

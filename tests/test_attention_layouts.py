@@ -155,12 +155,13 @@ def test_capacity_in_tokens_scales_by_dcp_at_a_fixed_attention_tp(checkpoints, m
 def test_replicated_layout_reports_its_extra_query_weights(checkpoints):
     cfg = MODELS["8q8kv"]()
     path = checkpoints("layouts-8q8kv", cfg)
-    head_split = _config(path, tensor_parallel_size=8, decode_context_parallel_size=8, dcp_attention_layout="auto")
+    wide = _config(path, tensor_parallel_size=8, decode_context_parallel_size=8, dcp_attention_layout="auto")
     # 8 KV heads, A=1: a group must compute all of them, so auto picks replicated
-    assert head_split.parallel.attention_layout == REPLICATED
-    extra = cfg.num_hidden_layers * (8 - 1) * cfg.head_dim * cfg.hidden_size * 4  # 8 query heads instead of 1
-    assert head_split.replicated_projection_bytes_per_rank == extra
-    assert head_split.query_heads_per_rank == 8
+    assert wide.parallel.attention_layout == REPLICATED
+    # 8 query and 8 KV heads (K and V) per rank instead of 1 and 1
+    extra = cfg.num_hidden_layers * ((8 - 1) + 2 * (8 - 1)) * cfg.head_dim * cfg.hidden_size * 4
+    assert wide.replicated_projection_bytes_per_rank == extra
+    assert wide.query_heads_per_rank == 8
     one_kv = checkpoints("config-llama-4q1kv", tiny_llama_config())
     chosen = _config(one_kv, tensor_parallel_size=4, decode_context_parallel_size=4)
     asked = _config(one_kv, tensor_parallel_size=4, decode_context_parallel_size=4, dcp_replicate_q=True)
