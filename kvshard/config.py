@@ -188,9 +188,6 @@ def attention_refusal(model: ModelConfig, tp: int, dcp: int) -> str | None:
         return f"attention-TP A = tp/dcp = {a} neither divides nor is a multiple of the model's {kv} KV heads"
     if heads * model.attention_value_dim % tp:
         return f"the {heads * model.attention_value_dim} attention output features do not split over tp={tp}"
-    if model.is_mla and heads % tp:
-        # W_UV takes whole heads' latents to their values, so a rank's output share must be whole heads
-        return f"MLA needs tensor_parallel_size={tp} to divide the model's {heads} query heads"
     return None
 
 

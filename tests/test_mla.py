@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import DeepseekV2Config, DeepseekV3Config
 
-from kvshard import LLM, SamplingParams
+from kvshard import LLM, ConfigError, SamplingParams
 from kvshard.config import EngineConfig
 from kvshard.engine.arg_utils import EngineArgs
 
@@ -50,6 +50,12 @@ CONFIGS = {
         **_SHAPE, q_lora_rank=None, first_k_dense_replace=3, rope_interleave=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     ), 0),
+    # 6 heads: at tp=4 a DCP group of 4 (or 2) holds 6 (or 3) heads, so a rank's share of the output
+    # ends inside a head (only the replicated layout runs it).
+    "v3-6heads": (DeepseekV3Config(
+        **{**_SHAPE, "num_attention_heads": 6}, q_lora_rank=None, first_k_dense_replace=3, rope_interleave=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ), 1),
     # V2(-Lite): softmax routing limited to the best groups, two shared experts, YaRN as V2 ships it.
     "v2-moe": (DeepseekV2Config(
         **_SHAPE, **_MOE, q_lora_rank=None, n_shared_experts=2, topk_method="group_limited_greedy", n_group=4,
@@ -84,6 +90,8 @@ RUNS: dict[str, list[Layout]] = {
     "v3-moe": [Layout(1, 1), Layout(4, 2, 1, "replicated"), Layout(4, 4, BLOCK_SIZE)],
     "v3-dense": [Layout(1, 1), Layout(4, 1), Layout(4, 2, BLOCK_SIZE), Layout(4, 4, 1), Layout(4, 4, 1, "replicated")],
     "v2-moe": [Layout(1, 1), Layout(4, 2, 1), Layout(4, 4, BLOCK_SIZE)],
+    # at KVSHARD_FUSED_MERGE_MAX_BYTES=0 a GQA merge would reduce-scatter features; W_UV needs whole heads' latents
+    "v3-6heads": [Layout(1, 1), Layout(4, 4, 1), Layout(4, 2, BLOCK_SIZE, env=(("KVSHARD_FUSED_MERGE_MAX_BYTES", "0"),))],
 }
 SHARDED_RUNS = [(name, layout) for name, layouts in RUNS.items() for layout in layouts if layout.tp > 1]
 ALL_RUNS = [(name, layout) for name, layouts in RUNS.items() for layout in layouts]
@@ -268,6 +276,14 @@ def test_replicated_layout_projects_the_whole_dcp_group_and_changes_nothing(run,
     single = run(name, Layout(1, 1)).generation
     assert_same_generation(replicated.generation.tokens, replicated.generation.logprobs, single.tokens,
                            single.logprobs, atol=2e-4)
+
+
+def test_six_heads_run_only_in_the_replicated_layout(run, checkpoint):
+    for layout in RUNS["v3-6heads"][1:]:
+        assert run("v3-6heads", layout).config.parallel.attention_layout == "replicated"
+    with pytest.raises(ConfigError, match="head-split needs tensor_parallel_size=4 to divide the 6 query heads"):
+        EngineArgs(str(checkpoint("v3-6heads")), tensor_parallel_size=4, decode_context_parallel_size=4,
+                   dcp_attention_layout="head-split").create_engine_config()
 
 
 def _latent_bytes_per_token(name: str) -> int:

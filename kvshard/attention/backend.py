@@ -78,8 +78,6 @@ class Attention:
         merge by LSE is exact across forms because both give the same scores.
         """
         state = self.parallel
-        if value_map is not None and not self._whole_heads:
-            raise ValueError("a value map needs each rank's output share to be whole heads")
         if meta.write_index.numel():
             cache.write(meta.write_slots, k[meta.write_index], v[meta.write_index])
         out = lse = None  # over the output heads: [t, H_o, dv], [t, H_o]
@@ -88,7 +86,8 @@ class Attention:
             if self.heads.gathers_queries:
                 q_group = dcp_all_gather(q, state).permute(1, 0, 2, 3).flatten(1, 2)  # [t, H/A, dk]
             out, lse = self._attend_context(q_group, cache, meta)  # [t, H/A, dv], [t, H/A]
-            out, lse = self._merge_over_group(out, lse)  # [t, H_o, dv], [t, H_o]
+            # a value map needs whole heads' merged latents: a share ending inside a head gathers them all
+            out, lse = self._merge_over_group(out, lse, whole_heads=value_map is not None)  # [t, H_o, dv], [t, H_o]
             if value_map is not None:  # in the model's dtype, as its weights; merged in float32
                 out = value_map(out.to(q.dtype)).float()
         if meta.has_prefill:
@@ -147,14 +146,16 @@ class Attention:
             out[rows], lse[rows] = o.flatten(0, 1), l.flatten(0, 1)
         return out, lse
 
-    def _merge_over_group(self, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _merge_over_group(self, out: torch.Tensor, lse: torch.Tensor,
+                          whole_heads: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Sum the group's partial attentions [t, H/A, dv], weighted by LSE, and keep this rank's
         share of the features, in its output heads [t, H_o, dv] (features of a head at either end
-        that belong to a neighbour are left zero)."""
+        that belong to a neighbour are left zero, unless `whole_heads`)."""
         state = self.parallel
         if state.dcp_size == 1:
             return out, lse
-        if out.numel() * out.element_size() <= self.fused_merge_max_bytes:
+        small = out.numel() * out.element_size() <= self.fused_merge_max_bytes
+        if small or (whole_heads and not self._whole_heads):
             packed = torch.cat([out, lse.unsqueeze(-1)], dim=-1)  # [t, H/A, dv + 1]
             gathered = dcp_all_gather(packed, state)[:, :, self._output_in_group]  # [N, t, H_o, dv + 1]
             return merge_attention_states(gathered[..., :-1], gathered[..., -1])
