@@ -308,6 +308,16 @@ class EngineConfig:
         blocks_per_request = -(-self.scheduler.max_model_len // self.tokens_per_virtual_block)
         return self.num_kv_blocks / blocks_per_request
 
+    def _prefix_caching_report(self) -> str:
+        if not self.cache.enable_prefix_caching:
+            return "Prefix caching: off (every prompt is computed in full)"
+        dcp = self.parallel.decode_context_parallel_size
+        # a block id names one physical block on every rank of the group: a hit must cover all of them
+        unit = (f"whole virtual blocks of {self.tokens_per_virtual_block} tokens "
+                f"(block size {self.cache.block_size} x dcp {dcp})" if dcp > 1
+                else f"whole blocks of {self.cache.block_size} tokens")
+        return f"Prefix caching: on, a shared prompt prefix is reused in {unit}"
+
     def layout_report(self) -> str:
         p = self.parallel
         lines = [
@@ -326,6 +336,7 @@ class EngineConfig:
             f"{self.max_concurrency:.2f}x",
             f"KV copies of each token across the {p.world_size} rank(s): {self.kv_copies_per_token}"
             + (" (replicated: raise --dcp to shard instead)" if self.kv_copies_per_token > 1 else ""),
+            self._prefix_caching_report(),
         ]
         return "\n".join(lines)
 

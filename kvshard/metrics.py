@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, Info, gener
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvshard.config import EngineConfig
-from kvshard.engine.llm_engine import EngineStats
+from kvshard.engine.stats import EngineStats
 
 # vLLM's buckets, in seconds
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -20,7 +20,7 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                 240.0, 480.0, 960.0, 1920.0, 7680.0)
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class ServerMetrics:
@@ -90,6 +90,8 @@ class ServerMetrics:
                     stats.kv_usage)
         yield gauge("kvshard:kv_cache_blocks_used", "KV blocks in use per rank (virtual blocks).", stats.kv_blocks_used)
         yield gauge("kvshard:kv_cache_blocks_total", "KV blocks per rank.", stats.kv_blocks_total)
+        yield gauge("kvshard:kv_cache_blocks_cached", "KV blocks per rank holding a cached prefix, in use or free.",
+                    stats.kv_blocks_cached)
         per_rank_usage = GaugeMetricFamily(
             "kvshard:dcp_rank_kv_cache_usage_perc",
             "Fraction of a DCP rank's KV slots holding tokens of live requests.", labels=["model_name", "dcp_rank"])
@@ -106,3 +108,6 @@ class ServerMetrics:
         yield counter("kvshard:prompt_tokens", "Prompt tokens admitted (times n).", stats.prompt_tokens)
         yield counter("kvshard:generation_tokens", "Tokens generated.", stats.generation_tokens)
         yield counter("kvshard:engine_steps", "Engine steps run.", stats.steps)
+        yield counter("kvshard:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      stats.prefix_cache_queries)
+        yield counter("kvshard:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)

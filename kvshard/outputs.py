@@ -10,7 +10,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    finish_reason: str | None = None  # "stop", "length", "abort", "error" or None while running
     logprobs: list[dict[int, float]] | None = None  # one {token_id: logprob} per generated token
 
     @property
@@ -25,5 +25,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
-    num_cached_tokens: int = 0
-    error: str | None = None  # why this request alone failed (finished, finish_reason "error"); None if it did not
+    num_cached_tokens: int | None = None  # prompt tokens whose KV came from the prefix cache; None before admission
+    # why the request ended early (sampling or output processing failed for it); finished is then True
+    # and every sequence's finish_reason is "error". The other requests and the engine go on.
+    error: str | None = None

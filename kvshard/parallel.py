@@ -238,6 +238,15 @@ def shutdown_parallel(state: ParallelState) -> None:
         dist.destroy_process_group()
 
 
+def shm_op_counters(state: ParallelState) -> tuple[tuple[int, ...], ...]:
+    """Per shared-memory group of this rank, the last op each member published (empty without them).
+
+    Rank 0's TP group lists every rank and its DCP group ranks 0..dcp-1, so an index there is the global rank.
+    """
+    groups = {id(g): g for g in (state.tp_shm, state.dcp_shm) if g is not None}
+    return tuple(group.op_counters() for group in groups.values())
+
+
 # --- collectives over TP -------------------------------------------------------
 
 _TIMEOUT_S = COLLECTIVE_TIMEOUT.total_seconds()

@@ -120,6 +120,10 @@ class ShmGroup:
         start = (rank * 2 + op % 2) * self.slot_bytes
         return self._bytes[start:start + self.slot_bytes]
 
+    def op_counters(self) -> tuple[int, ...]:
+        """The last op each rank of the group published, by index: the one behind is the one others wait for."""
+        return tuple(self._words[self._flag_word(rank)] for rank in range(self.size))
+
     def fits(self, nbytes: int) -> bool:
         return nbytes <= self.slot_bytes
 

@@ -20,11 +20,13 @@ import httpx
 import pytest
 
 from kvshard.bench.cli import main as bench_main
+from kvshard.bench.cli import model_vocab_size
 from kvshard.bench.metrics import MetricsTrace, ServerSnapshot, parse_metrics
 from kvshard.bench.serve import RequestOutcome, summarize
 from kvshard.bench.server import ServerProcess, ServerStartError
 from kvshard.bench.workloads import (
-    AGENTIC_LONG_FRACTION, AGENTIC_LONG_RANGE, AGENTIC_OUTPUT_MEDIAN, AGENTIC_SHORT_RANGE, WorkloadSpec,
+    AGENTIC_LONG_FRACTION, AGENTIC_LONG_RANGE, AGENTIC_OUTPUT_MEDIAN, AGENTIC_SHORT_RANGE, SESSION_NEW_INPUT_RANGE,
+    WorkloadSpec,
 )
 from kvshard.entrypoints.cli import build_parser
 
@@ -89,6 +91,48 @@ def test_a_bad_workload_is_refused_with_what_to_change():
         WorkloadSpec("random", range_ratio=1.5)
     with pytest.raises(ValueError, match="unknown"):
         WorkloadSpec("sharegpt")
+
+
+
+def test_each_session_turn_extends_the_previous_prompt_by_its_answer_and_new_input():
+    scale = 1 / 64
+    spec = WorkloadSpec("sessions", vocab_size=512, seed=5, context_scale=scale, output_scale=1 / 8, num_turns=5)
+    sessions = spec.sessions(200)
+    assert [len(s) for s in sessions] == [5] * 200
+    first_turns = [s[0] for s in sessions]
+    # the first turn is an agentic request: the seed's bimodal context and short answer
+    assert sum(r.long_context for r in first_turns) / 200 == pytest.approx(AGENTIC_LONG_FRACTION, abs=0.1)
+    assert sessions[0][0] == WorkloadSpec("agentic", vocab_size=512, seed=5, context_scale=scale,
+                                          output_scale=1 / 8).requests(1)[0]
+    new_lo, new_hi = (round(x * scale) for x in SESSION_NEW_INPUT_RANGE)
+    added = []
+    for session in sessions:
+        for previous, turn in zip(session, session[1:]):
+            assert turn.prompt_token_ids[: previous.input_len] == previous.prompt_token_ids
+            new_input = turn.input_len - previous.input_len - previous.output_len  # after the answer's tokens
+            assert new_lo <= new_input <= new_hi
+            assert turn.long_context == previous.long_context
+            added.append(new_input)
+        assert session[-1].input_len + session[-1].output_len <= spec.max_request_len()
+    # log-uniform new input: median the geometric mean of its range (~2.9K tokens per turn at scale 1)
+    assert statistics.median(added) == pytest.approx((new_lo * new_hi) ** 0.5, rel=0.15)
+    outputs = [r.output_len for s in sessions for r in s]
+    assert statistics.median(outputs) == pytest.approx(AGENTIC_OUTPUT_MEDIAN / 8, rel=0.1)
+
+
+def test_sessions_are_seeded_and_a_shorter_list_is_a_prefix():
+    spec = WorkloadSpec("sessions", vocab_size=512, seed=1, context_scale=SCALE, num_turns=3)
+    assert spec.sessions(12) == spec.sessions(12)
+    assert spec.sessions(4) == spec.sessions(12)[:4]
+    assert WorkloadSpec("sessions", vocab_size=512, seed=2, context_scale=SCALE, num_turns=3).sessions(4) \
+        != spec.sessions(4)
+    # other workloads are sessions of one request
+    agentic = WorkloadSpec("agentic", context_scale=SCALE, seed=1)
+    assert agentic.sessions(6) == [[r] for r in agentic.requests(6)]
+    with pytest.raises(ValueError, match="num-turns"):
+        WorkloadSpec("sessions", num_turns=0)
+    with pytest.raises(ValueError, match="sessions\\(\\)"):
+        spec.requests(3)
 
 
 # --- /metrics ---------------------------------------------------------------------------------
@@ -190,6 +234,14 @@ def test_a_vllm_scrape_is_read_by_the_same_names():
     assert snapshot.layout == {} and snapshot.num_ranks is None
 
 
+def test_prefix_cache_counters_are_read_by_their_short_names():
+    for prefix in ("kvshard", "vllm"):
+        text = "".join(f"# TYPE {prefix}:prefix_cache_{name}_total counter\n{prefix}:prefix_cache_{name}_total"
+                       f'{{model_name="m"}} {value}\n' for name, value in (("queries", 1000.0), ("hits", 992.0)))
+        snapshot = parse_metrics(text)
+        assert (snapshot.prefix_cache_queries, snapshot.prefix_cache_hits) == (1000, 992)
+
+
 def test_trace_peaks_and_time_weighted_means():
     trace = MetricsTrace([
         ServerSnapshot(time=0.0, running=2, kv_usage=0.2, preemptions=1, engine_steps=100),
@@ -215,6 +267,24 @@ def test_summary_of_request_outcomes():
     assert result["mean_ttft_ms"] == pytest.approx(1000)
     assert result["median_tpot_ms"] == pytest.approx(150)
     assert result["p99_itl_ms"] == pytest.approx(200)
+    assert result["total_cached_tokens"] is None and result["cached_fraction"] is None  # the server said nothing
+
+
+def test_summary_gives_cached_tokens_per_turn_of_a_session():
+    outcomes = [
+        RequestOutcome(input_len=100, success=True, output_len=4, ttft=0.4, latency=1.0, turn=0, cached_tokens=0),
+        RequestOutcome(input_len=300, success=True, output_len=4, ttft=0.1, latency=1.0, turn=1, cached_tokens=96),
+        RequestOutcome(input_len=200, success=True, output_len=4, ttft=0.3, latency=1.0, turn=0, cached_tokens=32),
+        RequestOutcome(input_len=400, success=True, output_len=4, ttft=0.2, latency=1.0, turn=1, cached_tokens=192),
+    ]
+    result = summarize(outcomes, duration=2.0, num_ranks=2)
+    assert result["total_cached_tokens"] == 320
+    assert result["cached_fraction"] == pytest.approx(320 / 1000)
+    first, second = result["turns"]
+    assert (first["turn"], first["mean_input_len"], first["mean_cached_tokens"]) == (0, 150, 16)
+    assert (second["turn"], second["mean_input_len"], second["mean_cached_tokens"]) == (1, 350, 144)
+    assert second["cached_fraction"] == pytest.approx(288 / 700)
+    assert second["median_ttft_ms"] == pytest.approx(150)
 
 
 # --- real servers -----------------------------------------------------------------------------
@@ -264,23 +334,29 @@ def test_ctrl_c_in_the_middle_of_bench_dcp_stops_its_server_and_ranks(tmp_path):
     assert _group_is_gone(server_pid)
 
 
-def test_tiny_dcp_run_prints_the_table_and_writes_json_and_png(tmp_path, capsys):
+def test_tiny_dcp_run_of_agentic_sessions_prints_the_table_and_writes_json_and_png(tmp_path, capsys):
+    workload = ["--workload", "sessions", "--num-turns", "2", "--context-scale", "1/1024", "--output-scale", "1/32"]
     code = bench_main([
-        "dcp", MODEL, "-tp", "2", "--dcp", "2", "--kv-cache-memory", "1MiB", "--workload", "random",
-        "--input-len", "48", "--output-len", "16", "--concurrency", "1,2", "--prompts-per-concurrency", "1",
-        "--metrics-interval", "0.05", "--output-dir", str(tmp_path), "--no-progress",
+        "dcp", MODEL, "-tp", "2", "--dcp", "2", "--kv-cache-memory", "2MiB", *workload, "--concurrency", "1,2",
+        "--prompts-per-concurrency", "1", "--metrics-interval", "0.05", "--output-dir", str(tmp_path), "--no-progress",
     ])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "max concurrency" in out and "TP=2 + DCP=2 vs TP=2: max concurrency" in out
 
     result = json.loads((tmp_path / "dcp.json").read_text())
+    sessions = WorkloadSpec("sessions", vocab_size=model_vocab_size(MODEL), context_scale=1 / 1024,
+                            output_scale=1 / 32, num_turns=2).sessions(2)
     tp_only, with_dcp = result["configs"]
     assert (tp_only["label"], with_dcp["label"]) == ("TP=2", "TP=2 + DCP=2")
     for config in result["configs"]:
         assert [p["concurrency"] for p in config["points"]] == [1, 2]
-        assert all(p["completed"] == p["num_prompts"] and p["failed"] == 0 for p in config["points"])
-        assert all(p["total_output_tokens"] == 16 * p["num_prompts"] for p in config["points"])
+        for point, num_sessions in zip(config["points"], (1, 2)):
+            assert (point["num_sessions"], point["num_prompts"]) == (num_sessions, 2 * num_sessions)
+            assert point["completed"] == point["num_prompts"] and point["failed"] == 0
+            assert point["total_output_tokens"] == sum(t.output_len for s in sessions[:num_sessions] for t in s)
+            # each point starts from an empty cache: a first turn finds nothing, though it ran at the last point
+            assert point["turns"][0]["mean_cached_tokens"] == 0
         assert config["layout"]["tp"] == "2" and config["max_concurrency_reached"] >= 1
         with pytest.raises(httpx.HTTPError):  # stopped
             httpx.get(f"{config['base_url']}/health", timeout=2)

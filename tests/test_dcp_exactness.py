@@ -89,7 +89,7 @@ def _run(path, tp: int, dcp: int, interleave: int, budget: int | None, attention
         assert engine.stats().kv_blocks_used == 0
         return Run([done[str(i)] for i in range(len(PROMPTS))], peak_blocks, peak_tokens,
                    llm.config.kv_bytes_per_slot, engine.runner.kv_cache_bytes, llm.config.num_kv_blocks,
-                   engine.parallel.tp_shm is not None, llm.config.parallel.attention_layout)
+                   engine.executor.parallel.tp_shm is not None, llm.config.parallel.attention_layout)
 
 
 @pytest.fixture(scope="module")

@@ -43,6 +43,37 @@ def test_top_k_one_and_tiny_top_p_are_greedy(llm):
     greedy = tokens(llm, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)).token_ids
     assert tokens(llm, SamplingParams(temperature=1.5, top_k=1, seed=3, max_tokens=12, ignore_eos=True)).token_ids == greedy
     assert tokens(llm, SamplingParams(temperature=1.5, top_p=1e-6, seed=3, max_tokens=12, ignore_eos=True)).token_ids == greedy
+    # below float32's range: still the most likely token, not an empty distribution
+    assert tokens(llm, SamplingParams(temperature=1, top_p=1e-300, seed=3, max_tokens=12, ignore_eos=True)).token_ids == greedy
+
+
+def test_a_request_whose_sampling_fails_ends_alone_with_an_error(llm, monkeypatch):
+    from kvshard.engine import sampler
+
+    failing_seed = 666
+    real_draw = sampler._draw
+
+    def draw(probs, generator):  # the fault: sampling raises for one request's rows only
+        if generator.initial_seed() == failing_seed:
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        return real_draw(probs, generator)
+
+    greedy = tokens(llm, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)).token_ids
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    expected = tokens(llm, seeded).token_ids
+    monkeypatch.setattr(sampler, "_draw", draw)
+    failing, fine, fine_seeded = llm.generate(
+        [PROMPT, PROMPT, PROMPT],
+        [SamplingParams(temperature=1.0, seed=failing_seed, n=2, max_tokens=12, ignore_eos=True),
+         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), seeded],
+        use_tqdm=False)
+    assert failing.finished and "probability tensor" in failing.error
+    assert [c.finish_reason for c in failing.outputs] == ["error", "error"]
+    assert fine.error is None and fine.outputs[0].token_ids == greedy
+    assert fine_seeded.error is None and fine_seeded.outputs[0].token_ids == expected
+    assert llm.engine.pool.num_used == 0 and not llm.engine.requests
+    monkeypatch.undo()
+    assert tokens(llm, SamplingParams(temperature=1.0, seed=failing_seed, max_tokens=4)).finish_reason == "length"
 
 
 def test_stop_token_ids_end_the_output_with_reason_stop(llm):
@@ -91,7 +122,7 @@ def test_bad_requests_fail_before_anything_runs(llm, prompt, params, message):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"temperature": -1}, "temperature must be >= 0"),
+    ({"temperature": -1}, "temperature must be a finite number >= 0"),
     ({"top_p": 0}, r"top_p must be in \(0, 1\]"),
     ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
     ({"n": 0}, "n must be an integer >= 1"),
@@ -125,6 +156,27 @@ def test_demo_model_generates_text_from_strings():
         assert len(out.outputs[0].token_ids) == 6
         assert out.outputs[0].text == llm.get_tokenizer().decode(out.outputs[0].token_ids, skip_special_tokens=True)
     assert multiprocessing.active_children() == []
+
+
+def test_text_grows_token_by_token_and_stop_strings_spanning_tokens_cut_exactly():
+    with LLM("kvshard-demo-gqa", max_model_len=256) as llm:
+        tokenizer = llm.get_tokenizer()
+        params = SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=24, ignore_eos=True)
+        samples = llm.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs
+        for sample in samples:
+            assert sample.text == tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        # a stop string made of the end of one token's text and the start of the next one's
+        ids = samples[0].token_ids
+        pieces = [tokenizer.decode(ids[:i], skip_special_tokens=True) for i in range(len(ids) + 1)]
+        boundary = next(i for i in range(4, len(ids)) if len(pieces[i]) > len(pieces[i - 1]) + 1
+                        and len(pieces[i + 1]) > len(pieces[i]) + 1)
+        full = pieces[-1]
+        stop = full[len(pieces[boundary]) - 2 : len(pieces[boundary]) + 2]
+        stopped = llm.generate(["Once upon a time"], SamplingParams(**{**vars(params), "stop": [stop]}),
+                               use_tqdm=False)[0].outputs[0]
+        assert stopped.finish_reason == "stop"
+        assert stopped.text == full[: full.find(stop)]
+        assert stopped.token_ids == ids[: boundary + 1]  # the token that completed the stop string is the last
 
 
 def test_a_checkpoint_missing_part_of_a_fused_projection_is_refused(llm, tmp_path):

@@ -1,7 +1,9 @@
 """`kvshard serve` at tp=2, dcp=2, spoken to as an OpenAI server: by the official client, httpx and /metrics.
 
 One server (module-scoped) answers most tests; a second one with a tiny KV budget
-shows preemption, and a two-"node" torchrun launch shows multi-node serving.
+shows preemption, a third with room for 1,000-token prompts shows prefix caching
+(and runs a small `bench serve` of agentic sessions), and a two-"node" torchrun
+launch shows multi-node serving.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import socket
 import time
@@ -21,6 +24,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
+from kvshard.bench.cli import main as bench_main
+from kvshard.bench.cli import model_vocab_size
+from kvshard.bench.serve import request_list_digest
+from kvshard.bench.workloads import WorkloadSpec
+from kvshard.engine.arg_utils import EngineArgs
 from server_harness import API_KEY, MODEL, ROOT, SERVE_ARGS, Server, serve_command
 
 PROMPTS = [f"Request {i}: " + "Decode context parallelism shards the key value cache. " * (i % 4) + "The capital of"
@@ -495,10 +503,120 @@ def test_fuzzed_requests_never_get_a_5xx_nor_hurt_the_engine(server, client):
     assert complete(client, PROMPTS[3], max_tokens=8).choices[0].text == reference
 
 
+# --- prefix caching -------------------------------------------------------------------------------
+
+VIRTUAL_BLOCK = 16 * 2  # block size x dcp: the granularity of a cache hit
+
+
+@pytest.fixture(scope="module")
+def cache_server(tmp_path_factory):
+    args = [*SERVE_ARGS[:-4], "--max-model-len", "1536", "--kv-cache-memory", "16MiB", "--block-size", "16"]
+    running = Server(args, tmp_path_factory.mktemp("cache") / "log", api_key=API_KEY)
+    yield running
+    assert running.stop() == 0, running.log
+
+
+def reset_prefix_cache(server: Server) -> None:
+    assert server.http.post("/reset_prefix_cache").status_code == 200
+    assert server.metric("kvshard:kv_cache_blocks_cached") == 0
+
+
+def cached_tokens(usage) -> int:
+    return usage.prompt_tokens_details.cached_tokens
+
+
+def test_start_up_report_says_prefix_caching_is_on_in_whole_virtual_blocks(cache_server):
+    assert ("Prefix caching: on, a shared prompt prefix is reused in whole virtual blocks of 32 tokens "
+            "(block size 16 x dcp 2)") in cache_server.log
+
+
+def test_start_up_report_says_when_prefix_caching_is_off():
+    config = EngineArgs(model=MODEL, tensor_parallel_size=2, decode_context_parallel_size=2,
+                        kv_cache_memory="16MiB", max_model_len=512,
+                        enable_prefix_caching=False).create_engine_config()
+    assert "Prefix caching: off" in config.layout_report()
+
+
+def test_a_shared_1000_token_prefix_is_reported_cached_and_counted(cache_server):
+    client = cache_server.client()
+    reset_prefix_cache(cache_server)
+    prefix = random.Random(0).choices(range(model_vocab_size(MODEL)), k=1000)
+    before = cache_server.metrics()
+    first = complete(client, prefix + [1, 2, 3], max_tokens=4)
+    assert cached_tokens(first.usage) == 0
+    chunks = list(complete(client, prefix + [4, 5, 6], max_tokens=4, stream=True,
+                           stream_options={"include_usage": True}))
+    second = chunks[-1].usage
+    assert second.prompt_tokens == 1003
+    # every whole virtual block of the shared 1,000 tokens: 31 x 32
+    assert cached_tokens(second) == 1000 // VIRTUAL_BLOCK * VIRTUAL_BLOCK == 992
+    after = cache_server.metrics()
+
+    def grew(name: str) -> float:
+        return after[(name, ())] - before[(name, ())]
+
+    assert grew("kvshard:prefix_cache_queries_total") == 1003 + 1003
+    assert grew("kvshard:prefix_cache_hits_total") == 992
+    # the first request's 31 full blocks stay cached (free, reusable); the second's tail block is not full
+    assert after[("kvshard:kv_cache_blocks_cached", ())] == 31
+    assert after[("kvshard:kv_cache_usage_perc", ())] == 0
+
+
+def test_chat_reports_cached_tokens_of_a_shared_system_prompt_streamed_or_not(cache_server, tokenizer):
+    client = cache_server.client()
+    reset_prefix_cache(cache_server)
+    system = {"role": "system", "content": "You are a careful coding agent. " * 40}
+    conversations = [[system, {"role": "user", "content": question}]
+                     for question in ("List the files.", "Run the tests.")]
+    first = client.chat.completions.create(model=MODEL, messages=conversations[0], max_tokens=4, **GREEDY)
+    assert cached_tokens(first.usage) == 0
+    chunks = list(client.chat.completions.create(model=MODEL, messages=conversations[1], max_tokens=4, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
+                                add_special_tokens=False) for c in conversations]
+    shared = next(i for i, (a, b) in enumerate(zip(*prompts)) if a != b)
+    assert shared > 200
+    assert cached_tokens(chunks[-1].usage) == shared // VIRTUAL_BLOCK * VIRTUAL_BLOCK
+
+
+def test_reset_prefix_cache_makes_the_same_request_compute_its_whole_prompt(cache_server):
+    client = cache_server.client()
+    prompt = random.Random(1).choices(range(model_vocab_size(MODEL)), k=300)
+    complete(client, prompt)
+    assert cached_tokens(complete(client, prompt).usage) == 288  # (300 - 1) // 32 x 32: the last token is computed
+    assert httpx.post(f"{cache_server.url}/reset_prefix_cache").status_code == 401  # it changes the server: key needed
+    reset_prefix_cache(cache_server)
+    assert cached_tokens(complete(client, prompt).usage) == 0
+
+
+def test_bench_serve_sends_agentic_sessions_turn_after_turn_and_reports_cached_tokens(cache_server, tmp_path, capsys):
+    workload = ["--workload", "sessions", "--num-turns", "3", "--context-scale", "1/1024", "--output-scale", "1/16",
+                "--seed", "3"]
+    code = bench_main(["serve", "--base-url", cache_server.url, "--api-key", API_KEY, "--num-prompts", "3",
+                       "--max-concurrency", "2", "--metrics-interval", "0.05", "--no-progress",
+                       "--result-file", str(tmp_path / "serve.json"), *workload])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "9 requests in 3 sessions" in out and "Turn 3: mean prompt/cached" in out
+    result = json.loads((tmp_path / "serve.json").read_text())
+    sessions = WorkloadSpec("sessions", vocab_size=model_vocab_size(MODEL), seed=3, context_scale=1 / 1024,
+                            output_scale=1 / 16, num_turns=3).sessions(3)
+    assert result["requests_digest"] == request_list_digest([turn for s in sessions for turn in s])
+    assert (result["completed"], result["failed"], result["num_sessions"]) == (9, 0, 3)
+    assert result["total_output_tokens"] == sum(turn.output_len for s in sessions for turn in s)  # ignore_eos
+    # each later turn finds the whole virtual blocks of the previous turn's prompt (the answer inside the
+    # prompt is the workload's own tokens, not those generated, so the cache holds no more of it)
+    for turn in (1, 2):
+        expected = [s[turn - 1].input_len // VIRTUAL_BLOCK * VIRTUAL_BLOCK for s in sessions]
+        assert result["turns"][turn]["mean_cached_tokens"] == pytest.approx(sum(expected) / 3)
+    assert result["turns"][0]["mean_cached_tokens"] == 0
+    assert result["server"]["prefix_cache_hits"] == result["total_cached_tokens"] > 0
+
+
 # --- multi-node -------------------------------------------------------------------------------------
 
 def test_two_torchrun_nodes_serve_what_one_node_serves(server, client, tmp_path):
-    from kvshard.engine.workers import free_port
+    from kvshard.engine.executor import free_port
 
     master_port = free_port()
 

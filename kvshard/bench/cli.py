@@ -14,7 +14,7 @@ from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
-from kvshard.bench.workloads import WORKLOADS, WorkloadSpec
+from kvshard.bench.workloads import SESSIONS, WORKLOADS, WorkloadSpec
 from kvshard.config import ConfigError, resolve_model_path
 from kvshard.engine.arg_utils import EngineArgs
 
@@ -47,11 +47,17 @@ def _reporting_errors(run):
 
 
 def _add_workload_args(parser: argparse.ArgumentParser, workload: str, input_len: int, output_len: int,
-                       range_ratio: float, context_scale: str = "1", output_scale: str | None = None) -> None:
+                       range_ratio: float, context_scale: str = "1", output_scale: str | None = None,
+                       sessions: bool = True) -> None:
+    """`sessions`: whether the command can send a session's turns one after another (a server benchmark)."""
     group = parser.add_argument_group("workload")
-    group.add_argument("--workload", choices=WORKLOADS, default=workload,
-                       help=f"random lengths around --input-len/--output-len, or agentic: the seed's bimodal "
-                            f"long-context shape scaled by --context-scale (default {workload})")
+    group.add_argument("--workload", choices=WORKLOADS if sessions else tuple(w for w in WORKLOADS if w != SESSIONS),
+                       default=workload,
+                       help=f"random lengths around --input-len/--output-len; agentic: the seed's bimodal "
+                            f"long-context shape scaled by --context-scale"
+                            + ("; sessions: agentic sessions of --num-turns requests, each turn's prompt the "
+                               "previous prompt + its answer + new input" if sessions else "")
+                            + f" (default {workload})")
     group.add_argument("--input-len", type=int, default=input_len, help=f"random: prompt tokens (default {input_len})")
     group.add_argument("--output-len", type=int, default=output_len,
                        help=f"random: output tokens (default {output_len})")
@@ -63,6 +69,10 @@ def _add_workload_args(parser: argparse.ArgumentParser, workload: str, input_len
     group.add_argument("--output-scale", type=_scale, default=output_scale and _scale(output_scale),
                        help=f"agentic: multiply the output lengths (median 400 at 1; "
                             f"default: {output_scale or '--context-scale'})")
+    if sessions:
+        group.add_argument("--num-turns", type=int, default=4,
+                           help="sessions: requests per session, each sent once the previous answer is back "
+                                "(default 4)")
     group.add_argument("--vocab-size", type=int, default=None,
                        help="token ids are drawn from [0, V) (default: the model's, when MODEL is local)")
 
@@ -71,6 +81,7 @@ def _workload_spec(args: argparse.Namespace, vocab_size: int) -> WorkloadSpec:
     return WorkloadSpec(
         kind=args.workload, vocab_size=vocab_size, seed=args.seed, input_len=args.input_len, output_len=args.output_len,
         range_ratio=args.range_ratio, context_scale=args.context_scale, output_scale=args.output_scale,
+        num_turns=getattr(args, "num_turns", WorkloadSpec.num_turns),
     )
 
 
@@ -131,11 +142,12 @@ def _add_serve(commands) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default %(default)s)")
     parser.add_argument("--model", default=None, help="served model name (default: the server's first model); "
                                                       "also where the vocabulary size is read when it is local")
-    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--num-prompts", type=int, default=100,
+                        help="requests to send; with --workload sessions, sessions (default %(default)s)")
     parser.add_argument("--max-concurrency", type=int, default=None,
-                        help="requests in flight at most (default: no limit)")
+                        help="requests (sessions) in flight at most (default: no limit)")
     parser.add_argument("--request-rate", type=float, default=math.inf,
-                        help="Poisson arrivals per second (default inf: all at once)")
+                        help="Poisson arrivals (of sessions) per second (default inf: all at once)")
     parser.add_argument("--num-ranks", type=int, default=None,
                         help="ranks serving, for tok/s per rank (default: tp from the server's layout info metric)")
     parser.add_argument("--seed", type=int, default=0)
@@ -155,10 +167,11 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     roots = [] if args.vocab_size is not None else [served_model_root(args.base_url, args.model, args.api_key)]
     spec = _workload_spec(args, _vocab_size(args, args.model, *roots))
-    requests = spec.requests(args.num_prompts)
-    print(f"workload: {spec.describe()}; {len(requests)} requests")
+    sessions = spec.sessions(args.num_prompts)
+    print(f"workload: {spec.describe()}; {sum(len(s) for s in sessions)} requests"
+          + (f" in {len(sessions)} sessions" if spec.kind == SESSIONS else ""))
     result = run_serve_benchmark(
-        args.base_url, requests, model=args.model, max_concurrency=args.max_concurrency,
+        args.base_url, sessions, model=args.model, max_concurrency=args.max_concurrency,
         request_rate=args.request_rate, seed=args.seed, num_ranks=args.num_ranks, api_key=args.api_key,
         metrics_interval=args.metrics_interval, progress=not args.no_progress,
     )
@@ -186,7 +199,8 @@ def _add_dcp(commands) -> None:
     parser.add_argument("--concurrency", type=_positive_ints, default=[1, 2, 4, 8, 16],
                         help="client concurrencies to sweep (default 1,2,4,8,16)")
     parser.add_argument("--prompts-per-concurrency", type=int, default=2,
-                        help="each point sends concurrency x this many requests (default 2)")
+                        help="each point sends concurrency x this many requests (sessions, with --workload "
+                             "sessions) (default 2)")
     parser.add_argument("--output-dir", default=None, help="where the JSON, PNG and server logs go "
                                                            "(default bench-results/dcp-TIMESTAMP)")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
@@ -246,7 +260,7 @@ def _add_throughput(commands) -> None:
     parser.add_argument("--vllm-enforce-eager", action="store_true", help="vLLM: no torch.compile")
     parser.add_argument("--result-file", default=None)
     parser.add_argument("--no-progress", action="store_true")
-    _add_workload_args(parser, "random", input_len=512, output_len=128, range_ratio=0.5)
+    _add_workload_args(parser, "random", input_len=512, output_len=128, range_ratio=0.5, sessions=False)
     parser.set_defaults(func=_reporting_errors(_run_throughput))
 
 

@@ -1,13 +1,15 @@
 """`kvshard bench dcp`: the seed's experiment, TP alone against TP + DCP, in one command.
 
 For each layout (tp alone, then tp with each requested dcp) a `kvshard serve`
-starts with the same per-rank KV budget; the same requests run at rising client
-concurrency; /metrics says how many requests the server actually ran at once
-and how full its KV cache was. The table then gives, per layout, the seed's
-columns: the maximum concurrency reached, output tok/s per rank, KV usage, and
-what limits it. A point is *KV-limited* when the server preempted requests, or
-requests waited while its KV cache was (nearly) full; otherwise the server ran
-what it could take and compute (the step time) is the limit.
+starts with the same per-rank KV budget; the same requests (or sessions of
+requests, with the sessions workload) run at rising client concurrency, each
+point from an empty prefix cache; /metrics says how many requests the server
+actually ran at once and how full its KV cache was. The table then gives, per
+layout, the seed's columns: the maximum concurrency reached, output tok/s per
+rank, KV usage, and what limits it. A point is *KV-limited* when the server
+preempted requests, or requests waited while its KV cache was (nearly) full;
+otherwise the server ran what it could take and compute (the step time) is the
+limit.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from kvshard.bench.report import format_number, format_table
-from kvshard.bench.serve import request_list_digest, run_serve_benchmark
+from kvshard.bench.report import format_number, format_percent, format_table
+from kvshard.bench.serve import request_list_digest, reset_prefix_cache, run_serve_benchmark
 from kvshard.bench.server import ServerProcess
 from kvshard.bench.workloads import WorkloadSpec
 
@@ -28,7 +30,8 @@ _POINT_FIELDS = ("duration_s", "completed", "failed", "total_input_tokens", "tot
                  "request_throughput", "output_throughput", "total_token_throughput",
                  "output_throughput_per_rank", "total_token_throughput_per_rank",
                  "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
-                 "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "errors", "server")
+                 "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "errors", "server", "num_sessions",
+                 "total_cached_tokens", "cached_fraction", "turns")
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,8 @@ def _sigterm_as_interrupt():
 
 
 def run_dcp_experiment(experiment: DCPExperiment, log=print) -> dict:
-    requests = experiment.workload.requests(max(experiment.concurrencies) * experiment.prompts_per_concurrency)
+    # with the sessions workload, concurrency and prompts per concurrency count sessions
+    sessions = experiment.workload.sessions(max(experiment.concurrencies) * experiment.prompts_per_concurrency)
     configs = []
     with _sigterm_as_interrupt():
         for tp, dcp in experiment.layouts():
@@ -110,11 +114,13 @@ def run_dcp_experiment(experiment: DCPExperiment, log=print) -> dict:
             points = []
             with server:
                 for concurrency in experiment.concurrencies:
-                    batch = requests[: concurrency * experiment.prompts_per_concurrency]
+                    batch = sessions[: concurrency * experiment.prompts_per_concurrency]
+                    # each point replays the first sessions of the last: it must not find them cached
+                    reset_prefix_cache(server.base_url)
                     result = run_serve_benchmark(server.base_url, batch, max_concurrency=concurrency, num_ranks=tp,
                                                  metrics_interval=experiment.metrics_interval,
                                                  progress=experiment.progress, label=f"{label} c={concurrency}")
-                    point = {"concurrency": concurrency, "num_prompts": len(batch),
+                    point = {"concurrency": concurrency, "num_prompts": result["num_prompts"],
                              **{k: result[k] for k in _POINT_FIELDS}}
                     steps = point["server"]["engine_steps"]
                     point["mean_step_ms"] = point["duration_s"] * 1000 / steps if steps else None
@@ -123,7 +129,9 @@ def run_dcp_experiment(experiment: DCPExperiment, log=print) -> dict:
                     s = point["server"]
                     log(f"   c={concurrency:<4} running peak {s['peak_running']:>3} (mean {s['mean_running']:.1f}), "
                         f"waiting peak {s['peak_waiting']:>3}, KV peak {s['peak_kv_usage']:.0%}, "
-                        f"preemptions {s['preemptions']}, {point['output_throughput_per_rank']:.1f} out tok/s/rank"
+                        f"preemptions {s['preemptions']}, "
+                        f"cached {format_percent(point['cached_fraction'], 0)} of prompt tokens, "
+                        f"{point['output_throughput_per_rank']:.1f} out tok/s/rank"
                         + (f", {point['failed']} FAILED: {point['errors'][0]}" if point["failed"] else ""))
                 layout_info = points[0]["server"]["layout"]
             configs.append({"label": label, "tp": tp, "dcp": dcp, "base_url": server.base_url, "layout": layout_info,
@@ -147,7 +155,7 @@ def run_dcp_experiment(experiment: DCPExperiment, log=print) -> dict:
         "workload_spec": asdict(experiment.workload),
         "concurrencies": experiment.concurrencies,
         "prompts_per_concurrency": experiment.prompts_per_concurrency,
-        "requests_digest": request_list_digest(requests),
+        "requests_digest": request_list_digest([turn for session in sessions for turn in session]),
         "configs": configs,
     }
 
@@ -188,13 +196,13 @@ def format_points_table(result: dict) -> str:
             s = p["server"]
             rows.append([c["label"], str(p["concurrency"]), f"{s['peak_running']} / {s['mean_running']:.1f}",
                          str(s["peak_waiting"]), f"{s['peak_kv_usage']:.0%}", str(s["preemptions"]),
+                         format_percent(p["cached_fraction"], 0),
                          f"{p['output_throughput_per_rank']:.1f}", f"{p['median_ttft_ms']:,.0f}",
                          f"{p['median_tpot_ms']:,.0f}", format_number(p.get("mean_step_ms"), 0),
                          f"{p['duration_s']:.1f}", p["limited_by"]])
     return format_table(["configuration", "concurrency", "running peak/mean", "waiting peak", "KV peak",
-                         "preempt", "out tok/s/rank", "TTFT p50 ms", "TPOT p50 ms", "ms/step", "time s",
+                         "preempt", "cached", "out tok/s/rank", "TTFT p50 ms", "TPOT p50 ms", "ms/step", "time s",
                          "limited by"], rows)
-
 
 
 def _times(value: float | None) -> str:

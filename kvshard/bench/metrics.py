@@ -25,6 +25,8 @@ _FIELDS = {
     "prompt_tokens": "prompt_tokens",
     "generation_tokens": "generation_tokens",
     "engine_steps": "engine_steps",  # kvshard only
+    "prefix_cache_queries": "prefix_cache_queries",  # prompt tokens looked up
+    "prefix_cache_hits": "prefix_cache_hits",  # prompt tokens found
 }
 _LAYOUT_INFO = "dcp_layout_info"  # kvshard:dcp_layout_info{tp=..., dcp=..., ...} 1 (an Info metric)
 
@@ -41,6 +43,8 @@ class ServerSnapshot:
     prompt_tokens: float = 0.0
     generation_tokens: float = 0.0
     engine_steps: float = 0.0
+    prefix_cache_queries: float = 0.0
+    prefix_cache_hits: float = 0.0
     layout: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -131,6 +135,8 @@ class MetricsTrace:
             "peak_kv_usage": self.peak_kv_usage, "mean_kv_usage": self.mean_kv_usage,
             "peak_running": self.peak_running, "mean_running": self.mean_running,
             "peak_waiting": self.peak_waiting, "preemptions": self.preemptions, "engine_steps": self.engine_steps,
+            "prefix_cache_queries": self._growth("prefix_cache_queries"),
+            "prefix_cache_hits": self._growth("prefix_cache_hits"),
             "num_scrapes": len(self.snapshots),
         }
 

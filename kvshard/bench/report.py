@@ -20,6 +20,10 @@ def format_number(value: float | None, digits: int = 2) -> str:
     return "n/a" if value is None else f"{value:,.{digits}f}"
 
 
+def format_percent(value: float | None, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{value:.{digits}%}"
+
+
 def format_serve_result(result: dict) -> str:
     """The summary block of `bench serve`, laid out as vLLM's."""
     server = result["server"]
@@ -53,6 +57,15 @@ def format_serve_result(result: dict) -> str:
     ]
     if server["scrape_failures"]:
         rows.append(("Failed scrapes", str(server["scrape_failures"])))
+    rows += [("---Prefix cache (usage.prompt_tokens_details)---", ""),
+             ("Cached prompt tokens", "n/a" if result["total_cached_tokens"] is None
+              else f"{result['total_cached_tokens']:,}"),
+             ("Cached share of prompt tokens", format_percent(result["cached_fraction"]))]
+    if len(result["turns"]) > 1:
+        for turn in result["turns"]:
+            rows.append((f"Turn {turn['turn'] + 1}: mean prompt/cached, TTFT p50 ms",
+                         f"{turn['mean_input_len']:,.0f}/{format_number(turn['mean_cached_tokens'], 0)}, "
+                         f"{turn['median_ttft_ms']:,.0f}"))
     lines = [" Serving Benchmark Result ".center(60, "=")]
     for key, value in rows:
         lines.append(key.strip("-").center(60, "-") if key.startswith("---") else f"{key:<48}{value:>12}")

@@ -7,6 +7,13 @@ and time per output token (TPOT, (latency - TTFT) / (tokens - 1)). Requests
 arrive as a Poisson process of `request_rate` per second (inf: all at once),
 at most `max_concurrency` in flight. Meanwhile a thread scrapes the server's
 /metrics for the peak KV usage and the peak number of running requests.
+
+The unit of work is a session: a list of requests sent one after another, each
+once the previous answer is complete, as an agent does (the sessions workload);
+a plain request list is sessions of one request. Arrivals and `max_concurrency`
+then count sessions. Where the server reports `usage.prompt_tokens_details.
+cached_tokens` (kvshard always; vLLM with --enable-prompt-tokens-details), the
+result gives the tokens its prefix cache served, in all and per turn.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ class RequestOutcome:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)  # seconds between consecutive chunks
     error: str = ""
+    turn: int = 0  # the request's place in its session
+    cached_tokens: int | None = None  # prompt tokens the server's prefix cache served, if it says
 
 
 def request_list_digest(requests: list[BenchRequest]) -> str:
@@ -89,6 +98,8 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, request:
                     chunks += 1
                 if event.get("usage"):
                     usage_tokens = event["usage"]["completion_tokens"]
+                    details = event["usage"].get("prompt_tokens_details") or {}
+                    outcome.cached_tokens = details.get("cached_tokens")
     except (httpx.HTTPError, json.JSONDecodeError) as error:
         outcome.error = f"{type(error).__name__}: {error}"
         return outcome
@@ -100,43 +111,53 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, request:
     return outcome
 
 
-async def _arrivals(requests: list[BenchRequest], request_rate: float, seed: int):
-    """Yield requests at Poisson arrival times (exponential gaps), or all at once for inf."""
+async def _arrivals(sessions: list[list[BenchRequest]], request_rate: float, seed: int):
+    """Yield sessions at Poisson arrival times (exponential gaps), or all at once for inf."""
     rng = random.Random(seed)
-    for i, request in enumerate(requests):
+    for i, session in enumerate(sessions):
         if i and math.isfinite(request_rate):
             await asyncio.sleep(rng.expovariate(request_rate))
-        yield request
+        yield session
 
 
-async def _run(base_url: str, model: str, requests: list[BenchRequest], max_concurrency: int | None,
+async def _run(base_url: str, model: str, sessions: list[list[BenchRequest]], max_concurrency: int | None,
                request_rate: float, seed: int, headers: dict[str, str], poller: MetricsPoller,
                progress: bool, label: str) -> tuple[list[RequestOutcome], float]:
     url = f"{base_url}/v1/completions"
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    bar = tqdm(total=len(requests), desc=label, unit="req", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=sum(len(s) for s in sessions), desc=label, unit="req", disable=not progress,
+               dynamic_ncols=True)
 
-    async def one(client: httpx.AsyncClient, request: BenchRequest) -> RequestOutcome:
-        if limit is None:
-            outcome = await send_request(client, url, model, request, headers)
-        else:
-            async with limit:
+    async def turns(client: httpx.AsyncClient, session: list[BenchRequest]) -> list[RequestOutcome]:
+        outcomes = []
+        for turn, request in enumerate(session):
+            if outcomes and not outcomes[-1].success:  # an agent whose call failed does not go on
+                outcome = RequestOutcome(request.input_len, error="an earlier turn of its session failed")
+            else:
                 outcome = await send_request(client, url, model, request, headers)
-        snapshot = poller.latest
-        if snapshot is not None:
-            bar.set_postfix(running=int(snapshot.running), waiting=int(snapshot.waiting),
-                            kv=f"{snapshot.kv_usage:.0%}", refresh=False)
-        bar.update(1)
-        return outcome
+            outcome.turn = turn
+            outcomes.append(outcome)
+            snapshot = poller.latest
+            if snapshot is not None:
+                bar.set_postfix(running=int(snapshot.running), waiting=int(snapshot.waiting),
+                                kv=f"{snapshot.kv_usage:.0%}", refresh=False)
+            bar.update(1)
+        return outcomes
 
-    connections = httpx.Limits(max_connections=max_concurrency or len(requests), max_keepalive_connections=None)
+    async def one(client: httpx.AsyncClient, session: list[BenchRequest]) -> list[RequestOutcome]:
+        if limit is None:
+            return await turns(client, session)
+        async with limit:
+            return await turns(client, session)
+
+    connections = httpx.Limits(max_connections=max_concurrency or len(sessions), max_keepalive_connections=None)
     timeout = httpx.Timeout(None, connect=30.0)
     try:
         async with httpx.AsyncClient(timeout=timeout, limits=connections) as client:
             start = time.perf_counter()
-            tasks = [asyncio.create_task(one(client, r)) async for r in _arrivals(requests, request_rate, seed)]
+            tasks = [asyncio.create_task(one(client, s)) async for s in _arrivals(sessions, request_rate, seed)]
             outcomes = await asyncio.gather(*tasks)
-            return list(outcomes), time.perf_counter() - start
+            return [o for session in outcomes for o in session], time.perf_counter() - start
     finally:
         bar.close()
 
@@ -176,9 +197,21 @@ def probe(base_url: str, model: str | None, api_key: str | None) -> str:
     return model
 
 
+def reset_prefix_cache(base_url: str, api_key: str | None = None) -> None:
+    """Empty the server's prefix cache (kvshard; vLLM only with VLLM_SERVER_DEV_MODE=1), so that a run
+    finds no prompt of an earlier run cached."""
+    try:
+        response = httpx.post(f"{base_url.rstrip('/')}/reset_prefix_cache", headers=_auth(api_key), timeout=60.0)
+    except httpx.HTTPError as error:
+        raise BenchmarkError(f"cannot reset the prefix cache of the server at {base_url}: {error}") from None
+    if response.status_code != 200:
+        raise BenchmarkError(f"the server refused to reset its prefix cache (HTTP {response.status_code}): "
+                             f"{response.text[:300]}")
+
+
 def run_serve_benchmark(
     base_url: str,
-    requests: list[BenchRequest],
+    sessions: list[list[BenchRequest]],
     model: str | None = None,
     max_concurrency: int | None = None,
     request_rate: float = math.inf,
@@ -189,8 +222,8 @@ def run_serve_benchmark(
     progress: bool = True,
     label: str = "bench serve",
 ) -> dict:
-    """Send every request, wait for all, and return the result (see `summarize`)."""
-    if not requests:
+    """Send every session (its turns one after another), wait for all, and return the result (see `summarize`)."""
+    if not sessions or not all(sessions):
         raise BenchmarkError("no requests to send: --num-prompts must be at least 1")
     if max_concurrency is not None and max_concurrency < 1:
         raise BenchmarkError(f"--max-concurrency must be at least 1, got {max_concurrency}")
@@ -199,15 +232,15 @@ def run_serve_benchmark(
     base_url = base_url.rstrip("/")
     model = probe(base_url, model, api_key)
     with MetricsPoller(base_url, metrics_interval) as poller:
-        outcomes, duration = asyncio.run(_run(base_url, model, requests, max_concurrency, request_rate, seed,
+        outcomes, duration = asyncio.run(_run(base_url, model, sessions, max_concurrency, request_rate, seed,
                                               _auth(api_key), poller, progress, label))
     first = poller.trace.snapshots[0] if poller.trace.snapshots else ServerSnapshot()
     result = summarize(outcomes, duration, num_ranks or first.num_ranks)
     result.update({
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "base_url": base_url, "model": model, "num_prompts": len(requests),
+        "base_url": base_url, "model": model, "num_prompts": len(outcomes), "num_sessions": len(sessions),
         "max_concurrency": max_concurrency, "request_rate": request_rate if math.isfinite(request_rate) else "inf",
-        "requests_digest": request_list_digest(requests),
+        "requests_digest": request_list_digest([turn for session in sessions for turn in session]),
         "server": {**poller.trace.summary(), "scrape_failures": poller.failures, "layout": first.layout},
     })
     return result
@@ -257,4 +290,30 @@ def summarize(outcomes: list[RequestOutcome], duration: float, num_ranks: int | 
     result.update(_stats("tpot", tpot))
     result.update(_stats("itl", [t for o in done for t in o.itl]))
     result.update(_stats("e2el", [o.latency for o in done]))
+    result.update(_cache_report(done))
     return result
+
+
+def _cache_report(done: list[RequestOutcome]) -> dict:
+    """Prompt tokens the server's prefix cache served, in all and per turn of a session
+    (None where the server does not report them)."""
+    def cached(outcomes: list[RequestOutcome]) -> int | None:
+        reported = [o.cached_tokens for o in outcomes if o.cached_tokens is not None]
+        return sum(reported) if reported else None
+
+    def share(part: int | None, whole: int) -> float | None:
+        return part / whole if part is not None and whole else None
+
+    total_cached = cached(done)
+    per_turn = []
+    for turn in sorted({o.turn for o in done}):
+        of_turn = [o for o in done if o.turn == turn]
+        input_tokens, turn_cached = sum(o.input_len for o in of_turn), cached(of_turn)
+        per_turn.append({
+            "turn": turn, "completed": len(of_turn), "mean_input_len": input_tokens / len(of_turn),
+            "mean_cached_tokens": turn_cached / len(of_turn) if turn_cached is not None else None,
+            "cached_fraction": share(turn_cached, input_tokens),
+            **_stats("ttft", [o.ttft for o in of_turn]),
+        })
+    return {"total_cached_tokens": total_cached,
+            "cached_fraction": share(total_cached, sum(o.input_len for o in done)), "turns": per_turn}

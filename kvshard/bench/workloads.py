@@ -23,6 +23,23 @@ The article gives no more than that, so these are the distributions chosen
 
 Log-uniform inputs make the long half's median ~256K and its mean ~340K
 tokens: the KV cache, not the compute, decides how many requests fit.
+
+The sessions workload is the same traffic as an agent produces it: a session
+of K turns starts from one agentic request (its context and answer drawn as
+above); each later turn's prompt is the previous turn's prompt, then the
+previous answer, then new input (tool output, a file read), log-uniform on
+[1,024, 8,192] tokens at scale 1 (median ~2.9K; scaled as the inputs), and
+asks for an answer drawn as the outputs above. A client sends the turns of a
+session one after another, each once the previous answer has come back.
+
+The previous answer inside the next prompt is the workload's own seeded tokens
+of the answer's length, not the tokens the server generated: greedy decoding
+may pick other tokens on another engine, dtype or layout, and the point is that
+every engine and layout gets identical prompts. A prefix cache therefore finds
+the previous *prompt* (whole blocks of it) but not the previous answer, which
+is prefilled with the new input, as a server that did not cache generated
+tokens would: the prefill of a turn is the answer (a few hundred tokens) plus
+the new input (a few thousand), rather than the new input alone.
 """
 
 from __future__ import annotations
@@ -37,15 +54,17 @@ AGENTIC_SHORT_RANGE = (2_048, 65_536)  # tokens, upper bound exclusive
 AGENTIC_OUTPUT_MEDIAN = 400
 AGENTIC_OUTPUT_SIGMA = 0.5
 AGENTIC_OUTPUT_RANGE = (50, 1_600)
+SESSION_NEW_INPUT_RANGE = (1_024, 8_192)  # tokens added to the context per turn, log-uniform
 
-WORKLOADS = ("random", "agentic")
+SESSIONS = "sessions"
+WORKLOADS = ("random", "agentic", SESSIONS)
 
 
 @dataclass(frozen=True)
 class BenchRequest:
     prompt_token_ids: list[int]
     output_len: int  # max_tokens, generated in full (ignore_eos)
-    long_context: bool = False  # agentic: drawn from the long mode
+    long_context: bool = False  # agentic, sessions: the (first) context was drawn from the long mode
 
     @property
     def input_len(self) -> int:
@@ -56,14 +75,15 @@ class BenchRequest:
 class WorkloadSpec:
     """Everything that decides a request list; the same spec and seed give the same list."""
 
-    kind: str = "random"  # random | agentic
+    kind: str = "random"  # random | agentic | sessions
     vocab_size: int = 512
     seed: int = 0
     input_len: int = 512  # random
     output_len: int = 128  # random
     range_ratio: float = 0.0  # random: lengths uniform in [len * (1 - r), len * (1 + r)]
-    context_scale: float = 1.0  # agentic
-    output_scale: float | None = None  # agentic; None: the context scale
+    context_scale: float = 1.0  # agentic, sessions
+    output_scale: float | None = None  # agentic, sessions; None: the context scale
+    num_turns: int = 4  # sessions: requests per session
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOADS:
@@ -77,6 +97,8 @@ class WorkloadSpec:
                 raise ValueError(f"--range-ratio must be in [0, 1), got {self.range_ratio}")
         elif self.context_scale <= 0 or self.effective_output_scale <= 0:
             raise ValueError("--context-scale and --output-scale must be positive")
+        if self.kind == SESSIONS and self.num_turns < 1:
+            raise ValueError(f"--num-turns must be at least 1, got {self.num_turns}")
 
     @property
     def effective_output_scale(self) -> float:
@@ -86,13 +108,28 @@ class WorkloadSpec:
         """The longest prompt + output this spec can draw: the server's --max-model-len must hold it."""
         if self.kind == "random":
             return _upper(self.input_len, self.range_ratio) + _upper(self.output_len, self.range_ratio)
-        scale = self.context_scale
-        return _scaled(AGENTIC_LONG_RANGE[1], scale) + _scaled(AGENTIC_OUTPUT_RANGE[1], self.effective_output_scale)
+        longest_answer = _scaled(AGENTIC_OUTPUT_RANGE[1], self.effective_output_scale)
+        longest_turn = _scaled(AGENTIC_LONG_RANGE[1], self.context_scale) + longest_answer
+        if self.kind == SESSIONS:  # the last turn holds every earlier answer and new input
+            longest_turn += (self.num_turns - 1) * (_scaled(SESSION_NEW_INPUT_RANGE[1], self.context_scale)
+                                                    + longest_answer)
+        return longest_turn
 
     def requests(self, num: int) -> list[BenchRequest]:
+        """`num` independent requests (random, agentic)."""
+        if self.kind == SESSIONS:
+            raise ValueError("the sessions workload is a list of sessions: draw it with sessions()")
         rng = random.Random(self.seed)
         draw = self._draw_random if self.kind == "random" else self._draw_agentic
         return [draw(rng) for _ in range(num)]
+
+    def sessions(self, num: int) -> list[list[BenchRequest]]:
+        """`num` sessions, each a list of turns to send one after another; for random and agentic,
+        `num` sessions of one request each. Session `i` depends only on the seed and sessions `0..i-1`."""
+        if self.kind != SESSIONS:
+            return [[request] for request in self.requests(num)]
+        rng = random.Random(self.seed)
+        return [self._draw_session(rng) for _ in range(num)]
 
     def describe(self) -> str:
         if self.kind == "random":
@@ -101,9 +138,14 @@ class WorkloadSpec:
         lo_long, hi_long = (_scaled(x, self.context_scale) for x in AGENTIC_LONG_RANGE)
         lo_short = _scaled(AGENTIC_SHORT_RANGE[0], self.context_scale)
         median_out = _scaled(AGENTIC_OUTPUT_MEDIAN, self.effective_output_scale)
-        return (f"agentic x{_fraction(self.context_scale)}: {AGENTIC_LONG_FRACTION:.0%} long inputs "
-                f"{lo_long:,}-{hi_long:,}, the rest {lo_short:,}-{lo_long - 1:,} tokens; "
-                f"outputs median {median_out:,}; seed {self.seed}")
+        inputs = (f"{AGENTIC_LONG_FRACTION:.0%} long inputs {lo_long:,}-{hi_long:,}, "
+                  f"the rest {lo_short:,}-{lo_long - 1:,} tokens")
+        if self.kind == SESSIONS:
+            lo_new, hi_new = (_scaled(x, self.context_scale) for x in SESSION_NEW_INPUT_RANGE)
+            return (f"sessions x{_fraction(self.context_scale)}: {self.num_turns} turns each, the first context "
+                    f"agentic ({inputs}), then per turn the previous answer and {lo_new:,}-{hi_new:,} new tokens; "
+                    f"answers median {median_out:,}; seed {self.seed}")
+        return f"agentic x{_fraction(self.context_scale)}: {inputs}; outputs median {median_out:,}; seed {self.seed}"
 
     # --- one request -------------------------------------------------------------------
     def _tokens(self, rng: random.Random, n: int) -> list[int]:
@@ -117,14 +159,32 @@ class WorkloadSpec:
     def _draw_agentic(self, rng: random.Random) -> BenchRequest:
         long_context = rng.random() < AGENTIC_LONG_FRACTION
         low, high = AGENTIC_LONG_RANGE if long_context else AGENTIC_SHORT_RANGE
-        tokens = math.exp(rng.uniform(math.log(low), math.log(high)))
+        tokens = _log_uniform(rng, low, high)
         if not long_context:
             tokens = min(tokens, high - 1)
         input_len = _scaled(tokens, self.context_scale)
+        output_len = self._draw_output_len(rng)
+        return BenchRequest(self._tokens(rng, input_len), output_len, long_context)
+
+    def _draw_output_len(self, rng: random.Random) -> int:
         output = rng.lognormvariate(math.log(AGENTIC_OUTPUT_MEDIAN), AGENTIC_OUTPUT_SIGMA)
         output = min(max(output, AGENTIC_OUTPUT_RANGE[0]), AGENTIC_OUTPUT_RANGE[1])
-        output_len = _scaled(output, self.effective_output_scale)
-        return BenchRequest(self._tokens(rng, input_len), output_len, long_context)
+        return _scaled(output, self.effective_output_scale)
+
+    def _draw_session(self, rng: random.Random) -> list[BenchRequest]:
+        turns = [self._draw_agentic(rng)]
+        while len(turns) < self.num_turns:
+            previous = turns[-1]
+            answer = self._tokens(rng, previous.output_len)  # stands in for the answer: the same on every engine
+            new_input = self._tokens(rng, _scaled(_log_uniform(rng, *SESSION_NEW_INPUT_RANGE), self.context_scale))
+            turns.append(BenchRequest(previous.prompt_token_ids + answer + new_input, self._draw_output_len(rng),
+                                      previous.long_context))
+        return turns
+
+
+def _log_uniform(rng: random.Random, low: float, high: float) -> float:
+    """Every doubling between `low` and `high` equally likely."""
+    return math.exp(rng.uniform(math.log(low), math.log(high)))
 
 
 def _fraction(scale: float) -> str:

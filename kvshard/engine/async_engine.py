@@ -5,10 +5,11 @@ aborts that handlers queued, runs a step whenever work is pending, and hands eac
 step's outputs to the waiting handlers on the event loop. Handlers never take the
 engine's lock, so a slow step never stalls the HTTP side.
 
-When a rank dies (the step raises, or the watchdog on the event loop finds a
-rank process gone while the loop waits) or the loop stops, every request still
-open, running or waiting, gets the reason as an `EngineDeadError`, and new
-requests are refused with it: nobody hangs.
+When a rank dies or hangs (the step raises, or the watchdog on the event loop
+finds the engine's dead reason set while the loop waits) or the loop stops,
+every request still open, running or waiting, gets the reason as an
+`EngineDeadError`, and new requests are refused with it: nobody hangs. Why the
+engine died is recorded once, by the engine (`LLMEngine.dead_reason`).
 """
 
 from __future__ import annotations
@@ -62,9 +63,8 @@ class AsyncLLMEngine:
         self.metrics = metrics
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._requests: dict[str, _RequestState] = {}
-        self._lock = threading.Lock()  # guards _requests, _refusal and _dead_reason
+        self._lock = threading.Lock()  # guards _requests and _refusal
         self._refusal: str | None = None  # why new requests are refused: death or shutdown
-        self._dead_reason: str | None = None
         self._stopping = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -90,7 +90,7 @@ class AsyncLLMEngine:
         self.engine.shutdown()
 
     async def _watch_ranks(self) -> None:
-        """Notice a dead rank even while the loop is idle or stuck in a collective."""
+        """Notice a dead or hung rank even while the loop is idle or stuck in a collective."""
         while self._refusal is None:
             await asyncio.sleep(HEALTH_CHECK_S)
             reason = self.engine.dead_reason
@@ -100,7 +100,7 @@ class AsyncLLMEngine:
     @property
     def dead_reason(self) -> str | None:
         """Why the engine died (a rank, a collective, a bug), or None while it is healthy."""
-        return self._dead_reason
+        return self.engine.dead_reason
 
     @property
     def refusal(self) -> str | None:
@@ -221,9 +221,9 @@ class AsyncLLMEngine:
 
     def _fail(self, reason: str, dead: bool = True) -> None:
         """From now on every request, open or new, gets an error with the first reason given."""
+        if dead:
+            reason = self.engine.record_death(reason)
         with self._lock:
-            if dead and self._dead_reason is None:
-                self._dead_reason = reason
             if self._refusal is None:
                 self._refusal = reason
             reason = self._refusal

@@ -12,17 +12,32 @@ import torch
 from kvshard.engine.sequence import Sequence
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.Generator) -> list[int]:
-    """logits [b, V] float32 -> one token id per row."""
-    tokens = logits.argmax(dim=-1)
+def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.Generator) -> list[int | Exception]:
+    """logits [b, V] float32 -> per row a token id, or the error that sampling this row raised.
+
+    A row that fails (a distribution with NaN, say) must fail alone: the other rows still get their token.
+    """
+    outcomes: list[int | Exception] = logits.argmax(dim=-1).tolist()
     random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-    if random_rows:
-        rows = torch.tensor(random_rows)
-        probs = _filtered_probs(logits[rows], [seqs[i].params for i in random_rows])
-        for j, i in enumerate(random_rows):
-            generator = seqs[i].generator or default_generator
-            tokens[i] = torch.multinomial(probs[j], 1, generator=generator)[0]
-    return tokens.tolist()
+    if not random_rows:
+        return outcomes
+    params = [seqs[i].params for i in random_rows]
+    try:
+        probs = _filtered_probs(logits[random_rows], params)  # [r, V]
+    except Exception:  # not attributable to a row within the batch: each row alone says which one fails
+        probs = None
+    for j, i in enumerate(random_rows):
+        try:
+            row = probs[j] if probs is not None else _filtered_probs(logits[i : i + 1], [params[j]])[0]
+            outcomes[i] = _draw(row, seqs[i].generator or default_generator)
+        except Exception as error:
+            outcomes[i] = error
+    return outcomes
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token id from a distribution [V]."""
+    return int(torch.multinomial(probs, 1, generator=generator)[0])
 
 
 def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
@@ -36,10 +51,10 @@ def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
     sorted_logits, order = (shifted / temperature).sort(dim=-1, descending=True)
     rank = torch.arange(logits.shape[1]).unsqueeze(0)
     sorted_probs = sorted_logits.softmax(dim=-1)
-    # keep a token if it is within top-k and the mass before it is below top-p (the first always stays)
+    # keep a token if it is within top-k and the mass before it is below top-p; the first always stays
+    # (a top_p below float32's range is 0 here, which would otherwise keep nothing)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    # a top_p that float32 rounds to 0 would otherwise drop the first token too
-    keep = ((rank < top_k) & (mass_before < top_p)) | (rank == 0)
+    keep = (rank == 0) | ((rank < top_k) & (mass_before < top_p))
     sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
     filtered = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
     return filtered.softmax(dim=-1)

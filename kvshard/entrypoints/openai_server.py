@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP API: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics.
+"""OpenAI-compatible HTTP API: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics,
+and vLLM's POST /reset_prefix_cache.
 
 Every error a client can cause is answered with a 4xx in OpenAI's shape,
 `{"error": {"message", "type", "param", "code"}}`, before anything reaches the
@@ -223,6 +224,8 @@ class _ChoiceDelta:
     """New output of one choice since the last chunk."""
 
     index: int  # prompt_index * n + the completion's index, as OpenAI numbers choices
+    prompt_index: int
+    num_cached_tokens: int  # of its prompt: tokens whose KV the prefix cache gave
     text: str
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None
@@ -319,7 +322,7 @@ async def _deltas(engine: AsyncLLMEngine, request_id: str, prompts: list[list[in
                 continue
             first = sent_tokens.get(index, 0)
             sent_text[index], sent_tokens[index] = text, len(completion.token_ids)
-            yield _ChoiceDelta(index, delta, completion.token_ids[first:],
+            yield _ChoiceDelta(index, prompt_index, output.num_cached_tokens or 0, delta, completion.token_ids[first:],
                                completion.logprobs[first:] if completion.logprobs is not None else None,
                                completion.finish_reason)
 
@@ -350,10 +353,16 @@ async def _unless_disconnected(request: Request, work):
     return task.result()
 
 
-def _usage(prompts: list[list[int]], completion_tokens: int) -> dict:
+def _usage(prompts: list[list[int]], completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's usage; `cached_tokens`: prompt tokens the prefix cache served (their KV was not computed)."""
     prompt_tokens = sum(len(p) for p in prompts)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def _cached_tokens(outputs: list[RequestOutput]) -> int:
+    return sum(output.num_cached_tokens or 0 for output in outputs)
 
 
 def _sse(payload: dict | str) -> str:
@@ -398,6 +407,8 @@ class OpenAIServer:
         self.model_root = str(engine.config.model.path)
         self.metrics = ServerMetrics(engine.config, served_model_names[0])
         self.engine = AsyncLLMEngine(engine, self.metrics)
+        self._reset_engine_prefix_cache = engine.reset_prefix_cache
+        self._engine_stats = engine.stats
         self.api_key = api_key
         self.app = self._build_app()
 
@@ -418,6 +429,7 @@ class OpenAIServer:
 
         app.get("/health")(self.health)
         app.get("/metrics")(self.prometheus)
+        app.post("/reset_prefix_cache", dependencies=[Depends(self.check_api_key)])(self.reset_prefix_cache)
         v1 = APIRouter(prefix="/v1", dependencies=[Depends(self.check_api_key)])
         v1.get("/models")(self.models)
         v1.post("/completions")(self.completions)
@@ -434,6 +446,18 @@ class OpenAIServer:
 
     async def prometheus(self) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def reset_prefix_cache(self) -> Response:
+        """Forget every cached prefix (vLLM's route): the next requests compute their whole prompt.
+        Running requests keep their blocks."""
+        self._check_alive()
+
+        def reset() -> None:  # waits for the step in progress, so off the event loop
+            self._reset_engine_prefix_cache()
+            self.metrics.record_stats(self._engine_stats())  # the cached-block gauge drops now, not at the next step
+
+        await asyncio.to_thread(reset)
+        return Response(status_code=200)
 
     async def check_api_key(self, request: Request) -> None:
         if self.api_key is None:
@@ -498,7 +522,8 @@ class OpenAIServer:
                 choices.append({"index": prompt_index * params.n + c.index, "text": c.text,
                                 "logprobs": self._completion_logprobs(c.token_ids, c.logprobs),
                                 "finish_reason": c.finish_reason})
-        return JSONResponse({**envelope, "choices": choices, "usage": _usage(prompts, completion_tokens)})
+        usage = _usage(prompts, completion_tokens, _cached_tokens(outputs))
+        return JSONResponse({**envelope, "choices": choices, "usage": usage})
 
     async def chat_completions(self, request: Request) -> Response:
         body = _parse(ChatCompletionRequest, await request.body())
@@ -527,7 +552,7 @@ class OpenAIServer:
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, top),
                     "finish_reason": c.finish_reason} for c in completions]
-        usage = _usage(prompts, sum(len(c.token_ids) for c in completions))
+        usage = _usage(prompts, sum(len(c.token_ids) for c in completions), _cached_tokens(outputs))
         return JSONResponse({**envelope, "object": "chat.completion", "choices": choices, "usage": usage})
 
     # --- helpers ------------------------------------------------------------------------
@@ -542,12 +567,15 @@ class OpenAIServer:
             for first in first_choices or []:
                 yield _sse({**envelope, "choices": [first]})
             completion_tokens = 0
+            cached_tokens: dict[int, int] = {}  # per prompt
             try:
                 async for delta in _deltas(self.engine, request_id, prompts, params, self.max_stream_backlog, cut):
                     completion_tokens += len(delta.token_ids)
+                    cached_tokens[delta.prompt_index] = delta.num_cached_tokens
                     yield _sse({**envelope, "choices": [choice(delta)]})
                 if include_usage:
-                    yield _sse({**envelope, "choices": [], "usage": _usage(prompts, completion_tokens)})
+                    usage = _usage(prompts, completion_tokens, sum(cached_tokens.values()))
+                    yield _sse({**envelope, "choices": [], "usage": usage})
             except EngineDeadError as error:
                 yield _sse(_engine_dead(str(error)).body())
             except APIError as error:

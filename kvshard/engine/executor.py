@@ -1,0 +1,250 @@
+"""Rank 0's hold on every rank: starts them, runs each step's plan on all, watches them, stops them.
+
+Locally, rank 0 lives in the caller's process and spawns ranks 1..N-1. Under
+`torchrun` every rank is started by the launcher and ranks > 0 run
+`workers.run_worker`. Rank 0 broadcasts each step's plan and runs its own
+share of the model; the others do the same on their shard.
+
+A watchdog thread looks at the ranks while the engine runs: a rank process that
+exited, or a step (or heartbeat) that makes no progress for `step_timeout`
+seconds (a rank alive but stopped, or stuck), ends the engine with a reason
+that names the rank. The first reason is the one kept: `dead_reason`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import threading
+import time
+
+import torch
+
+from kvshard.config import ConfigError, EngineConfig
+from kvshard.engine.model_runner import ModelRunner
+from kvshard.engine.process_setup import configure_process, rank_environment
+from kvshard.engine.step_plan import HEARTBEAT, StepPlan
+from kvshard.engine.workers import spawned_worker
+from kvshard.parallel import (
+    broadcast_from_driver,
+    exchange_heartbeat,
+    init_parallel,
+    shm_op_counters,
+    shutdown_parallel,
+)
+
+# How often the watchdog looks at the ranks.
+WATCH_INTERVAL_S = 0.1
+DEFAULT_STEP_TIMEOUT_S = 30.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot run another step (a rank died or hung, or a collective failed)."""
+
+
+class RankDiedError(RuntimeError):
+    """A rank process is gone; the engine cannot run another step."""
+
+
+def step_timeout_s() -> float:
+    """Seconds a step may go without progress before its ranks count as hung ($KVSHARD_STEP_TIMEOUT)."""
+    text = os.environ.get("KVSHARD_STEP_TIMEOUT", str(DEFAULT_STEP_TIMEOUT_S))
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ConfigError(f"KVSHARD_STEP_TIMEOUT={text!r} is not a number of seconds > 0: set e.g. 30")
+    return value
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalRanks:
+    """Ranks 1..N-1 as child processes of rank 0 on this machine."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if getattr(multiprocessing.current_process(), "_inheriting", False):
+            # a spawned rank is re-importing the user's script, which starts an engine again
+            raise RuntimeError(
+                "kvshard starts its ranks with 'spawn', which imports your script again in each rank: "
+                "create LLM (tensor_parallel_size > 1) under `if __name__ == \"__main__\":`"
+            )
+        self.master = ("127.0.0.1", free_port())
+        context = multiprocessing.get_context("spawn")
+        self.processes = {
+            rank: context.Process(
+                target=spawned_worker, args=(config, rank, self.master), name=f"kvshard-rank{rank}", daemon=True
+            )
+            for rank in range(1, config.parallel.world_size)
+        }
+        with rank_environment():
+            for process in self.processes.values():
+                process.start()
+
+    def check_alive(self) -> None:
+        dead = {rank: p.exitcode for rank, p in self.processes.items() if not p.is_alive()}
+        if dead:
+            raise RankDiedError(", ".join(f"rank {r} exited with code {c}" for r, c in sorted(dead.items())))
+
+    def kill(self) -> None:
+        for process in self.processes.values():
+            if process.is_alive():
+                process.kill()
+
+    def join(self, timeout: float) -> None:
+        for process in self.processes.values():
+            process.join(timeout)
+            if process.is_alive():
+                process.kill()
+                process.join(1)
+
+
+class Executor:
+    def __init__(self, config: EngineConfig, master: tuple[str, int] | None = None) -> None:
+        """Start every rank. `master` (host, port) is given when a launcher (torchrun) started the other ranks."""
+        self.config = config
+        self.step_timeout = step_timeout_s()
+        world = config.parallel.world_size
+        self._dead_reason: str | None = None
+        self._reason_lock = threading.Lock()
+        self._closed = threading.Event()
+        self._watchdog: threading.Thread | None = None
+        self.device = configure_process(0, world)
+        self.local_ranks = LocalRanks(config) if world > 1 and master is None else None
+        check_peers = None
+        if self.local_ranks is not None:
+            master, check_peers = self.local_ranks.master, self.local_ranks.check_alive
+        try:
+            self.parallel = init_parallel(config.parallel, 0, master or ("", 0), self.device, check_peers)
+        except Exception as error:
+            dead = self._name_dead_rank() if not isinstance(error, RankDiedError) else None
+            if self.local_ranks is not None:
+                self.local_ranks.join(timeout=5)
+            if dead is not None:  # say which rank, not just which socket broke
+                raise RankDiedError(f"{dead} while the ranks were connecting") from error
+            raise
+        except BaseException:
+            if self.local_ranks is not None:
+                self.local_ranks.join(timeout=5)
+            raise
+        self._last_contact = time.monotonic()  # of the last plan every rank received
+        self._busy_since: float | None = None  # start of the step (or heartbeat) in flight
+        try:
+            self.runner = ModelRunner(config, self.parallel, self.device)
+        except BaseException:
+            self.shutdown()
+            raise
+        if world > 1:
+            self._watchdog = threading.Thread(target=self._watch, name="kvshard-rank-watchdog", daemon=True)
+            self._watchdog.start()
+
+    # --- steps --------------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> torch.Tensor | None:
+        """Run the plan on every rank; float32 logits [len(sample_rows), V] of rank 0."""
+        self.check_alive()
+        return self._on_every_rank(lambda: self._broadcast_and_run(plan), "a collective failed")
+
+    def _broadcast_and_run(self, plan: StepPlan) -> torch.Tensor | None:
+        broadcast_from_driver(plan, self.parallel)
+        return self.runner.execute(plan)
+
+    def heartbeat(self, every_s: float = 1.0) -> None:
+        """Send an empty plan to every rank (at most every `every_s`), so a rank that died while
+        the engine idles is found now, also one that no local process handle can see."""
+        if self.parallel.world_size == 1 or time.monotonic() - self._last_contact < every_s:
+            return
+        self.check_alive()
+
+        def round_trip() -> None:
+            broadcast_from_driver(HEARTBEAT, self.parallel)
+            exchange_heartbeat(self.parallel)
+
+        self._on_every_rank(round_trip, "a rank stopped answering")
+
+    def _on_every_rank(self, work, failure: str):
+        self._last_contact = self._busy_since = time.monotonic()
+        try:
+            return work()
+        except Exception as error:
+            raise EngineDeadError(self.record_death(self._name_dead_rank() or f"{failure}: {error}")) from error
+        finally:
+            self._busy_since = None
+
+    # --- health -------------------------------------------------------------------------
+    def record_death(self, reason: str) -> str:
+        """Keep the first reason the engine died for; returns the one kept."""
+        with self._reason_lock:
+            if self._dead_reason is None:
+                self._dead_reason = reason
+            return self._dead_reason
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine cannot step, or None while every rank is alive and answering."""
+        if self._dead_reason is None and self.local_ranks is not None and not self._closed.is_set():
+            try:
+                self.local_ranks.check_alive()
+            except RankDiedError as error:
+                self.record_death(str(error))
+        return self._dead_reason
+
+    def check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+
+    def _watch(self) -> None:
+        """Name a rank that exited, or one that makes no progress in a step for step_timeout."""
+        progress, progress_time = None, 0.0
+        while not self._closed.wait(WATCH_INTERVAL_S) and self.dead_reason is None:
+            busy_since = self._busy_since
+            if busy_since is None:
+                continue
+            counters = shm_op_counters(self.parallel)
+            now = time.monotonic()
+            if counters != progress:  # a shared-memory collective moved on: the ranks are not hung
+                progress, progress_time = counters, now
+            if now - max(progress_time, busy_since) < self.step_timeout or self._busy_since is None:
+                continue
+            behind = sorted({rank for ops in counters for rank, op in enumerate(ops) if op < max(ops)})
+            who = ", ".join(f"rank {r}" for r in behind) or "a rank"
+            self.record_death(f"{who} did not finish a step within {self.step_timeout:g} s")
+            if self.local_ranks is not None:
+                # the engine cannot continue: ending the ranks unblocks rank 0's collective at once
+                self.local_ranks.kill()
+
+    def _name_dead_rank(self, wait_s: float = 1.0) -> str | None:
+        """A peer's death breaks the collective a moment before its process can be reaped: wait briefly to name it."""
+        if self._dead_reason is not None:
+            return self._dead_reason
+        if self.local_ranks is None:
+            return None
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self.local_ranks.check_alive()
+            except RankDiedError as error:
+                return str(error)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+
+    def shutdown(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        if self._watchdog is not None:
+            self._watchdog.join()
+        if self._dead_reason is None and self.parallel.world_size > 1:
+            try:
+                broadcast_from_driver(None, self.parallel)
+            except Exception:
+                pass
+        if self.local_ranks is not None:
+            self.local_ranks.join(timeout=10)
+        shutdown_parallel(self.parallel)

@@ -1,0 +1,88 @@
+"""Sampled tokens -> text, stop conditions and `RequestOutput`s, on rank 0.
+
+Text grows by one token at a time with the `tokenizers` library's streaming
+decoder (`DecodeStream`), so a step costs O(1) per sequence instead of
+decoding every output token again. Stop strings are searched only where the
+new text could complete one, and the text is cut before the first match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenizers.decoders import DecodeStream
+
+from kvshard.engine.sequence import Sequence
+from kvshard.outputs import CompletionOutput, RequestOutput
+
+
+@dataclass
+class Request:
+    """One request on rank 0: its n sequences and how it was asked for."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    arrival_time: float
+    error: str | None = None
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, hf_config, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.hf_config = hf_config
+        # the streaming decoder works on the `tokenizers` object under a transformers fast tokenizer
+        self._backend = tokenizer.backend_tokenizer if tokenizer is not None else None
+        self.max_model_len = max_model_len
+        self._streams: dict[int, DecodeStream] = {}  # by seq_id
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        eos = self.hf_config.eos_token_id
+        ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def append_token(self, seq: Sequence, token: int) -> str | None:
+        """Add a sampled token to its sequence; the reason it finishes, or None."""
+        seq.output_token_ids.append(token)
+        params = seq.params
+        previous_len = len(seq.text)
+        if self._backend is not None:
+            stream = self._streams.setdefault(seq.seq_id, DecodeStream(skip_special_tokens=True))
+            seq.text += stream.step(self._backend, token) or ""  # None: a character is still incomplete
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        cut = min((found for stop in params.stop
+                   if (found := seq.text.find(stop, max(0, previous_len - len(stop) + 1))) != -1), default=-1)
+        if cut != -1:
+            seq.text = seq.text[:cut]
+            return "stop"
+        if params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens:
+            return "length"
+        if seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def output(self, request: Request) -> RequestOutput:
+        completions = [
+            CompletionOutput(
+                index=seq.index, text=seq.text, token_ids=list(seq.output_token_ids),
+                finish_reason=seq.finish_reason,
+                logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+            )
+            for seq in request.seqs
+        ]
+        finished = all(seq.is_finished for seq in request.seqs)
+        if finished:
+            self.release(request)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished,
+                             num_cached_tokens=request.seqs[0].num_cached_tokens, error=request.error)
+
+    def release(self, request: Request) -> None:
+        for seq in request.seqs:
+            self._streams.pop(seq.seq_id, None)

@@ -1,0 +1,105 @@
+"""How a rank process sets itself up before it builds its model shard: device, threads, memory.
+
+Every rank calls `configure_process` first thing. The OpenMP runtime that torch
+uses (libgomp) reads its environment once, when torch is loaded: the settings
+it needs are therefore put into the environment of the spawned ranks by
+`rank_environment` before they start, and into rank 0's by `import kvshard`
+(which runs `apply_openmp_defaults` before anything loads torch). That is also
+why this module imports torch only inside its functions.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+def pick_device(rank: int) -> torch.device:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def configure_process(rank: int, world_size: int) -> torch.device:
+    """Threads and memory of this rank; returns (and selects) its device."""
+    import torch
+
+    configure_threads(world_size)
+    keep_freed_memory()
+    device = pick_device(rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def configure_threads(world_size: int) -> None:
+    """Ranks on one CPU machine share its cores instead of each taking all of them."""
+    import torch
+
+    if os.environ.get("KVSHARD_NUM_THREADS"):
+        torch.set_num_threads(int(os.environ["KVSHARD_NUM_THREADS"]))
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+
+
+def openmp_defaults() -> dict[str, str]:
+    """OpenMP settings for a machine whose cores other programs may be using.
+
+    By default libgomp spins up to 300,000 rounds at every barrier of a parallel
+    region waiting for its partner threads. When a partner has been descheduled
+    by another program, the spinning thread burns its own time slice for nothing,
+    at every operator: BENCHMARKS.md measured a 20x slower decode on a busy
+    machine (BENCHMARKS.md, "Threads on a shared machine"). A passive wait yields
+    the core at once. The user's own settings win.
+    """
+    return {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def apply_openmp_defaults() -> None:
+    """Put the OpenMP defaults into this process's environment (effective only before torch is loaded:
+    a program that imports torch before kvshard keeps OpenMP's own defaults in rank 0)."""
+    for name, value in openmp_defaults().items():
+        os.environ.setdefault(name, value)
+
+
+@contextmanager
+def rank_environment() -> Iterator[None]:
+    """While ranks are spawned: they inherit the OpenMP defaults (a spawned process imports torch anew)."""
+    added = {name: value for name, value in openmp_defaults().items() if name not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+
+
+def keep_freed_memory() -> None:
+    """Stop glibc from handing freed memory back to the kernel between steps.
+
+    A step allocates and frees the same multi-MB activations every time; by default glibc serves
+    each from fresh mmap'd pages and returns them on free, so every step pays page faults and
+    zeroing for memory it just had (measured: a third of a KV gather's time). With these settings
+    the process keeps its high-water mark instead. glibc only; elsewhere, or with
+    KVSHARD_KEEP_FREED_MEMORY=0, nothing changes.
+    """
+    if os.environ.get("KVSHARD_KEEP_FREED_MEMORY", "1") == "0" or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30)
+        libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
+    except (OSError, AttributeError):  # not glibc
+        pass

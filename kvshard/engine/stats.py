@@ -1,0 +1,29 @@
+"""What the engine reports about itself: for logs and /metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineStats:
+    """Counters and gauges at one moment."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0
+    # per DCP rank: tokens of live requests stored there (the engine's own accounting)
+    kv_tokens_per_dcp_rank: list[int] = field(default_factory=list)
+    # prefix cache: tokens of admitted requests looked up and found; blocks holding a cached prefix (per rank)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    kv_blocks_cached: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
