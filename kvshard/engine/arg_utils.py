@@ -16,11 +16,11 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvshard.config import (
+    ATTENTION_LAYOUTS,
+    REPLICATED,
     CacheConfig,
     ConfigError,
     EngineConfig,
-    ATTENTION_LAYOUTS,
-    REPLICATED,
     ParallelConfig,
     SchedulerConfig,
     choose_attention_layout,
