@@ -22,7 +22,7 @@ class ModelRunner:
         hf_config = config.model.hf_config
         cls = model_class(config.model.architecture)
         with torch.device(device):
-            self.model = cls(hf_config, config.model.dtype, parallel, replicate_q=config.parallel.dcp_replicate_q)
+            self.model = cls(hf_config, config.model.dtype, parallel)
         load_weights(self.model, config.model.path, config.model.quantization)
         self.model.eval()
         self.kv_caches = allocate_kv_cache(
