@@ -22,6 +22,7 @@ from kvshard.attention.kernels import attention_with_lse
 from kvshard.attention.merge import lse_weights, merge_attention_states
 from kvshard.attention.metadata import AttentionMetadata, int_from_env
 from kvshard.kv.cache import KVCacheLayer
+from kvshard.layers.batch_invariant import batch_invariant_active
 from kvshard.parallel import ParallelState, dcp_all_gather, dcp_reduce_scatter
 
 # Below this many bytes of partial output per rank, a merge costs its collectives' latency, not
@@ -130,7 +131,8 @@ class DCPAttention:
         state = self.parallel
         if state.dcp_size == 1:
             return out, lse
-        if out.numel() * out.element_size() <= self.fused_merge_max_bytes:
+        # batch-invariant mode: one path whatever the batch size (the sum runs locally, in rank order)
+        if batch_invariant_active() or out.numel() * out.element_size() <= self.fused_merge_max_bytes:
             return self._merge_by_one_gather(out, lse)
         total = torch.logsumexp(dcp_all_gather(lse, state), dim=0)  # [t, N*H_l]
         scaled = out * lse_weights(lse, total).unsqueeze(-1)  # [t, N*H_l, dv]
