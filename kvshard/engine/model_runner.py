@@ -7,8 +7,8 @@ import torch
 from kvshard.attention.metadata import AttentionMetadata, decode_group_spread_from_env
 from kvshard.config import EngineConfig
 from kvshard.engine.step_plan import StepPlan
-from kvshard.layers.batch_invariant import batch_invariant_mode
 from kvshard.kv.cache import allocate_kv_cache
+from kvshard.layers.batch_invariant import batch_invariant_mode
 from kvshard.models.loader import load_weights
 from kvshard.models.registry import model_class
 from kvshard.parallel import ParallelState
