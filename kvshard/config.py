@@ -237,6 +237,7 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     seed: int
+    batch_invariant: bool = False  # EngineArgs.batch_invariant
 
     @cached_property
     def dcp_layout(self) -> DCPLayout:

@@ -25,6 +25,7 @@ from kvshard.attention.kernels import attention_with_lse
 from kvshard.attention.merge import lse_weights, merge_attention_states
 from kvshard.attention.metadata import AttentionMetadata, int_from_env
 from kvshard.kv.cache import KVCacheLayer
+from kvshard.layers.batch_invariant import batch_invariant_active
 from kvshard.parallel import AttentionHeads, ParallelState, dcp_all_gather, dcp_reduce_scatter
 
 # Below this many bytes of partial output per rank, a merge costs its collectives' latency, not
@@ -154,7 +155,8 @@ class Attention:
         state = self.parallel
         if state.dcp_size == 1:
             return out, lse
-        small = out.numel() * out.element_size() <= self.fused_merge_max_bytes
+        # batch-invariant mode: one path whatever the batch size (the sum runs locally, in rank order)
+        small = batch_invariant_active() or out.numel() * out.element_size() <= self.fused_merge_max_bytes
         if small or (whole_heads and not self._whole_heads):
             packed = torch.cat([out, lse.unsqueeze(-1)], dim=-1)  # [t, H/A, dv + 1]
             gathered = dcp_all_gather(packed, state)[:, :, self._output_in_group]  # [N, t, H_o, dv + 1]

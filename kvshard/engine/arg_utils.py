@@ -78,6 +78,9 @@ class EngineArgs:
     kv_transfer_config: str | None = _setting(
         None, "disaggregated prefill/decode, JSON: '{\"kv_role\": \"kv_producer\"}' or \"kv_consumer\" "
               "(serve only; see docs/disaggregation.md)")
+    batch_invariant: bool = _setting(
+        False, "deterministic mode: a request's tokens and logprobs do not depend on the batch it runs in, "
+               "at a cost in throughput; turns prefix caching off (docs/serving.md)")
 
     # --- command line -------------------------------------------------------------------------
     @classmethod
@@ -192,8 +195,9 @@ class EngineArgs:
                 f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                 f"{model_config.max_position_embeddings}: lower --max-model-len"
             )
+        # a prefix hit computes the rest of the prompt against cached context: other bits than without it
         cache = CacheConfig(self.block_size, parse_memory_size(self.kv_cache_memory), self.num_kv_blocks,
-                            self.enable_prefix_caching)
+                            self.enable_prefix_caching and not self.batch_invariant)
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(512, self.max_num_seqs)
@@ -203,7 +207,7 @@ class EngineArgs:
                 "every running request needs one token per decode step"
             )
         scheduler = SchedulerConfig(self.max_num_seqs, max_num_batched_tokens, max_model_len)
-        config = EngineConfig(model_config, parallel, cache, scheduler, self.seed)
+        config = EngineConfig(model_config, parallel, cache, scheduler, self.seed, self.batch_invariant)
         if config.kv_capacity_tokens < max_model_len:
             raise ConfigError(
                 f"the KV cache holds {config.kv_capacity_tokens:,} tokens ({config.num_kv_blocks} blocks per rank), "

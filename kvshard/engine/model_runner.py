@@ -8,6 +8,7 @@ from kvshard.attention.metadata import AttentionMetadata, decode_group_spread_fr
 from kvshard.config import EngineConfig
 from kvshard.engine.step_plan import StepPlan
 from kvshard.kv.cache import allocate_kv_cache
+from kvshard.layers.batch_invariant import batch_invariant_mode
 from kvshard.models.loader import load_weights
 from kvshard.models.registry import model_class
 from kvshard.parallel import ParallelState
@@ -28,7 +29,9 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(
             config.kv_cache_spec, config.num_kv_blocks, config.cache.block_size, config.model.dtype, device
         )
-        self.decode_group_spread = decode_group_spread_from_env()
+        # the attention kernel's rounding depends on the key length a group is padded to: in
+        # batch-invariant mode only decodes of equal local length share a group, so none is padded
+        self.decode_group_spread = 0 if config.batch_invariant else decode_group_spread_from_env()
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -48,6 +51,7 @@ class ModelRunner:
             self.decode_group_spread,
         )
         input_ids = torch.tensor(plan.token_ids, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, meta, self.kv_caches)  # [t, D]
         rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[rows])
+        with batch_invariant_mode(self.config.batch_invariant):
+            hidden = self.model(input_ids, meta, self.kv_caches)  # [t, D]
+            return self.model.compute_logits(hidden[rows])
