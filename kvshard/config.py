@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from kvshard.errors import ConfigError
-from kvshard.kv.cache import KVCacheSpec, kv_cache_spec
+from kvshard.kv.cache import KVCacheSpec, head_dim_of, kv_cache_spec
 from kvshard.kv.layout import DCPLayout
 from kvshard.models.demo import DEMO_MODELS, ensure_demo_model
 from kvshard.models.gguf import resolve_gguf
@@ -66,17 +66,28 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None) -> tor
     return _DTYPES[dtype]
 
 
+# How a DCP group lays out its attention (DESIGN.md section 2; the planner uses the same names).
+HEAD_SPLIT = "head-split"  # query heads split over all T ranks, gathered in the group: one collective more
+REPLICATED = "replicated"  # every rank computes its group's queries: N x the query-side projection weights
+ATTENTION_LAYOUTS = ("auto", HEAD_SPLIT, REPLICATED)
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int
     decode_context_parallel_size: int
     dcp_kv_interleave_size: int
-    dcp_replicate_q: bool
+    attention_layout: str = HEAD_SPLIT  # resolved: HEAD_SPLIT or REPLICATED
 
     @property
     def world_size(self) -> int:
         # DCP reuses the TP ranks: it never adds processes.
         return self.tensor_parallel_size
+
+    @property
+    def attention_tp_size(self) -> int:
+        """A = T / N: attention heads split this many ways, one share per DCP group."""
+        return self.tensor_parallel_size // self.decode_context_parallel_size
 
     @property
     def num_dcp_groups(self) -> int:
@@ -129,6 +140,96 @@ class ModelConfig:
         """KV heads as the cache sees them: MLA has one shared latent."""
         return 1 if self.is_mla else self.hf_config.num_key_value_heads
 
+    @property
+    def num_heads(self) -> int:
+        return self.hf_config.num_attention_heads
+
+    @property
+    def attention_value_dim(self) -> int:
+        """Features of one head's attention output, the input of the output projection."""
+        return self.hf_config.v_head_dim if self.is_mla else head_dim_of(self.hf_config)
+
+    def head_projection_params(self, query_heads: int, kv_heads: int) -> int:
+        """Parameters per layer of the projections a rank splits by head: GQA's Q, K and V for
+        `query_heads` and `kv_heads` heads; MLA's Q (or q_b after the shared Q LoRA) and W_UK, which
+        takes the queries into the latent (the latent's own projections are whole on every rank)."""
+        cfg = self.hf_config
+        if not self.is_mla:
+            return (query_heads + 2 * kv_heads) * head_dim_of(cfg) * cfg.hidden_size
+        q_in = cfg.q_lora_rank or cfg.hidden_size
+        per_head = q_in * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) + cfg.qk_nope_head_dim * cfg.kv_lora_rank
+        return query_heads * per_head
+
+    def tp_split_sizes(self) -> dict[str, int]:
+        """Sizes the MLP / experts split over all T ranks, by what they are (for error messages)."""
+        cfg = self.hf_config
+        routed = getattr(cfg, "n_routed_experts", None) or 0
+        has_moe = routed and getattr(cfg, "first_k_dense_replace", 0) < cfg.num_hidden_layers
+        sizes = {}
+        if not has_moe or getattr(cfg, "first_k_dense_replace", 0) > 0:
+            sizes["MLP width (intermediate_size)"] = cfg.intermediate_size
+        if has_moe:
+            sizes["routed experts (n_routed_experts)"] = routed
+            if cfg.n_shared_experts:
+                sizes["shared-expert width"] = cfg.moe_intermediate_size * cfg.n_shared_experts
+        return sizes
+
+
+def attention_refusal(model: ModelConfig, tp: int, dcp: int) -> str | None:
+    """Why `model` cannot run on tp ranks in DCP groups of dcp in any attention layout, or None."""
+    heads, kv, a = model.num_heads, model.num_kv_heads, tp // dcp
+    if tp % dcp:
+        return f"decode_context_parallel_size={dcp} does not divide tensor_parallel_size={tp}"
+    for what, size in model.tp_split_sizes().items():
+        if size % tp:
+            return f"the model's {what} {size:,} does not split over tensor_parallel_size={tp}"
+    if heads % a:
+        return f"attention-TP A = tp/dcp = {tp}/{dcp} = {a} does not divide the model's {heads} query heads"
+    if kv % a and a % kv:
+        return f"attention-TP A = tp/dcp = {a} neither divides nor is a multiple of the model's {kv} KV heads"
+    if heads * model.attention_value_dim % tp:
+        return f"the {heads * model.attention_value_dim} attention output features do not split over tp={tp}"
+    return None
+
+
+def head_split_refusal(model: ModelConfig, tp: int, dcp: int) -> str | None:
+    """Why the head-split layout does not apply (given attention_refusal is None), or None."""
+    if dcp == 1:
+        return None
+    if model.num_heads % tp:
+        return f"head-split needs tensor_parallel_size={tp} to divide the {model.num_heads} query heads"
+    a = tp // dcp
+    if a % model.num_kv_heads:
+        return (f"head-split needs the ranks of a DCP group to hold the same single KV head "
+                f"(dcp <= tp / num_kv_heads = {tp}/{model.num_kv_heads})")
+    return None
+
+
+def choose_attention_layout(model: ModelConfig, tp: int, dcp: int, requested: str = "auto") -> str:
+    """HEAD_SPLIT where it applies (unless REPLICATED is asked for), else REPLICATED; ConfigError
+    saying what to change when no layout runs this model at this tp and dcp."""
+    if requested not in ATTENTION_LAYOUTS:
+        raise ConfigError(f"dcp_attention_layout={requested!r} is not one of {', '.join(ATTENTION_LAYOUTS)}")
+    reason = attention_refusal(model, tp, dcp)
+    if reason is not None:
+        raise ConfigError(f"{reason}: {_what_works(model, tp)}")
+    head_split = head_split_refusal(model, tp, dcp)
+    if requested == HEAD_SPLIT and head_split is not None:
+        raise ConfigError(f"{head_split}: use --dcp-attention-layout replicated (or auto)")
+    if requested == REPLICATED or head_split is not None:
+        return REPLICATED if dcp > 1 else HEAD_SPLIT
+    return HEAD_SPLIT
+
+
+def _what_works(model: ModelConfig, tp: int) -> str:
+    dcps = [d for d in range(1, tp + 1) if tp % d == 0 and attention_refusal(model, tp, d) is None]
+    if dcps:
+        return f"at tensor_parallel_size={tp} use --dcp {' or '.join(map(str, dcps))}"
+    tps = [(t, d) for t in range(1, 65) for d in range(1, t + 1)
+           if t % d == 0 and attention_refusal(model, t, d) is None and t > 1]
+    examples = ", ".join(f"tp={t} dcp={d}" for t, d in tps[:6])
+    return f"no dcp works at tensor_parallel_size={tp}; choose another tp ({examples or 'tp=1'})"
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -137,6 +238,7 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     seed: int
+    batch_invariant: bool = False  # EngineArgs.batch_invariant
     speculative: SpeculativeConfig | None = None
 
     @cached_property
@@ -149,7 +251,7 @@ class EngineConfig:
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
         """The cache one rank holds, derived once from the model: the runner allocates this spec."""
-        return kv_cache_spec(self.model, self.parallel.tensor_parallel_size)
+        return kv_cache_spec(self.model, self.parallel.attention_tp_size)
 
     @property
     def kv_heads_per_rank(self) -> int:
@@ -157,9 +259,27 @@ class EngineConfig:
 
     @property
     def kv_copies_per_token(self) -> int:
-        """How many ranks store the same K/V of a token: the ranks holding one KV head, over dcp."""
-        holders = max(1, self.parallel.tensor_parallel_size // self.model.num_kv_heads)
-        return holders // self.parallel.decode_context_parallel_size
+        """How many ranks store the same K/V of a token: the DCP groups holding one KV head
+        (A / kv_heads when attention-TP exceeds the KV heads); a group stores it once."""
+        return max(1, self.parallel.attention_tp_size // self.model.num_kv_heads)
+
+    # --- attention layout -------------------------------------------------------------
+    @property
+    def query_heads_per_rank(self) -> int:
+        """Heads whose query one rank computes: its 1/T share (head-split) or its group's 1/A."""
+        p = self.parallel
+        ways = p.attention_tp_size if p.attention_layout == REPLICATED else p.tensor_parallel_size
+        return self.model.num_heads // ways
+
+    @property
+    def replicated_projection_bytes_per_rank(self) -> int:
+        """Projection bytes one rank holds beyond plain TP's share of the heads (all layers; 0 for
+        head-split): the group's queries, and its K/V heads when they outnumber plain TP's. The price
+        of skipping the Q all-gather, counted at the model dtype."""
+        model, tp = self.model, self.parallel.tensor_parallel_size
+        plain_tp = model.head_projection_params(model.num_heads // tp, max(1, model.num_kv_heads // tp))
+        extra = model.head_projection_params(self.query_heads_per_rank, self.kv_heads_per_rank) - plain_tp
+        return model.num_layers * extra * torch.tensor([], dtype=model.dtype).element_size()
 
     @property
     def kv_bytes_per_token_per_rank(self) -> float:
@@ -173,7 +293,7 @@ class EngineConfig:
         slot = self.kv_cache_spec.bytes_per_slot(self.model.dtype)
         draft = self.speculative.draft_model_config if self.speculative is not None else None
         if draft is not None:
-            slot += kv_cache_spec(draft, self.parallel.tensor_parallel_size).bytes_per_slot(draft.dtype)
+            slot += kv_cache_spec(draft, self.parallel.attention_tp_size).bytes_per_slot(draft.dtype)
         return slot
 
     @property
@@ -213,6 +333,7 @@ class EngineConfig:
             f"dtype {str(self.model.dtype).removeprefix('torch.')})",
             f"ranks: {p.world_size} (tp={p.tensor_parallel_size}, dcp={p.decode_context_parallel_size}, "
             f"interleave={p.dcp_kv_interleave_size}); DCP groups: {p.dcp_groups()}",
+            self._attention_line(),
             f"KV bytes per token per rank: {self.kv_bytes_per_token_per_rank:,.1f} "
             f"({self.kv_bytes_per_slot:,} per slot, {self.model.num_layers} layers, "
             f"{self.kv_heads_per_rank} KV head(s) per rank)",
@@ -228,6 +349,19 @@ class EngineConfig:
         if self.speculative is not None:
             lines.append(self.speculative.describe())
         return "\n".join(lines)
+
+    def _attention_line(self) -> str:
+        p, model = self.parallel, self.model
+        heads = (f"{model.num_heads // p.attention_tp_size} query heads per DCP group, "
+                 f"{self.query_heads_per_rank} computed per rank")
+        if p.decode_context_parallel_size == 1:
+            return f"attention: TP over all {p.world_size} rank(s), {heads}"
+        if p.attention_layout == HEAD_SPLIT:
+            how = "queries split over all ranks, all-gathered in the group"
+        else:
+            how = (f"every rank computes its group's queries (replicated projections: "
+                   f"+{self.replicated_projection_bytes_per_rank / 2**20:,.2f} MiB per rank, no Q all-gather)")
+        return f"attention layout: {p.attention_layout} (attention-TP A={p.attention_tp_size}; {heads}; {how})"
 
 
 # --- model directory ---------------------------------------------------------

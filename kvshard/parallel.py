@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kvshard.config import ParallelConfig
+from kvshard.config import HEAD_SPLIT, REPLICATED, ParallelConfig
 from kvshard.shm import ShmGroup, host_identity, shm_supported, slot_bytes
 
 # A collective that waits longer than this means a peer is gone.
@@ -27,8 +27,35 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("KVSHARD_CO
 
 
 @dataclass(frozen=True)
+class AttentionHeads:
+    """The attention heads one rank works with (global head indices).
+
+    `query`: heads whose query it computes; `kv`: KV heads it computes and caches (for its
+    DCP group's share of the sequence); `group`: heads its DCP group attends for;
+    `output`: heads overlapping its 1/N share of the group's output features.
+    """
+
+    num_heads: int  # H, the model's query heads
+    num_kv_heads: int  # the model's KV heads (1 for MLA's latent)
+    query: range
+    kv: range
+    group: range
+    output: range
+    gathers_queries: bool  # head-split with DCP: the group's queries are all-gathered
+
+    @property
+    def heads_per_kv_head(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True)
 class ParallelState:
-    """Who this process is: its rank in the world, in TP and in its DCP group."""
+    """Who this process is: its rank in the world, in TP and in its DCP group.
+
+    Two tensor-parallel views of the same ranks (DESIGN.md section 2): the MLP, embeddings and
+    LM head split over all `tp_size` ranks; attention splits its heads `attention_tp_size` =
+    tp / dcp ways, one share per DCP group.
+    """
 
     rank: int
     world_size: int
@@ -40,10 +67,42 @@ class ParallelState:
     control_group: Any = None  # gloo group for step plans (CPU objects), None when alone
     tp_shm: ShmGroup | None = None  # shared-memory collectives when every rank is on this CPU machine
     dcp_shm: ShmGroup | None = None
+    attention_layout: str = HEAD_SPLIT  # HEAD_SPLIT or REPLICATED (the same thing when dcp == 1)
 
     @property
     def tp_rank(self) -> int:
         return self.rank
+
+    @property
+    def attention_tp_size(self) -> int:
+        return self.world_size // self.dcp_size
+
+    @property
+    def attention_tp_rank(self) -> int:
+        return self.dcp_group_index
+
+    def attention_heads(self, num_heads: int, num_kv_heads: int) -> AttentionHeads:
+        """The heads this rank computes for a model of `num_heads` query and `num_kv_heads` KV heads.
+
+        A DCP group holds its 1/A share of the query heads and of the KV heads (one whole KV head,
+        replicated over A / kv_heads groups, when A exceeds them). Head-split: each rank computes
+        the query of its 1/T share and the group all-gathers them; replicated: each rank computes
+        the whole group's.
+        """
+        a, g, n, r = self.attention_tp_size, self.attention_tp_rank, self.dcp_size, self.dcp_rank
+        per_group = num_heads // a
+        group = range(g * per_group, (g + 1) * per_group)
+        if a <= num_kv_heads:
+            kv = range(g * num_kv_heads // a, (g + 1) * num_kv_heads // a)
+        else:
+            head = g // (a // num_kv_heads)
+            kv = range(head, head + 1)
+        head_split = self.attention_layout != REPLICATED or n == 1
+        per_rank = num_heads // self.world_size
+        query = range(self.rank * per_rank, (self.rank + 1) * per_rank) if head_split else group
+        # the output features [r/N, (r+1)/N) of the group's cover these heads (partly at either end)
+        output = range(group.start + r * per_group // n, group.start + -(-(r + 1) * per_group // n))
+        return AttentionHeads(num_heads, num_kv_heads, query, kv, group, output, head_split and n > 1)
 
     @property
     def tp_size(self) -> int:
@@ -117,6 +176,7 @@ def init_parallel(
         control_group=control,
         tp_shm=tp_shm,
         dcp_shm=dcp_shm,
+        attention_layout=parallel.attention_layout,
     )
 
 

@@ -38,10 +38,11 @@ def two_kv_heads(checkpoints):
     "kwargs, message",
     [
         ({"decode_context_parallel_size": 0}, "decode_context_parallel_size must be a positive integer"),
-        ({"tensor_parallel_size": 4, "decode_context_parallel_size": 3}, "not divisible by decode_context_parallel_size=3"),
+        ({"tensor_parallel_size": 4, "decode_context_parallel_size": 3},
+         "decode_context_parallel_size=3 does not divide tensor_parallel_size=4: .*use --dcp 1 or 2 or 4"),
         ({"tensor_parallel_size": 2, "decode_context_parallel_size": 2, "block_size": 6, "dcp_kv_interleave_size": 4},
          "block_size=6 is not a multiple of dcp_kv_interleave_size=4"),
-        ({"tensor_parallel_size": 3}, "not divisible by tensor_parallel_size=3"),
+        ({"tensor_parallel_size": 3}, "does not split over tensor_parallel_size=3"),
         ({"kv_cache_memory": "lots"}, "is not a size"),
         ({"kv_cache_memory": "1KiB"}, "fewer than one request of max_model_len"),
         ({"max_model_len": 100000}, "exceeds the model's max_position_embeddings"),
@@ -54,11 +55,16 @@ def test_bad_configuration_is_rejected_with_what_to_change(one_kv_head, kwargs, 
     assert multiprocessing.active_children() == []
 
 
-def test_gqa_dcp_beyond_kv_head_replicas_is_rejected(two_kv_heads):
-    # tp=4 over 2 KV heads: each head has 2 replicas, so a DCP group can have at most 2 ranks
-    with pytest.raises(ConfigError, match=r"exceeds tp / num_kv_heads = 4/2 = 2: .*--dcp 2"):
-        LLM(str(two_kv_heads), tensor_parallel_size=4, decode_context_parallel_size=4)
-    _config(two_kv_heads, tensor_parallel_size=4, decode_context_parallel_size=2)  # the fix works
+def test_gqa_dcp_beyond_kv_head_replicas_needs_the_replicated_layout(two_kv_heads):
+    # tp=4 over 2 KV heads: each head has 2 replicas, so a head-split DCP group can have at most 2 ranks
+    with pytest.raises(ConfigError, match=r"dcp <= tp / num_kv_heads = 4/2\).*--dcp-attention-layout replicated"):
+        LLM(str(two_kv_heads), tensor_parallel_size=4, decode_context_parallel_size=4,
+            dcp_attention_layout="head-split")
+    assert _config(two_kv_heads, tensor_parallel_size=4, decode_context_parallel_size=2).parallel.attention_layout \
+        == "head-split"
+    # auto: the group of 4 computes both KV heads, each rank caching 1/4 of the tokens
+    wide = _config(two_kv_heads, tensor_parallel_size=4, decode_context_parallel_size=4)
+    assert wide.parallel.attention_layout == "replicated" and wide.kv_heads_per_rank == 2
     assert multiprocessing.active_children() == []
 
 
@@ -143,8 +149,12 @@ def test_flags_and_aliases_fill_the_same_fields():
     parsed = _parsed(["some-model", "-tp", "4", "--dcp", "2", "--dcp-kv-interleave-size", "4", "--dcp-replicate-q",
                       "--kv-cache-memory", "64MiB", "--max-model-len", "128", "--no-enable-prefix-caching"])
     assert parsed == EngineArgs("some-model", tensor_parallel_size=4, decode_context_parallel_size=2,
-                                dcp_kv_interleave_size=4, dcp_replicate_q=True, kv_cache_memory="64MiB",
+                                dcp_kv_interleave_size=4, dcp_attention_layout="replicated", kv_cache_memory="64MiB",
                                 max_model_len=128, enable_prefix_caching=False)
+    # --dcp-replicate-q is an alias of the layout setting, on the command line and as a keyword of LLM
+    assert _parsed(["--dcp-replicate-q"]) == _parsed(["--dcp-attention-layout", "replicated"])
+    assert EngineArgs.from_kwargs("m", dcp_replicate_q=True) == EngineArgs("m", dcp_attention_layout="replicated")
+    assert EngineArgs.from_kwargs("m", dcp_replicate_q=False) == EngineArgs("m")
     assert _parsed(["-dcp", "2"]) == _parsed(["--decode-context-parallel-size", "2"])
     # what a child `kvshard serve` receives parses back to the same settings
     assert _parsed(["some-model", *parsed.to_cli_args()]) == parsed

@@ -43,7 +43,7 @@ MODELS = {
 
 class Run:
     def __init__(self, outputs, peak_blocks: int, peak_tokens_per_rank: list[int], kv_bytes_per_slot: int,
-                 allocated_bytes: int, num_blocks: int, shared_memory: bool):
+                 allocated_bytes: int, num_blocks: int, shared_memory: bool, attention_layout: str):
         self.tokens = [o.outputs[0].token_ids for o in outputs]
         self.logprobs = [o.outputs[0].logprobs for o in outputs]
         self.peak_blocks = peak_blocks
@@ -52,6 +52,7 @@ class Run:
         self.allocated_bytes = allocated_bytes
         self.num_blocks = num_blocks
         self.shared_memory = shared_memory  # the collectives went through shared memory (else gloo)
+        self.attention_layout = attention_layout
 
 
 @pytest.fixture(scope="module")
@@ -59,20 +60,20 @@ def run(checkpoints):
     cache: dict[tuple, Run] = {}
 
     def get(model: str, tp: int, dcp: int, interleave: int = 1, budget: int | None = None,
-            replicate_q: bool = False, env: dict | None = None) -> Run:
-        key = (model, tp, dcp, interleave, budget, replicate_q, tuple(sorted((env or {}).items())))
+            attention: str = "auto", env: dict | None = None) -> Run:
+        key = (model, tp, dcp, interleave, budget, attention, tuple(sorted((env or {}).items())))
         if key not in cache:
             path = checkpoints(model, MODELS[model]())
             with environment(env or {}):
-                cache[key] = _run(path, tp, dcp, interleave, budget, replicate_q)
+                cache[key] = _run(path, tp, dcp, interleave, budget, attention)
         return cache[key]
 
     return get
 
 
-def _run(path, tp: int, dcp: int, interleave: int, budget: int | None, replicate_q: bool) -> Run:
+def _run(path, tp: int, dcp: int, interleave: int, budget: int | None, attention: str) -> Run:
     with LLM(str(path), tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-             dcp_kv_interleave_size=interleave, dcp_replicate_q=replicate_q, block_size=BLOCK, max_num_seqs=8,
+             dcp_kv_interleave_size=interleave, dcp_attention_layout=attention, block_size=BLOCK, max_num_seqs=8,
              max_num_batched_tokens=budget, kv_cache_memory="1MiB") as llm:
         engine = llm.engine
         for i, prompt in enumerate(PROMPTS):
@@ -88,7 +89,7 @@ def _run(path, tp: int, dcp: int, interleave: int, budget: int | None, replicate
         assert engine.stats().kv_blocks_used == 0
         return Run([done[str(i)] for i in range(len(PROMPTS))], peak_blocks, peak_tokens,
                    llm.config.kv_bytes_per_slot, engine.runner.kv_cache_bytes, llm.config.num_kv_blocks,
-                   engine.executor.parallel.tp_shm is not None)
+                   engine.executor.parallel.tp_shm is not None, llm.config.parallel.attention_layout)
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +113,7 @@ def assert_same_as(got: Run, want: Run) -> None:
 @pytest.mark.parametrize("tp, dcp, interleave, budget", LLAMA_LAYOUTS)
 def test_llama_matches_transformers_and_no_dcp(run, reference, tp, dcp, interleave, budget):
     result = run("llama", tp, dcp, interleave, budget)
+    assert result.attention_layout == "head-split"  # where it applies, auto keeps the Q all-gather layout
     assert result.tokens == reference("llama")
     assert_same_as(result, run("llama", 1, 1))
 
@@ -128,7 +130,8 @@ def test_qwen2_and_mistral_match_transformers(run, reference, model, tp, dcp, in
 @pytest.mark.parametrize("tp, dcp, interleave, budget", [(4, 4, 1, 16), (4, 2, BLOCK, None)])
 def test_replicated_queries_change_nothing(run, tp, dcp, interleave, budget):
     """Each rank computes its whole group's queries instead of all-gathering them."""
-    result = run("llama", tp, dcp, interleave, budget, replicate_q=True)
+    result = run("llama", tp, dcp, interleave, budget, attention="replicated")
+    assert result.attention_layout == "replicated"
     assert result.tokens == run("llama", tp, dcp, interleave, budget).tokens
     assert_same_as(result, run("llama", 1, 1))
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import DeepseekV2Config, DeepseekV3Config
 
-from kvshard import LLM, SamplingParams
+from kvshard import LLM, ConfigError, SamplingParams
 from kvshard.config import EngineConfig
 from kvshard.engine.arg_utils import EngineArgs
 
@@ -50,6 +50,12 @@ CONFIGS = {
         **_SHAPE, q_lora_rank=None, first_k_dense_replace=3, rope_interleave=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     ), 0),
+    # 6 heads: at tp=4 a DCP group of 4 (or 2) holds 6 (or 3) heads, so a rank's share of the output
+    # ends inside a head (only the replicated layout runs it).
+    "v3-6heads": (DeepseekV3Config(
+        **{**_SHAPE, "num_attention_heads": 6}, q_lora_rank=None, first_k_dense_replace=3, rope_interleave=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ), 1),
     # V2(-Lite): softmax routing limited to the best groups, two shared experts, YaRN as V2 ships it.
     "v2-moe": (DeepseekV2Config(
         **_SHAPE, **_MOE, q_lora_rank=None, n_shared_experts=2, topk_method="group_limited_greedy", n_group=4,
@@ -65,24 +71,27 @@ class Layout:
     tp: int
     dcp: int
     interleave: int = 1
-    replicate_q: bool = False
+    attention: str = "auto"  # dcp_attention_layout
     env: tuple[tuple[str, str], ...] = ()  # environment the ranks start with
 
     def __str__(self) -> str:
-        return (f"tp{self.tp}-dcp{self.dcp}-i{self.interleave}" + ("-replicate_q" if self.replicate_q else "")
+        return (f"tp{self.tp}-dcp{self.dcp}-i{self.interleave}" + (f"-{self.attention}" if self.attention != "auto" else "")
                 + "".join(f"-{name}={value}" for name, value in self.env))
 
 
 # Each tp=4 start costs ~10 s here, so the layouts cover the features instead of the full cross
 # product: every config runs unsharded (tp=1, the DCP baseline) and at tp=4 with dcp=2 and dcp=4,
 # one of them with interleave 1 and the other with interleave = block size, alternating between
-# configs. Q replication runs on the MoE config at dcp=2, where there are two DCP groups, so the
-# second group's slice of heads is exercised. tp=4 without DCP (4 replicated latents) runs on the
-# dense config, which also carries the accounting checks at dcp 1, 2 and 4.
+# configs. The replicated layout (every rank computes its group's queries) runs on the MoE config at
+# dcp=2, where there are two DCP groups, so the second group's slice of heads is exercised, and on
+# the dense config at dcp=4 next to its head-split run. tp=4 without DCP (4 replicated latents) runs
+# on the dense config, which also carries the accounting checks at dcp 1, 2 and 4.
 RUNS: dict[str, list[Layout]] = {
-    "v3-moe": [Layout(1, 1), Layout(4, 2, 1, replicate_q=True), Layout(4, 4, BLOCK_SIZE)],
-    "v3-dense": [Layout(1, 1), Layout(4, 1), Layout(4, 2, BLOCK_SIZE), Layout(4, 4, 1)],
+    "v3-moe": [Layout(1, 1), Layout(4, 2, 1, "replicated"), Layout(4, 4, BLOCK_SIZE)],
+    "v3-dense": [Layout(1, 1), Layout(4, 1), Layout(4, 2, BLOCK_SIZE), Layout(4, 4, 1), Layout(4, 4, 1, "replicated")],
     "v2-moe": [Layout(1, 1), Layout(4, 2, 1), Layout(4, 4, BLOCK_SIZE)],
+    # at KVSHARD_FUSED_MERGE_MAX_BYTES=0 a GQA merge would reduce-scatter features; W_UV needs whole heads' latents
+    "v3-6heads": [Layout(1, 1), Layout(4, 4, 1), Layout(4, 2, BLOCK_SIZE, env=(("KVSHARD_FUSED_MERGE_MAX_BYTES", "0"),))],
 }
 SHARDED_RUNS = [(name, layout) for name, layouts in RUNS.items() for layout in layouts if layout.tp > 1]
 ALL_RUNS = [(name, layout) for name, layouts in RUNS.items() for layout in layouts]
@@ -148,7 +157,7 @@ class Run:
 def _run(directory: Path, layout: Layout, prompts: list[list[int]], dtype: str = "auto") -> Run:
     with environment(dict(layout.env)), LLM(
         str(directory), tensor_parallel_size=layout.tp, decode_context_parallel_size=layout.dcp,
-        dcp_kv_interleave_size=layout.interleave, dcp_replicate_q=layout.replicate_q, block_size=BLOCK_SIZE,
+        dcp_kv_interleave_size=layout.interleave, dcp_attention_layout=layout.attention, block_size=BLOCK_SIZE,
         max_model_len=128, num_kv_blocks=64, max_num_seqs=4,
         max_num_batched_tokens=16,  # long prompts prefill in chunks that attend to the sharded cache
         dtype=dtype,
@@ -252,16 +261,29 @@ def test_bfloat16_runs_close_to_float32(run, layout):
         assert logprobs[0][first] == pytest.approx(base_logprobs[0][first], abs=0.15)
 
 
-def test_replicated_q_projects_the_whole_dcp_group_and_changes_nothing(run):
-    cfg = CONFIGS["v3-moe"][0]
-    replicated = run("v3-moe", Layout(4, 2, 1, replicate_q=True))
+@pytest.mark.parametrize("name, dcp, interleave", [("v3-moe", 2, 1), ("v3-dense", 4, 1)])
+def test_replicated_layout_projects_the_whole_dcp_group_and_changes_nothing(run, name, dcp, interleave):
+    cfg = CONFIGS[name][0]
+    replicated = run(name, Layout(4, dcp, interleave, "replicated"))
+    assert replicated.config.parallel.attention_layout == "replicated"
     heads_per_rank = cfg.num_attention_heads // 4
     qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    assert replicated.q_rows_on_rank0 == 2 * heads_per_rank * qk_head_dim  # both ranks' heads, no Q all-gather
-    assert run("v3-moe", Layout(4, 4, BLOCK_SIZE)).q_rows_on_rank0 == heads_per_rank * qk_head_dim
-    single = run("v3-moe", Layout(1, 1)).generation
+    assert replicated.q_rows_on_rank0 == dcp * heads_per_rank * qk_head_dim  # the group's heads, no Q all-gather
+    head_split = run(name, next(l for l in RUNS[name] if l.tp == 4 and l.dcp > 1 and l.attention == "auto"))
+    assert head_split.config.parallel.attention_layout == "head-split"  # auto's choice for MLA
+    assert head_split.q_rows_on_rank0 == heads_per_rank * qk_head_dim
+    assert replicated.generation.tokens == head_split.generation.tokens
+    single = run(name, Layout(1, 1)).generation
     assert_same_generation(replicated.generation.tokens, replicated.generation.logprobs, single.tokens,
                            single.logprobs, atol=2e-4)
+
+
+def test_six_heads_run_only_in_the_replicated_layout(run, checkpoint):
+    for layout in RUNS["v3-6heads"][1:]:
+        assert run("v3-6heads", layout).config.parallel.attention_layout == "replicated"
+    with pytest.raises(ConfigError, match="head-split needs tensor_parallel_size=4 to divide the 6 query heads"):
+        EngineArgs(str(checkpoint("v3-6heads")), tensor_parallel_size=4, decode_context_parallel_size=4,
+                   dcp_attention_layout="head-split").create_engine_config()
 
 
 def _latent_bytes_per_token(name: str) -> int:

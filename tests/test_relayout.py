@@ -98,6 +98,10 @@ def test_kv_heads_of_ranks_follow_the_qkv_weights():
     assert kv_heads_of_ranks(8, 2) == (range(0, 4), range(4, 8))
     assert kv_heads_of_ranks(2, 4) == (range(0, 1), range(0, 1), range(1, 2), range(1, 2))
     assert kv_heads_of_ranks(1, 4) == (range(0, 1),) * 4
+    # attention-TP over DCP groups: 3 KV heads, tp=6, dcp=2 -> A=3, one head per group of two ranks
+    assert kv_heads_of_ranks(3, 6, 2) == (range(0, 1),) * 2 + (range(1, 2),) * 2 + (range(2, 3),) * 2
+    # 8 KV heads at tp=4 dcp=4: A=1, every rank holds all heads
+    assert kv_heads_of_ranks(8, 4, 4) == (range(0, 8),) * 4
 
 
 def test_a_table_too_short_is_refused():

@@ -1,13 +1,16 @@
 """The DCP decode rhythm (DESIGN.md section 4), one call per attention layer.
 
-First every rank writes the new tokens it owns into its cache. Then:
+A DCP group of N ranks attends for its 1/A share of the heads (A = tp / N) and
+splits their KV along the sequence. First every rank writes the new tokens it
+owns into its cache. Then:
 
-  (a) cached context, sharded over the DCP group (for a decode this includes
-      its new token): AllGather Q over the group -> attention of all gathered
-      heads over the local shard, with LSE -> AllGather LSE, rescale,
-      ReduceScatter the heads back to their rank;
+  (a) cached context, sharded over the group (for a decode this includes its
+      new token): the group's queries (all-gathered in the head-split layout,
+      computed by every rank in the replicated one) -> attention of all of them
+      over the local shard, with LSE -> AllGather LSE, rescale, ReduceScatter
+      hands each rank 1/N of the output features;
   (b) for prefill chunks only: causal attention over the chunk's own K/V
-      (every rank of the group computed them), for this rank's heads;
+      (every rank of the group computed them), for the heads of those features;
   and (a) and (b) are merged by LSE. With dcp = 1 the collectives are
   identities and this is ordinary paged attention.
 """
@@ -22,7 +25,8 @@ from kvshard.attention.kernels import attention_with_lse
 from kvshard.attention.merge import lse_weights, merge_attention_states
 from kvshard.attention.metadata import AttentionMetadata, int_from_env
 from kvshard.kv.cache import KVCacheLayer
-from kvshard.parallel import ParallelState, dcp_all_gather, dcp_reduce_scatter
+from kvshard.layers.batch_invariant import batch_invariant_active
+from kvshard.parallel import AttentionHeads, ParallelState, dcp_all_gather, dcp_reduce_scatter
 
 # Below this many bytes of partial output per rank, a merge costs its collectives' latency, not
 # their bandwidth: one all-gather of [output | lse] replaces the LSE all-gather + ReduceScatter
@@ -36,68 +40,86 @@ def fused_merge_max_bytes_from_env() -> int:
     return int_from_env("KVSHARD_FUSED_MERGE_MAX_BYTES", FUSED_MERGE_MAX_BYTES)
 
 
-def query_heads(num_heads: int, parallel: ParallelState, replicate_q: bool) -> range:
-    """The heads whose query this rank computes: its own, or those of its whole DCP group.
+class Attention:
+    """One layer's attention on one rank, DCP or not: models see only this.
 
-    DCP groups are contiguous slices of the TP ranks, so the group's heads are contiguous too.
+    The model gives it q of `heads.query`, k and v of `heads.kv` (ParallelState.attention_heads)
+    and gets back this rank's 1/N share of its DCP group's output features, [t, H/A * dv / N]:
+    the input slice of an output projection that is row-parallel over all T ranks. With
+    head-split that share is the rank's own heads; otherwise it may end inside a head.
     """
-    per_rank = num_heads // parallel.tp_size
-    if replicate_q:
-        per_group = per_rank * parallel.dcp_size
-        return range(parallel.dcp_group_index * per_group, (parallel.dcp_group_index + 1) * per_group)
-    return range(parallel.tp_rank * per_rank, (parallel.tp_rank + 1) * per_rank)
 
-
-class DCPAttention:
-    """One layer's attention on one rank; the model gives it projected q, k, v and gets back
-    the output of this rank's own heads, whether DCP is on or not."""
-
-    def __init__(self, num_heads: int, scale: float, parallel: ParallelState) -> None:
-        self.num_heads = num_heads  # this rank's query heads (H_l)
+    def __init__(self, heads: AttentionHeads, scale: float, parallel: ParallelState) -> None:
+        self.heads = heads
         self.scale = scale
         self.parallel = parallel
         self.fused_merge_max_bytes = fused_merge_max_bytes_from_env()
+        # where the output heads sit among the group's heads and among the computed queries
+        self._output_in_group = _relative(heads.output, heads.group)
+        self._output_in_query = _relative(heads.output, heads.query)
+        self._output_kv = self._kv_heads_of(heads.output)
+        self._whole_heads = len(heads.group) % parallel.dcp_size == 0  # each rank's share is whole heads
 
     def forward(
         self,
-        q: torch.Tensor,  # [t, H_l, dk], or [t, N*H_l, dk] when q_spans_dcp_group
+        q: torch.Tensor,  # [t, Hq, dk]: the heads.query heads
         k: torch.Tensor,  # [t, Hk, dk]
         v: torch.Tensor,  # [t, Hk, dv]
         cache: KVCacheLayer,
         meta: AttentionMetadata,
-        q_spans_dcp_group: bool = False,
         value_map: Callable[[torch.Tensor], torch.Tensor] | None = None,
         chunk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Attention output [t, H_l, dv] of this rank's heads; [t, H_l, value_map(dv)] with value_map.
+        """This rank's output features [t, H/A * dv / N] (dv after value_map, with value_map).
 
         `value_map` (linear, per head) is applied to the cached-context attention before the merge;
-        `chunk` = (q [t, H_l, d], k [t, H_l, d], v [t, H_l, value_map(dv)]) then replaces q, k, v for
-        the prefill chunks' attention to themselves: MLA attends to its cached latents in the absorbed
-        form and, within a chunk, in the cheaper expanded form. The merge by LSE is exact across forms
-        because both give the same scores.
+        `chunk` = (q, k, v) of the output heads ([t, H_o, d], [t, H_o, d], [t, H_o, value_map(dv)])
+        then replaces q, k, v for the prefill chunks' attention to themselves: MLA attends to its
+        cached latents in the absorbed form and, within a chunk, in the cheaper expanded form. The
+        merge by LSE is exact across forms because both give the same scores.
         """
         state = self.parallel
         if meta.write_index.numel():
             cache.write(meta.write_slots, k[meta.write_index], v[meta.write_index])
-        q_group = q
-        if q_spans_dcp_group:
-            q = q.unflatten(1, (state.dcp_size, self.num_heads))[:, state.dcp_rank]
-        elif meta.uses_context and state.dcp_size > 1:
-            q_group = dcp_all_gather(q, state).permute(1, 0, 2, 3).flatten(1, 2)  # [t, N*H_l, dk]
-        out = lse = None
+        out = lse = None  # over the output heads: [t, H_o, dv], [t, H_o]
         if meta.uses_context:
-            out, lse = self._attend_context(q_group, cache, meta)  # [t, N*H_l, dv], [t, N*H_l]
-            out, lse = self._merge_over_group(out, lse)  # [t, H_l, dv], [t, H_l]
+            q_group = q
+            if self.heads.gathers_queries:
+                q_group = dcp_all_gather(q, state).permute(1, 0, 2, 3).flatten(1, 2)  # [t, H/A, dk]
+            out, lse = self._attend_context(q_group, cache, meta)  # [t, H/A, dv], [t, H/A]
+            # a value map needs whole heads' merged latents: a share ending inside a head gathers them all
+            out, lse = self._merge_over_group(out, lse, whole_heads=value_map is not None)  # [t, H_o, dv], [t, H_o]
             if value_map is not None:  # in the model's dtype, as its weights; merged in float32
                 out = value_map(out.to(q.dtype)).float()
         if meta.has_prefill:
-            chunk_out, chunk_lse = self._attend_chunks(*(chunk if chunk is not None else (q, k, v)), meta)
+            if chunk is None:
+                chunk = (q[:, self._output_in_query], k[:, self._output_kv], v[:, self._output_kv])
+            chunk_out, chunk_lse = self._attend_chunks(*chunk, meta)
             if out is None:
                 out = chunk_out
             else:
                 out, _ = merge_attention_states(torch.stack([out, chunk_out]), torch.stack([lse, chunk_lse]))
-        return out.to(q.dtype)
+        if self._whole_heads:
+            return out.flatten(1).to(q.dtype)
+        return out.flatten(1)[:, self._share(out.shape[-1])].to(q.dtype)  # [t, H/A * dv / N]
+
+    def _kv_heads_of(self, query_heads: range) -> slice | torch.Tensor:
+        """The KV heads (among heads.kv) the given query heads read: a slice when the kernel's
+        grouping (query i reads KV i // (Hq / Hk)) holds, else one index per query head."""
+        per = self.heads.heads_per_kv_head
+        kv_of = [h // per - self.heads.kv.start for h in query_heads]
+        touched = kv_of[-1] - kv_of[0] + 1
+        if len(kv_of) % touched == 0:
+            group = len(kv_of) // touched
+            if all(kv == kv_of[0] + i // group for i, kv in enumerate(kv_of)):
+                return slice(kv_of[0], kv_of[-1] + 1)
+        return torch.tensor(kv_of)
+
+    def _share(self, dv: int) -> slice:
+        """This rank's 1/N of the group's output features, within the output heads' features."""
+        width = len(self.heads.group) * dv // self.parallel.dcp_size
+        start = self.parallel.dcp_rank * width - self._output_in_group.start * dv
+        return slice(start, start + width)
 
     def _attend_chunks(self, q, k, v, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Causal attention inside each prefill chunk; decode rows stay empty (lse = -inf)."""
@@ -125,22 +147,31 @@ class DCPAttention:
             out[rows], lse[rows] = o.flatten(0, 1), l.flatten(0, 1)
         return out, lse
 
-    def _merge_over_group(self, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sum the group's partial attentions, weighted by LSE, and keep this rank's heads."""
+    def _merge_over_group(self, out: torch.Tensor, lse: torch.Tensor,
+                          whole_heads: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum the group's partial attentions [t, H/A, dv], weighted by LSE, and keep this rank's
+        share of the features, in its output heads [t, H_o, dv] (features of a head at either end
+        that belong to a neighbour are left zero, unless `whole_heads`)."""
         state = self.parallel
         if state.dcp_size == 1:
             return out, lse
-        if out.numel() * out.element_size() <= self.fused_merge_max_bytes:
-            return self._merge_by_one_gather(out, lse)
-        total = torch.logsumexp(dcp_all_gather(lse, state), dim=0)  # [t, N*H_l]
-        scaled = out * lse_weights(lse, total).unsqueeze(-1)  # [t, N*H_l, dv]
-        per_rank = scaled.unflatten(1, (state.dcp_size, self.num_heads)).transpose(0, 1)  # [N, t, H_l, dv]
-        mine = dcp_reduce_scatter(per_rank, state)  # [t, H_l, dv]
-        return mine, total.unflatten(1, (state.dcp_size, self.num_heads))[:, state.dcp_rank]
+        # batch-invariant mode: one path whatever the batch size (the sum runs locally, in rank order)
+        small = batch_invariant_active() or out.numel() * out.element_size() <= self.fused_merge_max_bytes
+        if small or (whole_heads and not self._whole_heads):
+            packed = torch.cat([out, lse.unsqueeze(-1)], dim=-1)  # [t, H/A, dv + 1]
+            gathered = dcp_all_gather(packed, state)[:, :, self._output_in_group]  # [N, t, H_o, dv + 1]
+            return merge_attention_states(gathered[..., :-1], gathered[..., -1])
+        total = torch.logsumexp(dcp_all_gather(lse, state), dim=0)  # [t, H/A]
+        scaled = out * lse_weights(lse, total).unsqueeze(-1)  # [t, H/A, dv]
+        t, heads, dv = out.shape
+        per_rank = scaled.flatten(1).unflatten(1, (state.dcp_size, -1)).transpose(0, 1)  # [N, t, H/A*dv/N]
+        mine = dcp_reduce_scatter(per_rank, state)  # [t, H/A*dv/N]
+        if not self._whole_heads:
+            padded = mine.new_zeros(t, len(self.heads.output) * dv)
+            padded[:, self._share(dv)] = mine
+            mine = padded
+        return mine.unflatten(1, (-1, dv)), total[:, self._output_in_group]
 
-    def _merge_by_one_gather(self, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        state = self.parallel
-        mine = slice(state.dcp_rank * self.num_heads, (state.dcp_rank + 1) * self.num_heads)
-        packed = torch.cat([out, lse.unsqueeze(-1)], dim=-1)  # [t, N*H_l, dv + 1]
-        gathered = dcp_all_gather(packed, state)[:, :, mine]  # [N, t, H_l, dv + 1]
-        return merge_attention_states(gathered[..., :-1], gathered[..., -1])
+
+def _relative(inner: range, outer: range) -> slice:
+    return slice(inner.start - outer.start, inner.stop - outer.start)

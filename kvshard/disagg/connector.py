@@ -63,7 +63,7 @@ class _Hold:
 def instance_layout(engine: LLMEngine) -> InstanceLayout:
     config = engine.config
     p = config.parallel
-    return InstanceLayout(config.dcp_layout, kv_heads_of_ranks(config.model.num_kv_heads, p.tensor_parallel_size))
+    return InstanceLayout(config.dcp_layout, kv_heads_of_ranks(config.model.num_kv_heads, p.tensor_parallel_size, p.decode_context_parallel_size))
 
 
 def model_signature(engine: LLMEngine) -> dict[str, Any]:

@@ -18,12 +18,14 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvshard.config import (
+    ATTENTION_LAYOUTS,
+    REPLICATED,
     CacheConfig,
     ConfigError,
     EngineConfig,
-    ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    choose_attention_layout,
     load_model_config,
     parse_memory_size,
 )
@@ -33,16 +35,19 @@ from kvshard.spec_decode.config import parse_speculative_config
 INTERLEAVE_ENV_VARS = ("KVSHARD_DCP_KV_INTERLEAVE_SIZE", "VLLM_DCP_KV_INTERLEAVE_SIZE")
 
 
-def _setting(default: Any, help: str, *aliases: str, cli_type: type | None = None, positive: bool = False) -> Any:
+def _setting(default: Any, help: str, *aliases: str, cli_type: type | None = None, positive: bool = False,
+             choices: tuple[str, ...] | None = None, switches: dict[str, Any] | None = None) -> Any:
     """A dataclass field that also says how it looks on the command line.
 
     The flag is the field name in kebab case; `aliases` are further spellings (a `--long`
     alias is also accepted as a keyword of `LLM`); `cli_type` parses the flag (default: the
-    type of `default`); `positive` values must be integers >= 1 (None means "derived").
+    type of `default`); `positive` values must be integers >= 1 (None means "derived");
+    `choices` are the values allowed; `switches` are flags without a value that set one
+    (`--dcp-replicate-q` sets "replicated"), also keywords of `LLM` taking True.
     """
     return field(default=default, metadata={"help": help, "aliases": aliases,
                                             "type": cli_type or (str if default is None else type(default)),
-                                            "positive": positive})
+                                            "positive": positive, "choices": choices, "switches": switches or {}})
 
 
 @dataclass
@@ -54,8 +59,11 @@ class EngineArgs:
     dcp_kv_interleave_size: int | None = _setting(
         None, "consecutive tokens per rank (default: $KVSHARD_DCP_KV_INTERLEAVE_SIZE, "
               "$VLLM_DCP_KV_INTERLEAVE_SIZE, or 1)", cli_type=int, positive=True)
-    dcp_replicate_q: bool = _setting(
-        False, "compute the queries of the whole DCP group on every rank and skip their all-gather")
+    dcp_attention_layout: str = _setting(
+        "auto", "head-split: query heads split over all ranks, all-gathered in each DCP group; replicated: every "
+                "rank computes its group's queries (dcp x the query projection weights, one collective fewer per "
+                "layer, and any head count that tp/dcp divides); auto: head-split where it applies",
+        choices=ATTENTION_LAYOUTS, switches={"--dcp-replicate-q": REPLICATED})
     block_size: int = _setting(16, "tokens per physical block; a virtual block holds block_size * dcp",
                                positive=True)
     kv_cache_memory: str | int = _setting("1GiB", "KV budget per rank, e.g. 64MiB or 2GiB")
@@ -76,6 +84,9 @@ class EngineArgs:
     kv_transfer_config: str | None = _setting(
         None, "disaggregated prefill/decode, JSON: '{\"kv_role\": \"kv_producer\"}' or \"kv_consumer\" "
               "(serve only; see docs/disaggregation.md)")
+    batch_invariant: bool = _setting(
+        False, "deterministic mode: a request's tokens and logprobs do not depend on the batch it runs in, "
+               "at a cost in throughput; turns prefix caching off (docs/serving.md)")
 
     # --- command line -------------------------------------------------------------------------
     @classmethod
@@ -95,12 +106,18 @@ class EngineArgs:
             help_text = f.metadata["help"].replace("%", "%%") + shown
             if f.name == "model":
                 group.add_argument("model", nargs="?", default=default, help=help_text)
+            elif f.metadata["choices"]:
+                group.add_argument(_flag(f.name), *f.metadata["aliases"], dest=f.name, default=default,
+                                   choices=f.metadata["choices"], help=help_text)
             elif f.metadata["type"] is bool:
                 group.add_argument(_flag(f.name), *f.metadata["aliases"], dest=f.name, default=default,
                                    action=argparse.BooleanOptionalAction, help=help_text)
             else:
                 group.add_argument(_flag(f.name), *f.metadata["aliases"], dest=f.name, default=default,
                                    type=f.metadata["type"], help=help_text)
+            for switch, value in f.metadata["switches"].items():
+                group.add_argument(switch, dest=f.name, action="store_const", const=value,
+                                   help=f"the same as {_flag(f.name)} {value}")
         return parser
 
     @classmethod
@@ -125,15 +142,22 @@ class EngineArgs:
     def from_kwargs(cls, model: str = DEFAULT_DEMO_MODEL, **kwargs: Any) -> "EngineArgs":
         """`LLM(model, **kwargs)`: field names or their long aliases (`dcp=2`); a typo names close matches."""
         names: dict[str, str] = {}
+        switches: dict[str, tuple[str, Any]] = {}  # keyword -> (field, the value True sets)
         for f in fields(cls):
             names[f.name] = f.name
             for alias in f.metadata["aliases"]:
                 if alias.startswith("--"):
                     names[alias[2:].replace("-", "_")] = f.name
+            for switch, set_value in f.metadata["switches"].items():
+                switches[switch[2:].replace("-", "_")] = (f.name, set_value)
         settings: dict[str, Any] = {}
         for key, value in kwargs.items():
+            if key in switches:
+                if not value:  # False leaves the setting to its own keyword or default
+                    continue
+                key, value = switches[key][0], switches[key][1]
             if key not in names:
-                close = difflib.get_close_matches(key, list(names), n=3)
+                close = difflib.get_close_matches(key, [*names, *switches], n=3)
                 hint = f"; did you mean {' or '.join(close)}?" if close else ""
                 raise TypeError(f"{key!r} is not an engine setting{hint} (see kvshard.engine.arg_utils.EngineArgs)")
             name = names[key]
@@ -156,9 +180,9 @@ class EngineArgs:
             KVTransferConfig.from_json(self.kv_transfer_config)  # a bad role or field fails before any rank starts
         model_config = load_model_config(self.model, self.dtype)
         interleave = _resolve_interleave(self.dcp_kv_interleave_size)
-        parallel = ParallelConfig(self.tensor_parallel_size, self.decode_context_parallel_size, interleave,
-                                  self.dcp_replicate_q)
-        _validate_parallel(parallel, model_config)
+        tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
+        layout = choose_attention_layout(model_config, tp, dcp, self.dcp_attention_layout)
+        parallel = ParallelConfig(tp, dcp, interleave, layout)
         if speculative is not None and speculative.method == "draft_model":
             speculative = _with_draft_model(speculative, model_config, parallel, self.dtype)
         if self.block_size % interleave != 0:
@@ -180,8 +204,9 @@ class EngineArgs:
                 f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                 f"{model_config.max_position_embeddings}: lower --max-model-len"
             )
+        # a prefix hit computes the rest of the prompt against cached context: other bits than without it
         cache = CacheConfig(self.block_size, parse_memory_size(self.kv_cache_memory), self.num_kv_blocks,
-                            self.enable_prefix_caching)
+                            self.enable_prefix_caching and not self.batch_invariant)
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(512, self.max_num_seqs)
@@ -191,7 +216,7 @@ class EngineArgs:
                 "every running request needs one token per decode step"
             )
         scheduler = SchedulerConfig(self.max_num_seqs, max_num_batched_tokens, max_model_len)
-        config = EngineConfig(model_config, parallel, cache, scheduler, self.seed, speculative)
+        config = EngineConfig(model_config, parallel, cache, scheduler, self.seed, self.batch_invariant, speculative)
         if config.kv_capacity_tokens < max_model_len:
             raise ConfigError(
                 f"the KV cache holds {config.kv_capacity_tokens:,} tokens ({config.num_kv_blocks} blocks per rank), "
@@ -227,46 +252,19 @@ def _resolve_interleave(flag_value: int | None) -> int:
 
 
 def _with_draft_model(speculative, target: ModelConfig, parallel: ParallelConfig, dtype: str):
-    """Load the draft checkpoint's config and check it against the target and the layout."""
+    """Load the draft checkpoint's config and check it against the target and its attention layout."""
     draft = load_model_config(speculative.model, dtype)
     if draft.hf_config.vocab_size != target.hf_config.vocab_size:
         raise ConfigError(
             f"the draft model's vocabulary ({draft.hf_config.vocab_size} tokens) differs from the target's "
             f"({target.hf_config.vocab_size}): a draft model must share the target's tokenizer"
         )
+    tp, dcp = parallel.tensor_parallel_size, parallel.decode_context_parallel_size
     try:
-        _validate_parallel(parallel, draft)
+        layout = choose_attention_layout(draft, tp, dcp, parallel.attention_layout)
     except ConfigError as error:
         raise ConfigError(f"draft model {speculative.model}: {error}") from None
+    if layout != parallel.attention_layout:
+        raise ConfigError(f"draft model {speculative.model} runs attention {layout} at tp={tp} dcp={dcp}, the "
+                          f"target {parallel.attention_layout}: choose a draft whose heads split as the target's")
     return dataclasses.replace(speculative, draft_model_config=draft)
-
-
-def _validate_parallel(parallel: ParallelConfig, model: ModelConfig) -> None:
-    tp, dcp = parallel.tensor_parallel_size, parallel.decode_context_parallel_size
-    if tp % dcp != 0:
-        raise ConfigError(
-            f"tensor_parallel_size={tp} is not divisible by decode_context_parallel_size={dcp}: "
-            "DCP groups are slices of the TP ranks, so choose a dcp that divides tp"
-        )
-    heads = model.hf_config.num_attention_heads
-    if heads % tp != 0:
-        raise ConfigError(
-            f"the model has {heads} attention heads, not divisible by tensor_parallel_size={tp}: "
-            "choose a tp that divides the head count"
-        )
-    if model.is_mla:
-        return
-    kv_heads = model.num_kv_heads
-    if tp > kv_heads and tp % kv_heads != 0:
-        raise ConfigError(
-            f"tensor_parallel_size={tp} is not a multiple of the model's {kv_heads} KV heads"
-        )
-    if tp <= kv_heads and kv_heads % tp != 0:
-        raise ConfigError(f"the model's {kv_heads} KV heads do not divide over tensor_parallel_size={tp}")
-    replicas = max(1, tp // kv_heads)
-    if dcp > replicas:
-        raise ConfigError(
-            f"decode_context_parallel_size={dcp} exceeds tp / num_kv_heads = {tp}/{kv_heads} = {replicas}: "
-            "a DCP group must consist of ranks holding the same KV head, so use "
-            f"--dcp {replicas} or less, or raise --tensor-parallel-size"
-        )

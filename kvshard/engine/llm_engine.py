@@ -43,7 +43,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config)
         self.layout = config.dcp_layout
         self.pool = BlockPool(config.num_kv_blocks)
-        self.scheduler = Scheduler(config.scheduler, self.pool, self.layout, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.pool, self.layout, config.cache.enable_prefix_caching,
+                                   fixed_chunks=config.batch_invariant)
         self.output_processor = OutputProcessor(self.tokenizer, config.model.hf_config, config.scheduler.max_model_len)
         self.requests: dict[str, Request] = {}
         self.default_generator = torch.Generator().manual_seed(config.seed)

@@ -8,6 +8,7 @@ from kvshard.attention.metadata import AttentionMetadata, decode_group_spread_fr
 from kvshard.config import EngineConfig, ModelConfig
 from kvshard.engine.step_plan import StepPlan
 from kvshard.kv.cache import allocate_kv_cache, kv_cache_spec
+from kvshard.layers.batch_invariant import batch_invariant_mode
 from kvshard.models.loader import load_weights
 from kvshard.models.registry import model_class
 from kvshard.parallel import ParallelState
@@ -29,15 +30,16 @@ class ModelRunner:
         if draft is not None:
             self.draft_model = self._load_model(draft)
             self.draft_kv_caches = allocate_kv_cache(
-                kv_cache_spec(draft, parallel.tp_size), config.num_kv_blocks, config.cache.block_size, draft.dtype,
-                device)
-        self.decode_group_spread = decode_group_spread_from_env()
+                kv_cache_spec(draft, config.parallel.attention_tp_size), config.num_kv_blocks,
+                config.cache.block_size, draft.dtype, device)
+        # the attention kernel's rounding depends on the key length a group is padded to: in
+        # batch-invariant mode only decodes of equal local length share a group, so none is padded
+        self.decode_group_spread = 0 if config.batch_invariant else decode_group_spread_from_env()
 
     def _load_model(self, model_config: ModelConfig) -> torch.nn.Module:
         cls = model_class(model_config.architecture)
         with torch.device(self.device):
-            model = cls(model_config.hf_config, model_config.dtype, self.parallel,
-                        replicate_q=self.config.parallel.dcp_replicate_q)
+            model = cls(model_config.hf_config, model_config.dtype, self.parallel)
         load_weights(model, model_config.path, model_config.quantization)
         return model.eval()
 
@@ -60,6 +62,7 @@ class ModelRunner:
         )
         input_ids = torch.tensor(plan.token_ids, dtype=torch.long, device=self.device)
         model, caches = (self.draft_model, self.draft_kv_caches) if plan.draft else (self.model, self.kv_caches)
-        hidden = model(input_ids, meta, caches)  # [t, D]
         rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=self.device)
-        return model.compute_logits(hidden[rows])
+        with batch_invariant_mode(self.config.batch_invariant):
+            hidden = model(input_ids, meta, caches)  # [t, D]
+            return model.compute_logits(hidden[rows])

@@ -51,11 +51,15 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool, layout: DCPLayout,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, fixed_chunks: bool = False) -> None:
         self.config = config
         self.pool = pool
         self.layout = layout
         self.enable_prefix_caching = enable_prefix_caching
+        # batch-invariant mode: prompts are cut at multiples of one chunk size, never at what other
+        # requests left of the budget, so a prompt's chunks do not depend on the batch. The size leaves
+        # room for a full batch of decodes, so a chunk always fits a step sooner or later.
+        self.fixed_chunk_size = max(1, config.max_num_batched_tokens - config.max_num_seqs) if fixed_chunks else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the tail is preempted first
         self.num_preemptions = 0
@@ -122,6 +126,13 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def _chunk(self, uncomputed: int, budget: int) -> int:
+        """Prompt tokens to compute now; 0 when fixed chunks do not fit what is left of the budget."""
+        if self.fixed_chunk_size is None:
+            return min(uncomputed, budget)
+        chunk = min(uncomputed, self.fixed_chunk_size)
+        return chunk if chunk <= budget else 0
+
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Make the block table cover `num_tokens` tokens, if the pool allows."""
         missing = self.layout.num_virtual_blocks(num_tokens) - len(seq.block_table)
@@ -166,8 +177,8 @@ class Scheduler:
         for seq in self.running:
             if seq.seq_id in chosen or budget == 0:
                 continue
-            chunk = min(seq.num_uncomputed_tokens, budget)
-            if self._grow(seq, seq.num_computed_tokens + chunk):
+            chunk = self._chunk(seq.num_uncomputed_tokens, budget)
+            if chunk and self._grow(seq, seq.num_computed_tokens + chunk):
                 chosen[seq.seq_id] = (seq, chunk)
                 budget -= chunk
 
@@ -179,7 +190,9 @@ class Scheduler:
             seq = self.waiting[0]  # holds no block: new, or preempted and released
             cached = self._cached_prefix(seq)
             hit = len(cached) * self.layout.tokens_per_virtual_block
-            chunk = min(seq.num_tokens - hit, budget)
+            chunk = self._chunk(seq.num_tokens - hit, budget)
+            if not chunk:
+                break
             missing = self.layout.num_virtual_blocks(hit + chunk) - len(cached)
             taken = missing + self.pool.num_unheld(cached)
             headroom = self.layout.num_virtual_blocks((len(self.running) + 1) * self.layout.block_size)

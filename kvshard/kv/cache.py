@@ -42,12 +42,14 @@ def head_dim_of(hf_config) -> int:
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
-def kv_cache_spec(model: ModelConfig, tensor_parallel_size: int) -> KVCacheSpec:
-    """The cache one rank holds for `model` at this TP size.
+def kv_cache_spec(model: ModelConfig, attention_tp_size: int) -> KVCacheSpec:
+    """The cache one rank holds for `model` when attention splits its heads `attention_tp_size`
+    (A = tp / dcp) ways.
 
-    GQA splits the KV heads over TP; with tp > KV heads each rank keeps one (its neighbours
-    hold replicas, which DCP turns into sequence shards). MLA's latent is one "KV head"
-    shared by all query heads, so every rank keeps it whole.
+    GQA gives each DCP group its 1/A share of the KV heads, at least one whole head (with A
+    above the KV heads, groups hold replicas); its ranks split that share's tokens, so a rank
+    stores kv_heads / A heads for 1/N of the tokens. MLA's latent is one "KV head" shared by
+    all query heads: every group keeps it whole.
     """
     cfg = model.hf_config
     if model.is_mla:
@@ -55,7 +57,7 @@ def kv_cache_spec(model: ModelConfig, tensor_parallel_size: int) -> KVCacheSpec:
         return KVCacheSpec(cfg.num_hidden_layers, 1, key_dim=latent + cfg.qk_rope_head_dim, value_dim=latent,
                            value_in_key=True)
     d = head_dim_of(cfg)
-    heads = max(1, cfg.num_key_value_heads // tensor_parallel_size)
+    heads = max(1, cfg.num_key_value_heads // attention_tp_size)
     return KVCacheSpec(cfg.num_hidden_layers, heads, key_dim=d, value_dim=d, value_in_key=False)
 
 

@@ -21,14 +21,18 @@ import torch
 from kvshard.kv.layout import DCPLayout
 
 
-def kv_heads_of_ranks(num_kv_heads: int, tp: int) -> tuple[range, ...]:
-    """The KV heads each TP rank holds: a contiguous share, or one head replicated when tp > KV heads.
+def kv_heads_of_ranks(num_kv_heads: int, tp: int, dcp: int = 1) -> tuple[range, ...]:
+    """The KV heads each TP rank holds, as `ParallelState.attention_heads` assigns them: attention runs
+    A = tp / dcp ways, one share per DCP group (a contiguous share, or one head replicated when A
+    exceeds the KV heads), and every rank of a group holds its group's share.
 
     MLA counts as one KV head (its latent), which every rank then holds.
     """
-    per_rank = max(1, num_kv_heads // tp)
-    replicas = max(1, tp // num_kv_heads)
-    return tuple(range((r // replicas) * per_rank, (r // replicas + 1) * per_rank) for r in range(tp))
+    attention_tp = tp // dcp
+    per_share = max(1, num_kv_heads // attention_tp)
+    replicas = max(1, attention_tp // num_kv_heads)
+    shares = [range((g // replicas) * per_share, (g // replicas + 1) * per_share) for g in range(attention_tp)]
+    return tuple(shares[r // dcp] for r in range(tp))
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,7 @@ class InstanceLayout:
 
     @classmethod
     def of(cls, tp: int, dcp: int, interleave: int, block_size: int, num_kv_heads: int) -> InstanceLayout:
-        return cls(DCPLayout(block_size, dcp, interleave), kv_heads_of_ranks(num_kv_heads, tp))
+        return cls(DCPLayout(block_size, dcp, interleave), kv_heads_of_ranks(num_kv_heads, tp, dcp))
 
     @property
     def tp(self) -> int:

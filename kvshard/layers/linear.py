@@ -73,42 +73,33 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank * size, size))
 
 
-class QKVParallelLinear(ColumnParallelLinear):
-    """Q, K and V in one matmul. With tp > KV heads, rank r holds KV head r // (tp / kv_heads).
-
-    `q_heads` are the heads whose query this rank computes (attention.backend.query_heads): its
-    own, or with Q replication those of its whole DCP group (its ranks hold the same KV head),
-    so attention needs no all-gather of Q.
-    """
+class QKVParallelLinear(nn.Module):
+    """Q, K and V of given spans of heads in one matmul (ParallelState.attention_heads says which):
+    the rank's query heads and its DCP group's KV heads."""
 
     def __init__(
-        self,
-        hidden_size: int,
-        head_dim: int,
-        q_heads: range,
-        num_kv_heads: int,
-        bias: bool,
-        dtype: torch.dtype,
-        parallel: ParallelState,
+        self, hidden_size: int, head_dim: int, q_heads: range, kv_heads: range, bias: bool, dtype: torch.dtype
     ) -> None:
-        tp = parallel.tp_size
+        super().__init__()
         self.head_dim = head_dim
-        self.q_heads = q_heads
-        self.num_heads = len(q_heads)
-        self.num_kv_heads = max(1, num_kv_heads // tp)
-        self.kv_replicas = max(1, tp // num_kv_heads)
-        out_features = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
-        super().__init__(hidden_size, out_features, bias, dtype, parallel)
+        self.q_heads, self.kv_heads = q_heads, kv_heads
+        self.num_heads, self.num_kv_heads = len(q_heads), len(kv_heads)
+        rows = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        self.weight = _parameter((rows, hidden_size), dtype, self.weight_loader)
+        self.bias = _parameter((rows,), dtype, self.weight_loader) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
-        rank, d = self.parallel.tp_rank, self.head_dim
+        d = self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         if shard_id == "q":
             offset, size, start = 0, q_size, self.q_heads.start * d
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
-            size, start = kv_size, (rank // self.kv_replicas) * kv_size
+            size, start = kv_size, self.kv_heads.start * d
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         d = self.head_dim
@@ -151,11 +142,8 @@ class PartialRowParallelLinear(RowParallelLinear):
 
 
 class HeadParallelLinear(nn.Module):
-    """Column-parallel by attention heads over a given span of heads (q_proj, q_b_proj).
-
-    Without Q replication the span is the rank's own heads, as in ColumnParallelLinear;
-    with it, the heads of the rank's DCP group, so the Q all-gather is not needed.
-    """
+    """Column-parallel by attention heads over a given span of heads (q_proj, q_b_proj): the
+    heads whose query the rank computes (ParallelState.attention_heads(...).query)."""
 
     def __init__(self, in_features: int, head_size: int, heads: range, dtype: torch.dtype) -> None:
         super().__init__()

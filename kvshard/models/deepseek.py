@@ -4,12 +4,12 @@ MLA runs in its absorbed form (DESIGN.md section 4). The cache holds one latent
 per token, [c_kv | k_pe], shared by all heads; q_nope is taken into the latent
 space through W_UK, so attention scores are q_latent . [c_kv | k_pe] and the
 attention output is a latent that W_UV takes back to each head. The latent is a
-single "KV head", so any DCP size that divides TP shards it by sequence.
+single "KV head" that every rank's attention reads whole.
 
 Read top to bottom: projections -> attention -> MLP and MoE -> decoder layer ->
-model -> causal LM. Shapes: t = tokens in the step, D = hidden size, H_l = this
-rank's query heads, H_q = heads whose query this rank computes (H_l, or N*H_l
-with Q replication over a DCP group of N), c = kv_lora_rank, r = qk_rope_head_dim,
+model -> causal LM. Shapes: t = tokens in the step, D = hidden size, H_q = heads
+whose query this rank computes, H_o = heads whose output it keeps (its share of the
+output projection's input), c = kv_lora_rank, r = qk_rope_head_dim,
 n = qk_nope_head_dim, v = v_head_dim.
 """
 
@@ -21,7 +21,7 @@ import re
 import torch
 from torch import nn
 
-from kvshard.attention.backend import DCPAttention, query_heads
+from kvshard.attention.backend import Attention
 from kvshard.attention.metadata import AttentionMetadata
 from kvshard.kv.cache import KVCacheLayer
 from kvshard.models.causal_lm import CausalLM
@@ -54,7 +54,7 @@ class LatentUpProjection(nn.Module):
     """kv_b_proj [H*(n+v), c], kept in the two pieces the absorbed form uses.
 
     One parameter: W_UK [H_q, n, c] for every head whose query this rank computes,
-    then W_UV [H_l, v, c] for its own heads (those whose output it keeps).
+    then W_UV [H_o, v, c] for the heads whose output it keeps.
     """
 
     def __init__(self, cfg, q_heads: range, own_heads: range, dtype: torch.dtype) -> None:
@@ -70,7 +70,7 @@ class LatentUpProjection(nn.Module):
         n = self.nope_dim
         per_head = loaded.view(self.num_heads, n + self.v_dim, self.latent_dim)  # [H, n+v, c]
         w_uk = per_head[self.q_heads.start : self.q_heads.stop, :n]  # [H_q, n, c]
-        w_uv = per_head[self.own_heads.start : self.own_heads.stop, n:]  # [H_l, v, c]
+        w_uv = per_head[self.own_heads.start : self.own_heads.stop, n:]  # [H_o, v, c]
         param.data.copy_(torch.cat([w_uk.flatten(0, 1), w_uv.flatten(0, 1)]))
 
     def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
@@ -79,7 +79,7 @@ class LatentUpProjection(nn.Module):
         return torch.einsum("thn,hnc->thc", q_nope, w_uk)
 
     def expand_kv(self, c_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[t, c] -> per-head keys [t, H_l, n] and values [t, H_l, v] of this rank's own heads."""
+        """[t, c] -> per-head keys [t, H_o, n] and values [t, H_o, v] of the heads whose output it keeps."""
         first = self.own_heads.start - self.q_heads.start  # own heads inside the query span
         w_uk = self.weight[: len(self.q_heads) * self.nope_dim].view(len(self.q_heads), self.nope_dim, self.latent_dim)
         w_uk = w_uk[first : first + len(self.own_heads)]
@@ -87,23 +87,20 @@ class LatentUpProjection(nn.Module):
         return torch.einsum("tc,hnc->thn", c_kv, w_uk), torch.einsum("tc,hvc->thv", c_kv, w_uv)
 
     def expand_output(self, latent: torch.Tensor) -> torch.Tensor:
-        """[t, H_l, c] -> [t, H_l, v]: the attention-weighted latent through each head's W_UV."""
+        """[t, H_o, c] -> [t, H_o, v]: the attention-weighted latent through each head's W_UV."""
         w_uv = self.weight[len(self.q_heads) * self.nope_dim :].view(len(self.own_heads), self.v_dim, self.latent_dim)
         return torch.einsum("thc,hvc->thv", latent, w_uv)
 
 
 class DeepseekV2MLAAttention(nn.Module):
-    def __init__(
-        self, cfg, rope_interleaved: bool, dtype: torch.dtype, parallel: ParallelState, replicate_q: bool
-    ) -> None:
+    def __init__(self, cfg, rope_interleaved: bool, dtype: torch.dtype, parallel: ParallelState) -> None:
         super().__init__()
         self.latent_dim, self.rope_dim = cfg.kv_lora_rank, cfg.qk_rope_head_dim
         self.nope_dim = cfg.qk_nope_head_dim
         self.rope_interleaved = rope_interleaved
-        self.replicate_q = replicate_q
         self.q_lora = cfg.q_lora_rank is not None
-        q_heads = query_heads(cfg.num_attention_heads, parallel, replicate_q)
-        own_heads = query_heads(cfg.num_attention_heads, parallel, replicate_q=False)
+        heads = parallel.attention_heads(cfg.num_attention_heads, 1)  # one latent for all heads
+        q_heads, own_heads = heads.query, heads.output
         self.num_q_heads = len(q_heads)
         qk_head_dim = self.nope_dim + self.rope_dim
         bias = bool(cfg.attention_bias)
@@ -118,7 +115,7 @@ class DeepseekV2MLAAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.latent_dim, LATENT_NORM_EPS, dtype)
         self.kv_b_proj = LatentUpProjection(cfg, q_heads, own_heads, dtype)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.v_head_dim, cfg.hidden_size, bias, dtype, parallel)
-        self.attn = DCPAttention(len(own_heads), softmax_scale(cfg), parallel)
+        self.attn = Attention(heads, softmax_scale(cfg), parallel)
 
     def forward(self, x, cos, sin, cache: KVCacheLayer, meta: AttentionMetadata) -> torch.Tensor:
         if self.q_lora:
@@ -134,24 +131,26 @@ class DeepseekV2MLAAttention(nn.Module):
         latent_kv = torch.cat([c_kv.unsqueeze(1), k_pe], dim=-1)  # [t, 1, c+r]: what the cache stores
         chunk = self._chunk_attention_inputs(q_nope, q_pe, c_kv, k_pe) if meta.has_prefill else None
         o = self.attn.forward(
-            q_latent, latent_kv, latent_kv[..., : self.latent_dim], cache, meta, q_spans_dcp_group=self.replicate_q,
+            q_latent, latent_kv, latent_kv[..., : self.latent_dim], cache, meta,
             value_map=self.kv_b_proj.expand_output, chunk=chunk,
-        )  # [t, H_l, v]
-        return self.o_proj(o.flatten(1))  # [t, H_l*v] -> [t, D]
+        )  # [t, H_o*v]
+        return self.o_proj(o)  # [t, D]
 
     def _chunk_attention_inputs(self, q_nope, q_pe, c_kv, k_pe) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A prefill chunk attends to itself in the expanded form: keys of n + r and values of v
         channels per head, against c + r channels both ways in the absorbed form (the same scores:
         q_nope . (W_UK c) == (q_nope W_UK) . c). Many queries against as many keys pay for channels,
         so the smaller form is used there; cached context stays absorbed (the cache holds latents)."""
-        if self.replicate_q:  # the group's heads: keep this rank's own
-            own = self.kv_b_proj.own_heads.start - self.kv_b_proj.q_heads.start
-            q_nope = q_nope[:, own : own + self.attn.num_heads]
-            q_pe = q_pe[:, own : own + self.attn.num_heads]
-        k_nope, v = self.kv_b_proj.expand_kv(c_kv)  # [t, H_l, n], [t, H_l, v]
+        own = _relative(self.kv_b_proj.own_heads, self.kv_b_proj.q_heads)  # the kept heads among the queries
+        q_nope, q_pe = q_nope[:, own], q_pe[:, own]
+        k_nope, v = self.kv_b_proj.expand_kv(c_kv)  # [t, H_o, n], [t, H_o, v]
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, k_nope.shape[1], -1)], dim=-1)
         return q, k, v
+
+
+def _relative(inner: range, outer: range) -> slice:
+    return slice(inner.start - outer.start, inner.stop - outer.start)
 
 
 class DeepseekV2MLP(nn.Module):
@@ -198,11 +197,11 @@ class DeepseekV2MoE(nn.Module):
 class DeepseekV2DecoderLayer(nn.Module):
     def __init__(
         self, cfg, layer_index: int, rope_interleaved: bool, routing: Routing | None, dtype: torch.dtype,
-        parallel: ParallelState, replicate_q: bool,
+        parallel: ParallelState,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = DeepseekV2MLAAttention(cfg, rope_interleaved, dtype, parallel, replicate_q)
+        self.self_attn = DeepseekV2MLAAttention(cfg, rope_interleaved, dtype, parallel)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # the first first_k_dense_replace layers are dense, the rest MoE
         if routing is not None and layer_index >= cfg.first_k_dense_replace:
@@ -218,12 +217,11 @@ class DeepseekV2DecoderLayer(nn.Module):
 class DeepseekV2Model(nn.Module):
     def __init__(
         self, cfg, rope_interleaved: bool, routing: Routing | None, dtype: torch.dtype, parallel: ParallelState,
-        replicate_q: bool,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
         self.layers = nn.ModuleList(
-            DeepseekV2DecoderLayer(cfg, i, rope_interleaved, routing, dtype, parallel, replicate_q)
+            DeepseekV2DecoderLayer(cfg, i, rope_interleaved, routing, dtype, parallel)
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -236,7 +234,7 @@ class DeepseekV2ForCausalLM(CausalLM):
     _expert_weight = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_up_proj|down_proj)\.weight")
     _layer_index = re.compile(r"model\.layers\.(\d+)\.")
 
-    def __init__(self, cfg, dtype: torch.dtype, parallel: ParallelState, replicate_q: bool = False) -> None:
+    def __init__(self, cfg, dtype: torch.dtype, parallel: ParallelState) -> None:
         super().__init__()
         if cfg.hidden_act != "silu":
             raise ValueError(f"hidden_act={cfg.hidden_act!r} is not supported; kvshard's DeepSeek MLPs use silu")
@@ -245,7 +243,7 @@ class DeepseekV2ForCausalLM(CausalLM):
         self.cfg = cfg
         has_moe = bool(cfg.n_routed_experts) and cfg.first_k_dense_replace < cfg.num_hidden_layers
         routing = self.routing(cfg) if has_moe else None
-        self.model = DeepseekV2Model(cfg, self.rope_interleaved(cfg), routing, dtype, parallel, replicate_q)
+        self.model = DeepseekV2Model(cfg, self.rope_interleaved(cfg), routing, dtype, parallel)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -45,8 +45,8 @@ def _gqa_config():
 
 
 def _mla_config():
-    """DeepSeek-V3 in miniature: latent attention (one latent "KV head", so any DCP size that
-    divides TP works) and a small MoE with grouped routing after one dense layer."""
+    """DeepSeek-V3 in miniature: latent attention (one latent "KV head" shared by every query
+    head, so the cache splits along the sequence only) and a small MoE with grouped routing after one dense layer."""
     from transformers import DeepseekV3Config
 
     return DeepseekV3Config(

@@ -2,7 +2,8 @@
 
 Read top to bottom: attention -> MLP -> decoder layer -> model -> causal LM.
 Shapes: t = tokens in the step (all requests, flattened), D = hidden size,
-H_l / Hk_l = query / KV heads on this rank, d = head dim.
+H_q / Hk_l = query / KV heads this rank computes, F_l = its share of the attention
+output features (the output projection's input slice), d = head dim.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvshard.attention.backend import DCPAttention, query_heads
+from kvshard.attention.backend import Attention
 from kvshard.attention.metadata import AttentionMetadata
 from kvshard.kv.cache import KVCacheLayer, head_dim_of
 from kvshard.models.causal_lm import CausalLM
@@ -23,25 +24,19 @@ from kvshard.parallel import ParallelState
 
 
 class LlamaAttention(nn.Module):
-    def __init__(
-        self, cfg, qkv_bias: bool, o_bias: bool, dtype: torch.dtype, parallel: ParallelState, replicate_q: bool
-    ) -> None:
+    def __init__(self, cfg, qkv_bias: bool, o_bias: bool, dtype: torch.dtype, parallel: ParallelState) -> None:
         super().__init__()
         d = head_dim_of(cfg)
-        self.replicate_q = replicate_q
-        q_heads = query_heads(cfg.num_attention_heads, parallel, replicate_q)
-        self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, d, q_heads, cfg.num_key_value_heads, qkv_bias, dtype, parallel
-        )
+        heads = parallel.attention_heads(cfg.num_attention_heads, cfg.num_key_value_heads)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, heads.query, heads.kv, qkv_bias, dtype)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, o_bias, dtype, parallel)
-        self.attn = DCPAttention(cfg.num_attention_heads // parallel.tp_size, d**-0.5, parallel)
+        self.attn = Attention(heads, d**-0.5, parallel)
 
     def forward(self, x, cos, sin, cache: KVCacheLayer, meta: AttentionMetadata) -> torch.Tensor:
-        # q: [t, H_l, d], or [t, N*H_l, d] (the whole DCP group's heads) with replicate_q
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # k, v: [t, Hk_l, d]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # [t, H_q, d], [t, Hk_l, d], [t, Hk_l, d]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = self.attn.forward(q, k, v, cache, meta, q_spans_dcp_group=self.replicate_q)  # [t, H_l, d]
-        return self.o_proj(o.flatten(1))  # [t, D]
+        o = self.attn.forward(q, k, v, cache, meta)  # [t, F_l]
+        return self.o_proj(o)  # [t, D]
 
 
 class LlamaMLP(nn.Module):
@@ -57,12 +52,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self, cfg, qkv_bias: bool, o_bias: bool, dtype: torch.dtype, parallel: ParallelState, replicate_q: bool
-    ) -> None:
+    def __init__(self, cfg, qkv_bias: bool, o_bias: bool, dtype: torch.dtype, parallel: ParallelState) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(cfg, qkv_bias, o_bias, dtype, parallel, replicate_q)
+        self.self_attn = LlamaAttention(cfg, qkv_bias, o_bias, dtype, parallel)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, dtype, parallel)
 
@@ -72,13 +65,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(
-        self, cfg, qkv_bias: bool, o_bias: bool, dtype: torch.dtype, parallel: ParallelState, replicate_q: bool
-    ) -> None:
+    def __init__(self, cfg, qkv_bias: bool, o_bias: bool, dtype: torch.dtype, parallel: ParallelState) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, qkv_bias, o_bias, dtype, parallel, replicate_q) for _ in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, qkv_bias, o_bias, dtype, parallel) for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -90,11 +81,11 @@ class LlamaForCausalLM(CausalLM):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg, dtype: torch.dtype, parallel: ParallelState, replicate_q: bool = False) -> None:
+    def __init__(self, cfg, dtype: torch.dtype, parallel: ParallelState) -> None:
         super().__init__()
         qkv_bias, o_bias = self.attention_biases(cfg)
         self.cfg = cfg
-        self.model = LlamaModel(cfg, qkv_bias, o_bias, dtype, parallel, replicate_q)
+        self.model = LlamaModel(cfg, qkv_bias, o_bias, dtype, parallel)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
