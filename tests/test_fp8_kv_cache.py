@@ -7,6 +7,8 @@ by `fp8_agreement` below, which docs/serving.md ("FP8 KV cache") reports.
 
 from __future__ import annotations
 
+import argparse
+import json
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -15,6 +17,9 @@ from kvshard import LLM, SamplingParams
 from kvshard.engine.arg_utils import EngineArgs
 from kvshard.errors import ConfigError
 from kvshard.kv.cache import FP8_MAX, GatherBuffers, KVScales, allocate_kv_cache, kv_cache_spec, load_kv_scales
+from kvshard.planner.arch import dtype_bytes, parse_hf_config
+from kvshard.planner.layout import HEAD_SPLIT, AttentionLayout
+from kvshard.planner.memory import kv_slot_bytes
 
 GQA, MLA = "kvshard-demo-gqa", "kvshard-demo"
 BLOCK = 4
@@ -66,7 +71,6 @@ def test_flag_reaches_a_child_serve():
     """`bench dcp` hands its engine settings to each server through to_cli_args."""
     args = EngineArgs(kv_cache_dtype="fp8")
     assert args.to_cli_args() == ["--kv-cache-dtype", "fp8"]
-    import argparse
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     assert EngineArgs.from_cli_args(parser.parse_args(["--kv-cache-dtype", "fp8"])).kv_cache_dtype == "fp8"
 
@@ -127,35 +131,56 @@ def test_kv_scales_are_read_from_the_checkpoint(tmp_path):
 
 # --- quality against the bfloat16 cache ----------------------------------------------------------
 
-def _greedy(model: str, kv_cache_dtype: str, prompts: list[str], new_tokens: int, **engine) -> list[tuple]:
-    params = SamplingParams(max_tokens=new_tokens, temperature=0, logprobs=1, ignore_eos=True)
-    with LLM(model, kv_cache_dtype=kv_cache_dtype, dtype="bfloat16", max_model_len=512, kv_cache_memory="16MiB",
-             **engine) as llm:
-        outs = llm.generate(prompts, params)
-    return [(o.outputs[0].token_ids, [step[t] for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
-            for o in outs]
+def teacher_forced(llm: LLM, sequences: list[list[int]]) -> list[list[dict[int, float]]]:
+    """The top-20 log-probabilities of each position of each sequence given the tokens before it.
+
+    The sequences grow one token per call, all in one step: with one-token blocks the prefix
+    cache holds everything before the new token, so that token attends to the others read
+    back from the cache, as a decode step does (at dcp=N a cache hit covers whole virtual
+    blocks of N tokens, so up to N-1 preceding tokens are computed in the same step, unrounded).
+    """
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=20)
+    scored: list[list[dict[int, float]]] = [[] for _ in sequences]
+    for length in range(1, max(map(len, sequences))):
+        growing = [i for i, seq in enumerate(sequences) if len(seq) > length]
+        outs = llm.generate([sequences[i][:length] for i in growing], params, use_tqdm=False)
+        for i, out in zip(growing, outs):
+            scored[i].append(out.outputs[0].logprobs[0])  # the distribution of sequences[i][length]
+    return scored
 
 
 def fp8_agreement(model: str, prompts: list[str] = QUALITY_PROMPTS, new_tokens: int = 32, **engine) -> dict:
-    """Greedy continuations with the FP8 cache against the bfloat16 cache, step by step.
+    """The FP8 cache against the bfloat16 cache, teacher-forced on the bfloat16 cache's greedy text.
 
-    Both run the same prompts; while the continuations agree, both have scored the same
-    sequence (teacher-forced by the bfloat16 run). Per prompt the steps compared are the agreeing
-    prefix plus the first step that differs; `top1_agreement` = agreeing steps / steps compared,
-    `mean_abs_logprob_diff` = mean |logprob(chosen token)| difference over the agreeing steps.
+    The bfloat16 engine writes a greedy continuation of each prompt (`new_tokens` tokens); both
+    engines then score every continuation position given the same preceding tokens.
+    `top1_agreement`: the fraction of positions whose most likely token is the same;
+    `mean_abs_logprob_diff`: the mean |difference| of the log-probability of the bfloat16 cache's
+    top-1 token (positions where the FP8 top 20 lacks it are counted in `missing`).
     """
-    ref, fp8 = (_greedy(model, kv, prompts, new_tokens, **engine) for kv in ("auto", "fp8"))
-    agreeing = compared = identical = 0
-    diffs: list[float] = []
-    for (ref_tokens, ref_logprobs), (tokens, logprobs) in zip(ref, fp8):
-        prefix = next((i for i, (a, b) in enumerate(zip(ref_tokens, tokens)) if a != b), new_tokens)
-        agreeing += prefix
-        compared += min(prefix + 1, new_tokens)
-        identical += prefix == new_tokens
-        diffs += [abs(a - b) for a, b in zip(ref_logprobs[:prefix], logprobs[:prefix])]
-    return {"top1_agreement": agreeing / compared, "identical_continuations": identical / len(prompts),
-            "mean_abs_logprob_diff": sum(diffs) / max(1, len(diffs)), "max_abs_logprob_diff": max(diffs, default=0.0),
-            "steps_compared": compared}
+    engine = dict(dtype="bfloat16", max_model_len=256, kv_cache_memory="16MiB", block_size=1,
+                  max_num_seqs=len(prompts), max_num_batched_tokens=2 * len(prompts), **engine)
+    with LLM(model, **engine) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True),
+                            use_tqdm=False)
+        sequences = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
+        reference = teacher_forced(llm, sequences)
+    with LLM(model, kv_cache_dtype="fp8", **engine) as llm:
+        scored = teacher_forced(llm, sequences)
+    agree, diffs, missing, reproduced = 0, [], 0, 0
+    for seq, ref_steps, fp8_steps in zip(sequences, reference, scored):
+        for token, ref, fp8 in list(zip(seq[1:], ref_steps, fp8_steps))[-new_tokens:]:  # the continuation
+            top = max(ref, key=ref.get)
+            reproduced += top == token
+            agree += top == max(fp8, key=fp8.get)
+            if top in fp8:
+                diffs.append(abs(ref[top] - fp8[top]))
+            else:
+                missing += 1
+    positions = len(sequences) * new_tokens
+    return {"positions": positions, "top1_agreement": agree / positions,
+            "mean_abs_logprob_diff": sum(diffs) / len(diffs), "max_abs_logprob_diff": max(diffs),
+            "missing": missing, "bf16_scoring_reproduces_its_greedy": reproduced / positions}
 
 
 @pytest.mark.parametrize("model,tp,dcp", [(GQA, 1, 1), (GQA, 2, 2), (MLA, 1, 1), (MLA, 2, 2)])
@@ -163,5 +188,15 @@ def test_fp8_cache_quality_against_bf16_cache(model, tp, dcp):
     result = fp8_agreement(model, tensor_parallel_size=tp, decode_context_parallel_size=dcp)
     print(model, tp, dcp, result)
     # bounds from docs/serving.md's measurement, with margin
-    assert result["top1_agreement"] >= 0.9
-    assert result["mean_abs_logprob_diff"] <= 0.05
+    assert result["top1_agreement"] >= 0.75
+    assert result["mean_abs_logprob_diff"] <= 0.1
+
+
+@pytest.mark.parametrize("model", [GQA, MLA])
+@pytest.mark.parametrize("tp,dcp", [(1, 1), (2, 2)])
+def test_planner_counts_the_engines_fp8_bytes(model, tp, dcp):
+    """`kvshard plan --kv-dtype fp8` and `--kv-cache-dtype fp8` agree on what a cached token costs."""
+    config = engine_config(model, "fp8", tp, dcp)
+    arch = parse_hf_config(json.loads((config.model.path / "config.json").read_text()), model)
+    layout = AttentionLayout(tp, dcp, HEAD_SPLIT)
+    assert kv_slot_bytes(arch, layout, dtype_bytes("fp8")) == config.kv_bytes_per_slot
