@@ -200,3 +200,16 @@ def test_planner_counts_the_engines_fp8_bytes(model, tp, dcp):
     arch = parse_hf_config(json.loads((config.model.path / "config.json").read_text()), model)
     layout = AttentionLayout(tp, dcp, HEAD_SPLIT)
     assert kv_slot_bytes(arch, layout, dtype_bytes("fp8")) == config.kv_bytes_per_slot
+
+
+def test_engine_reads_the_checkpoints_kv_scales(tmp_path):
+    """Scales next to the weights (vLLM's names) reach every layer's cache; the loader skips them."""
+    source = engine_config(GQA, "fp8").model.path
+    for file in source.iterdir():
+        (tmp_path / file.name).symlink_to(file)
+    layers = engine_config(GQA, "fp8").model.num_layers
+    save_file({f"model.layers.{i}.self_attn.{name}": torch.tensor(value) for i in range(layers)
+               for name, value in (("k_scale", 2.0), ("v_scale", 0.5))}, tmp_path / "kv_scales.safetensors")
+    with LLM(str(tmp_path), kv_cache_dtype="fp8", dtype="bfloat16", kv_cache_memory="4MiB", max_model_len=256) as llm:
+        assert [layer.scales for layer in llm.engine.runner.kv_caches] == [KVScales(2.0, 0.5)] * layers
+        assert len(llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].token_ids) == 4
