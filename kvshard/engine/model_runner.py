@@ -7,7 +7,7 @@ import torch
 from kvshard.attention.metadata import AttentionMetadata, decode_group_spread_from_env
 from kvshard.config import EngineConfig
 from kvshard.engine.step_plan import StepPlan
-from kvshard.kv.cache import allocate_kv_cache
+from kvshard.kv.cache import allocate_kv_cache, load_kv_scales
 from kvshard.layers.batch_invariant import batch_invariant_mode
 from kvshard.models.loader import load_weights
 from kvshard.models.registry import model_class
@@ -26,8 +26,11 @@ class ModelRunner:
             self.model = cls(hf_config, config.model.dtype, parallel)
         load_weights(self.model, config.model.path, config.model.quantization)
         self.model.eval()
+        scales = load_kv_scales(config.model.path, config.model.num_layers) \
+            if config.kv_cache_dtype != config.model.dtype else None
         self.kv_caches = allocate_kv_cache(
-            config.kv_cache_spec, config.num_kv_blocks, config.cache.block_size, config.model.dtype, device
+            config.kv_cache_spec, config.num_kv_blocks, config.cache.block_size, config.model.dtype, device,
+            config.kv_cache_dtype, scales
         )
         # the attention kernel's rounding depends on the key length a group is padded to: in
         # batch-invariant mode only decodes of equal local length share a group, so none is padded
