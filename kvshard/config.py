@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from kvshard.errors import ConfigError
-from kvshard.kv.cache import KVCacheSpec, head_dim_of, kv_cache_spec
+from kvshard.kv.cache import KVCacheSpec, head_dim_of, kv_cache_spec, resolve_kv_cache_dtype
 from kvshard.kv.layout import DCPLayout
 from kvshard.models.demo import DEMO_MODELS, ensure_demo_model
 from kvshard.models.gguf import resolve_gguf
@@ -105,6 +105,7 @@ class CacheConfig:
     kv_cache_memory: int  # bytes per rank
     num_kv_blocks: int | None  # overrides kv_cache_memory when set
     enable_prefix_caching: bool
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" (or "fp8_e4m3"): float8 e4m3
 
 
 @dataclass(frozen=True)
@@ -287,10 +288,15 @@ class EngineConfig:
         return self.kv_bytes_per_slot / self.parallel.decode_context_parallel_size
 
     @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The dtype the cache stores; attention reads it back in the model's dtype."""
+        return resolve_kv_cache_dtype(self.cache.kv_cache_dtype, self.model.dtype)
+
+    @property
     def kv_bytes_per_slot(self) -> int:
         """Bytes of one physical cache slot (one token, all layers) on one rank; a draft model's cache
-        uses the same block ids, so its slot counts too."""
-        slot = self.kv_cache_spec.bytes_per_slot(self.model.dtype)
+        uses the same block ids, so its slot (in the draft's dtype) counts too."""
+        slot = self.kv_cache_spec.bytes_per_slot(self.kv_cache_dtype)
         draft = self.speculative.draft_model_config if self.speculative is not None else None
         if draft is not None:
             slot += kv_cache_spec(draft, self.parallel.attention_tp_size).bytes_per_slot(draft.dtype)
@@ -334,6 +340,7 @@ class EngineConfig:
             f"ranks: {p.world_size} (tp={p.tensor_parallel_size}, dcp={p.decode_context_parallel_size}, "
             f"interleave={p.dcp_kv_interleave_size}); DCP groups: {p.dcp_groups()}",
             self._attention_line(),
+            f"KV cache dtype: {str(self.kv_cache_dtype).removeprefix('torch.')}; "
             f"KV bytes per token per rank: {self.kv_bytes_per_token_per_rank:,.1f} "
             f"({self.kv_bytes_per_slot:,} per slot, {self.model.num_layers} layers, "
             f"{self.kv_heads_per_rank} KV head(s) per rank)",

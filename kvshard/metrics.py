@@ -52,6 +52,7 @@ class ServerMetrics:
                  "kv_bytes_per_token_per_rank": f"{config.kv_bytes_per_token_per_rank:g}",
                  "replicated_projection_bytes_per_rank": str(config.replicated_projection_bytes_per_rank),
                  "block_size": str(config.cache.block_size),
+                 "cache_dtype": config.cache.kv_cache_dtype,
                  "num_kv_blocks_per_rank": str(config.num_kv_blocks),
                  "kv_capacity_tokens": str(config.kv_capacity_tokens),
                  "max_model_len": str(config.scheduler.max_model_len),

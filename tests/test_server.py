@@ -241,7 +241,8 @@ def test_metrics_count_a_request(server, client):
 
 def test_metrics_describe_the_dcp_layout(server):
     info = next(dict(labels) for (name, labels) in server.metrics() if name == "kvshard:dcp_layout_info")
-    assert info == {"tp": "2", "dcp": "2", "interleave": "1", "block_size": "16", "num_kv_blocks_per_rank": "4096",
+    assert info == {"tp": "2", "dcp": "2", "interleave": "1", "block_size": "16", "cache_dtype": "auto",
+                    "num_kv_blocks_per_rank": "4096",
                     "kv_capacity_tokens": str(4096 * 16 * 2), "max_model_len": "512",
                     # 4 layers x 1 KV head x (K + V) x 32 dims x 4 bytes, over dcp=2; 8 query heads split over tp=2
                     "attention_layout": "head-split", "attention_tp": "1", "kv_bytes_per_token_per_rank": "512",

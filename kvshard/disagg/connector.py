@@ -70,7 +70,8 @@ def model_signature(engine: LLMEngine) -> dict[str, Any]:
     """What both sides must share for KV to mean the same thing."""
     spec, model = engine.config.kv_cache_spec, engine.config.model
     return {"layers": spec.num_layers, "kv_heads": model.num_kv_heads, "key_dim": spec.key_dim,
-            "value_dim": spec.value_dim, "dtype": str(model.dtype), "vocab": model.hf_config.vocab_size}
+            "value_dim": spec.value_dim, "dtype": str(model.dtype), "vocab": model.hf_config.vocab_size,
+            "kv_cache_dtype": str(engine.config.kv_cache_dtype)}  # the bytes moved are the cache's
 
 
 def _layout_json(layout: InstanceLayout) -> dict:

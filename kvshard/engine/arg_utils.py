@@ -29,6 +29,7 @@ from kvshard.config import (
     load_model_config,
     parse_memory_size,
 )
+from kvshard.kv.cache import resolve_kv_cache_dtype
 from kvshard.models.demo import DEFAULT_DEMO_MODEL
 from kvshard.spec_decode.config import parse_speculative_config
 
@@ -76,6 +77,9 @@ class EngineArgs:
     max_num_batched_tokens: int | None = _setting(
         None, "tokens per step at most (default: max(512, max-num-seqs))", cli_type=int, positive=True)
     dtype: str = _setting("auto", "auto, float32, bfloat16 or float16")
+    kv_cache_dtype: str = _setting(
+        "auto", "what the KV cache stores: auto (the model's dtype) or fp8 (= fp8_e4m3: float8 e4m3, half the "
+                "bytes of bfloat16; per-layer k_scale/v_scale from the checkpoint, else 1.0)")
     seed: int = _setting(0, "seed of requests that give none")
     enable_prefix_caching: bool = _setting(True, "reuse the KV blocks of a shared prompt prefix")
     speculative_config: str | dict | None = _setting(
@@ -206,7 +210,8 @@ class EngineArgs:
             )
         # a prefix hit computes the rest of the prompt against cached context: other bits than without it
         cache = CacheConfig(self.block_size, parse_memory_size(self.kv_cache_memory), self.num_kv_blocks,
-                            self.enable_prefix_caching and not self.batch_invariant)
+                            self.enable_prefix_caching and not self.batch_invariant, self.kv_cache_dtype)
+        resolve_kv_cache_dtype(self.kv_cache_dtype, model_config.dtype)  # an unknown name fails here, early
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(512, self.max_num_seqs)

@@ -7,7 +7,7 @@ import torch
 from kvshard.attention.metadata import AttentionMetadata, decode_group_spread_from_env
 from kvshard.config import EngineConfig, ModelConfig
 from kvshard.engine.step_plan import StepPlan
-from kvshard.kv.cache import allocate_kv_cache, kv_cache_spec
+from kvshard.kv.cache import allocate_kv_cache, kv_cache_spec, load_kv_scales
 from kvshard.layers.batch_invariant import batch_invariant_mode
 from kvshard.models.loader import load_weights
 from kvshard.models.registry import model_class
@@ -21,8 +21,11 @@ class ModelRunner:
         self.device = device
         self.layout = config.dcp_layout
         self.model = self._load_model(config.model)
+        scales = load_kv_scales(config.model.path, config.model.num_layers) \
+            if config.kv_cache_dtype != config.model.dtype else None
         self.kv_caches = allocate_kv_cache(
-            config.kv_cache_spec, config.num_kv_blocks, config.cache.block_size, config.model.dtype, device
+            config.kv_cache_spec, config.num_kv_blocks, config.cache.block_size, config.model.dtype, device,
+            config.kv_cache_dtype, scales
         )
         # a speculative draft model: its own cache, sharded as the target's, under the same block ids
         draft = config.speculative.draft_model_config if config.speculative is not None else None

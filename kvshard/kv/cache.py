@@ -2,17 +2,33 @@
 
 The spec is derived here once from the model config; the engine config's byte
 accounting and the runner's allocation both read it, so they cannot disagree.
+
+With `kv_cache_dtype="fp8"` the cache stores float8 e4m3 (1 byte per value): keys and
+values are divided by a per-tensor scale of their layer and saturated to e4m3's range
+on write, and multiplied back in the compute dtype after the gather, so attention never
+sees float8. The scales are 1.0 unless the checkpoint carries them (`k_scale`/`v_scale`).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors import safe_open
+
+from kvshard.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvshard.config import ModelConfig
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+# vLLM's names for a layer's per-tensor KV scales: k_scale/v_scale, or one kv_scale for both
+_KV_SCALE_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\..*\b(k_scale|v_scale|kv_scale)$")
 
 
 @dataclass(frozen=True)
@@ -35,6 +51,46 @@ class KVCacheSpec:
         """Bytes of one physical cache slot (one token, all layers)."""
         element = torch.tensor([], dtype=dtype).element_size()
         return self.num_layers * self.values_per_slot_per_layer * element
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the cache stores: the model's for "auto", float8 e4m3 for "fp8"."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return FP8_DTYPE
+    raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported: use {', '.join(KV_CACHE_DTYPES)}")
+
+
+@dataclass(frozen=True)
+class KVScales:
+    """One layer's per-tensor FP8 scales: the cache stores key / key_scale and value / value_scale."""
+
+    key: float = 1.0
+    value: float = 1.0
+
+
+def load_kv_scales(path: Path, num_layers: int) -> list[KVScales]:
+    """Each layer's scales as the checkpoint gives them (`*.k_scale`, `*.v_scale` or `*.kv_scale`), else 1.0."""
+    found: dict[int, dict[str, float]] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if (match := _KV_SCALE_NAME.search(name)) is not None:
+                    layer, kind = int(match.group(1)), match.group(2)
+                    tensor = f.get_tensor(name)
+                    if tensor.numel() != 1:
+                        raise ConfigError(f"{name} in {file} holds {tensor.numel()} values; kvshard reads one "
+                                          "scale per tensor: use --kv-cache-dtype auto")
+                    scale = tensor.float().item()
+                    kinds = ("k_scale", "v_scale") if kind == "kv_scale" else (kind,)
+                    found.setdefault(layer, {}).update(dict.fromkeys(kinds, scale))
+    for layer, scales in found.items():
+        if layer >= num_layers or not all(s > 0 for s in scales.values()):
+            raise ConfigError(f"{path}: the KV scales of layer {layer} ({scales}) are not positive scales of a "
+                              f"model with {num_layers} layers; remove them or use --kv-cache-dtype auto")
+    return [KVScales(found.get(i, {}).get("k_scale", 1.0), found.get(i, {}).get("v_scale", 1.0))
+            for i in range(num_layers)]
 
 
 def head_dim_of(hf_config) -> int:
@@ -69,57 +125,86 @@ class GatherBuffers:
     all layers of a step gather the same blocks, so they can share these.
     """
 
-    key: torch.Tensor | None = None  # [g*nb, B, Hk, dk]
-    value: torch.Tensor | None = None  # [g*nb, B, Hk, dv]
+    key: torch.Tensor | None = None  # [g*nb, B, Hk, dk], compute dtype
+    value: torch.Tensor | None = None  # [g*nb, B, Hk, dv], compute dtype
+    stored: torch.Tensor | None = None  # [g*nb, B, Hk, d] as stored (FP8), before dequantizing
 
 
 class KVCacheLayer:
     """One layer's cache on one rank: key [slots, Hk, dk] and value [slots, Hk, dv].
 
     The value may be a view into the key (MLA keeps [c_kv | k_pe] and reads c_kv as V),
-    in which case only the key is written.
+    in which case only the key is written. A cache stored in FP8 is quantized on write and
+    read back in `dtype`, the compute dtype.
     """
 
-    def __init__(self, key: torch.Tensor, value: torch.Tensor, block_size: int) -> None:
+    def __init__(self, key: torch.Tensor, value: torch.Tensor, block_size: int, dtype: torch.dtype,
+                 scales: KVScales = KVScales()) -> None:
         self.key = key
         self.value = value
         self.block_size = block_size
+        self.dtype = dtype
+        self.scales = scales
         self.value_is_view = value.data_ptr() == key.data_ptr()
 
     def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        self.key.index_copy_(0, slots, key.to(self.key.dtype))
+        self._store(self.key, slots, key, self.scales.key)
         if not self.value_is_view:
-            self.value.index_copy_(0, slots, value.to(self.value.dtype))
+            self._store(self.value, slots, value, self.scales.value)
+
+    @staticmethod
+    def _store(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float) -> None:
+        if cache.dtype != FP8_DTYPE:
+            cache.index_copy_(0, slots, x.to(cache.dtype))
+            return
+        # saturate explicitly: torch's scalar float -> e4m3fn conversion turns values beyond 448 into NaN
+        stored = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        cache.view(torch.uint8).index_copy_(0, slots, stored.view(torch.uint8))  # no float8 index_copy_ on CPU
 
     def gather(self, blocks: torch.Tensor, buffers: GatherBuffers | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole blocks [g, nb] -> keys [g, nb*B, Hk, dk], values [g, nb*B, Hk, dv], copied into `buffers`."""
         buffers = buffers if buffers is not None else GatherBuffers()
-        buffers.key = self._by_block(self.key, blocks, buffers.key)
+        buffers.key = self._by_block(self.key, blocks, buffers.key, self.scales.key, buffers)
         keys = buffers.key.view(blocks.shape[0], -1, *self.key.shape[1:])
         if self.value_is_view:  # MLA: V is the leading channels of the gathered latent
             return keys, keys[..., : self.value.shape[-1]]
-        buffers.value = self._by_block(self.value, blocks, buffers.value)
+        buffers.value = self._by_block(self.value, blocks, buffers.value, self.scales.value, buffers)
         return keys, buffers.value.view(blocks.shape[0], -1, *self.value.shape[1:])
 
-    def _by_block(self, cache: torch.Tensor, blocks: torch.Tensor, reuse: torch.Tensor | None) -> torch.Tensor:
-        """The blocks of `cache`, [g*nb, B, Hk, d], written into `reuse` when it has their shape."""
+    def _by_block(self, cache: torch.Tensor, blocks: torch.Tensor, reuse: torch.Tensor | None, scale: float,
+                  buffers: GatherBuffers) -> torch.Tensor:
+        """The blocks of `cache` in the compute dtype, [g*nb, B, Hk, d], written into `reuse` when it fits."""
         per_block = cache.unflatten(0, (-1, self.block_size))  # [num_blocks, B, Hk, d]
         shape = (blocks.numel(), *per_block.shape[1:])
-        out = reuse
-        if out is None or out.shape != shape or out.dtype != cache.dtype:
-            out = per_block.new_empty(shape)
-        torch.index_select(per_block, 0, blocks.flatten(), out=out)  # far faster than per_block[blocks] on CPU
-        return out
+        out = _reusable(reuse, shape, self.dtype, cache.device)
+        if cache.dtype == self.dtype:
+            torch.index_select(per_block, 0, blocks.flatten(), out=out)  # far faster than per_block[blocks] on CPU
+            return out
+        buffers.stored = _reusable(buffers.stored, shape, cache.dtype, cache.device)
+        torch.index_select(per_block, 0, blocks.flatten(), out=buffers.stored)
+        out.copy_(buffers.stored)  # exact: every e4m3 value is a bfloat16/float16/float32 value
+        return out.mul_(scale) if scale != 1.0 else out
+
+
+def _reusable(buffer: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+    if buffer is None or buffer.shape != shape or buffer.dtype != dtype:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return buffer
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: torch.device) -> list[KVCacheLayer]:
+                      device: torch.device, cache_dtype: torch.dtype | None = None,
+                      scales: list[KVScales] | None = None) -> list[KVCacheLayer]:
+    """Each layer's cache, stored in `cache_dtype` (default: the compute `dtype`) and read back in `dtype`."""
+    cache_dtype = cache_dtype or dtype
+    scales = scales or [KVScales()] * spec.num_layers
     slots = num_blocks * block_size
     layers = []
-    for _ in range(spec.num_layers):
-        key = torch.zeros(slots, spec.num_kv_heads, spec.key_dim, dtype=dtype, device=device)
+    for layer_scales in scales:
+        key = torch.zeros(slots, spec.num_kv_heads, spec.key_dim, dtype=cache_dtype, device=device)
         value = key[..., : spec.value_dim] if spec.value_in_key else torch.zeros(
-            slots, spec.num_kv_heads, spec.value_dim, dtype=dtype, device=device
+            slots, spec.num_kv_heads, spec.value_dim, dtype=cache_dtype, device=device
         )
-        layers.append(KVCacheLayer(key, value, block_size))
+        layers.append(KVCacheLayer(key, value, block_size, dtype, layer_scales))
     return layers

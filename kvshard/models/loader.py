@@ -19,7 +19,7 @@ from kvshard.errors import ConfigError
 from kvshard.models.quantization import Fp8BlockQuantization, QuantizedCheckpoint
 
 # Buffers some checkpoints carry that kvshard recomputes.
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".k_scale", ".v_scale", ".kv_scale")  # KV scales: kv/cache.py
 
 
 def checkpoint_to_parameter(name: str, packed_modules: dict[str, tuple[str, object]]) -> tuple[str, object]:
