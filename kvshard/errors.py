@@ -3,3 +3,17 @@
 
 class ConfigError(ValueError):
     """A configuration the user can fix; the message says how."""
+
+
+def json_object_setting(value: str | dict, flag: str, example: str) -> dict:
+    """A setting given as a JSON object on the command line (a string) or as a dict in Python."""
+    import json
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"{flag} is not valid JSON ({error}): give e.g. '{example}'") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag} must be a JSON object, e.g. '{example}', got {value!r}")
+    return value

@@ -70,16 +70,50 @@ def assert_same_generation(got_tokens: list[list[int]], got_logprobs: list[list[
                 assert logprob == pytest.approx(want_step[token], abs=atol), f"{where}, candidate {token}"
 
 
-def save_hf_checkpoint(config, directory: Path, seed: int = 0) -> Path:
-    """Random weights from `seed`, written with transformers' own save_pretrained."""
+def random_hf_model(config, seed: int = 0, off_neutral: bool = False):
+    """A transformers model with random weights from `seed`. `off_neutral` moves norms and the routing
+    bias off their neutral init, so that a mix-up between them (or ignoring the bias) changes the output."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if off_neutral:
+        with torch.no_grad():
+            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+                if name.endswith("norm.weight"):
+                    tensor.uniform_(0.5, 1.5)
+                elif name.endswith("e_score_correction_bias"):
+                    tensor.uniform_(-0.3, 0.3)
     model.generation_config.eos_token_id = None  # greedy references run to max_new_tokens
-    model.save_pretrained(directory)
+    return model
+
+
+def save_hf_checkpoint(config, directory: Path, seed: int = 0, off_neutral: bool = False) -> Path:
+    """Random weights from `seed`, written with transformers' own save_pretrained."""
+    random_hf_model(config, seed, off_neutral).save_pretrained(directory)
     return directory
+
+
+def hf_greedy_with_logprobs(directory: Path, prompts: list[list[int]], max_new_tokens: int):
+    """transformers' greedy tokens and per-step log-probabilities [V] of each prompt; fails on a
+    near-tie in the reference (a top-2 gap under 1e-2), where float rounding could flip a token."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    tokens, logprobs = [], []
+    for prompt in prompts:
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+            pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+        )
+        steps = [step[0].float().log_softmax(-1) for step in out.logits]  # max_new_tokens x [V]
+        top2 = torch.stack(steps).topk(2, dim=-1).values
+        assert (top2[:, 0] - top2[:, 1]).min() > 1e-2, "the reference has a near-tie: pick another seed"
+        tokens.append(out.sequences[0, len(prompt):].tolist())
+        logprobs.append(steps)
+    return tokens, logprobs
 
 
 def hf_greedy(directory: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

@@ -34,6 +34,8 @@ from kvshard.config import ConfigError
 from kvshard.engine.arg_utils import EngineArgs
 from kvshard.models.quantization import Fp8BlockQuantization, QuantizedCheckpoint, dequantize_block_fp8
 
+from conftest import hf_greedy_with_logprobs, random_hf_model
+
 BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -122,17 +124,7 @@ def _dequantized(published: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def build_checkpoints(config, seed: int, root: Path) -> tuple[Path, Path]:
     """(FP8 checkpoint directory as published, float32 directory of the same model dequantized)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # off their neutral init, so that a mix-up between them shows
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith("norm.weight"):
-                tensor.uniform_(0.5, 1.5)
-            elif name.endswith("e_score_correction_bias"):
-                tensor.uniform_(-0.3, 0.3)
-    model.generation_config.eos_token_id = None  # greedy references run to max_new_tokens
+    model = random_hf_model(config, seed, off_neutral=True)
     reference, fp8 = root / "dequantized", root / "fp8"
     model.save_pretrained(reference)  # transformers' own names (experts unfused, as published)
     float_weights = {}
@@ -164,21 +156,7 @@ def _prompts() -> list[list[int]]:
 
 def _hf_generation(directory: Path, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
     """transformers' greedy tokens and per-step log-probabilities [V]."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    tokens, logprobs = [], []
-    for prompt in prompts:
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-            pad_token_id=0, output_logits=True, return_dict_in_generate=True,
-        )
-        steps = [step[0].float().log_softmax(-1) for step in out.logits]
-        top2 = torch.stack(steps).topk(2, dim=-1).values
-        assert (top2[:, 0] - top2[:, 1]).min() > 1e-2, "the reference has a near-tie: pick another seed"
-        tokens.append(out.sequences[0, len(prompt):].tolist())
-        logprobs.append(steps)
-    return tokens, logprobs
+    return hf_greedy_with_logprobs(directory, prompts, NEW_TOKENS)
 
 
 def _kvshard_generation(directory: Path, tp: int, dcp: int, prompts: list[list[int]], dtype: str = "float32"):

@@ -19,7 +19,7 @@ from kvshard import LLM, ConfigError, SamplingParams
 from kvshard.config import EngineConfig
 from kvshard.engine.arg_utils import EngineArgs
 
-from conftest import assert_same_generation, environment
+from conftest import assert_same_generation, environment, hf_greedy_with_logprobs, save_hf_checkpoint
 
 BLOCK_SIZE = 4  # a virtual block at dcp=4 is 16 tokens: the longer prompts span several
 NEW_TOKENS = 32
@@ -103,24 +103,6 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(2, 128, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
 
 
-def _save_checkpoint(config, seed: int, directory: Path) -> Path:
-    """Random weights, with norms and the routing bias moved off their neutral init so that
-    a mix-up between them (or ignoring the bias) changes the output."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith("norm.weight"):
-                tensor.uniform_(0.5, 1.5)
-            elif name.endswith("e_score_correction_bias"):
-                tensor.uniform_(-0.3, 0.3)
-    model.generation_config.eos_token_id = None  # greedy references run to max_new_tokens
-    model.save_pretrained(directory)
-    return directory
-
-
 @dataclass
 class Generation:
     tokens: list[list[int]]
@@ -128,21 +110,8 @@ class Generation:
 
 
 def _hf_generation(directory: Path, prompts: list[list[int]]) -> Generation:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    tokens, logprobs = [], []
-    for prompt in prompts:
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-            pad_token_id=0, output_logits=True, return_dict_in_generate=True,
-        )
-        step_logprobs = [step[0].float().log_softmax(-1) for step in out.logits]  # NEW_TOKENS x [V]
-        top2 = torch.stack(step_logprobs).topk(2, dim=-1).values
-        assert (top2[:, 0] - top2[:, 1]).min() > 1e-2, "the reference has a near-tie: pick another seed"
-        tokens.append(out.sequences[0, len(prompt):].tolist())
-        logprobs.append([{i: float(row[i]) for i in range(row.shape[0])} for row in step_logprobs])
-    return Generation(tokens, logprobs)
+    tokens, steps = hf_greedy_with_logprobs(directory, prompts, NEW_TOKENS)
+    return Generation(tokens, [[{i: float(row[i]) for i in range(row.shape[0])} for row in rows] for rows in steps])
 
 
 @dataclass
@@ -192,7 +161,8 @@ def checkpoint(tmp_path_factory):
 
     def get(name: str) -> Path:
         if name not in made:
-            made[name] = _save_checkpoint(*CONFIGS[name], tmp_path_factory.mktemp(name))
+            config, seed = CONFIGS[name]
+            made[name] = save_hf_checkpoint(config, tmp_path_factory.mktemp(name), seed, off_neutral=True)
         return made[name]
 
     return get

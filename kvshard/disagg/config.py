@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvshard.config import ConfigError
+from kvshard.errors import ConfigError, json_object_setting
 
 ROLES = ("kv_producer", "kv_consumer")
 
@@ -37,13 +36,7 @@ class KVTransferConfig:
 
     @classmethod
     def from_json(cls, text: str) -> KVTransferConfig:
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"--kv-transfer-config is not valid JSON ({error}): give e.g. "
-                              '\'{"kv_role": "kv_producer"}\'') from None
-        if not isinstance(raw, dict):
-            raise ConfigError("--kv-transfer-config must be a JSON object, e.g. '{\"kv_role\": \"kv_consumer\"}'")
+        raw = json_object_setting(text, "--kv-transfer-config", '{"kv_role": "kv_producer"}')
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:

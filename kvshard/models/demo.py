@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 DEMO_VERSION = "v1"
@@ -75,16 +76,22 @@ def cache_dir() -> Path:
 
 def ensure_demo_model(name: str) -> Path:
     name = DEMO_ALIASES.get(name, name)
-    target = cache_dir() / f"{name}-{DEMO_VERSION}"
+    return cached_checkpoint(cache_dir() / f"{name}-{DEMO_VERSION}",
+                             lambda staging: build_demo_model(DEMO_CONFIGS[name](), staging))
+
+
+def cached_checkpoint(target: Path, build: Callable[[Path], None]) -> Path:
+    """`target`, built on first use: `build` writes into a staging folder that is then renamed, so a
+    reader never sees half a checkpoint and two processes building at once both end with one."""
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        build_demo_model(DEMO_CONFIGS[name](), staging)
+        build(staging)
         try:
             staging.rename(target)
-        except OSError:  # another process made it first
+        except OSError:  # another process built it first
             pass
     finally:
         shutil.rmtree(staging, ignore_errors=True)

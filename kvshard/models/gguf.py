@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from kvshard.errors import ConfigError
-from kvshard.models.demo import cache_dir
+from kvshard.models.demo import cache_dir, cached_checkpoint
 
 # Bump when the conversion's output changes, so stale caches are not reused.
 CONVERTER_VERSION = "v1"
@@ -72,19 +70,7 @@ def converted_gguf(gguf_path: Path) -> Path:
     """The cached Hugging Face directory of a .gguf file, converted on first use."""
     gguf_path = gguf_path.resolve()
     target = cache_dir() / "gguf" / f"{gguf_path.stem}-{file_sha256(gguf_path)[:16]}-{CONVERTER_VERSION}"
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        convert_gguf(gguf_path, staging)
-        try:
-            staging.rename(target)
-        except OSError:  # another process converted it first
-            pass
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return cached_checkpoint(target, lambda staging: convert_gguf(gguf_path, staging))
 
 
 def convert_gguf(gguf_path: Path, directory: Path) -> None:

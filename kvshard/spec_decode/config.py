@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvshard.errors import ConfigError
+from kvshard.errors import ConfigError, json_object_setting
 
 METHODS = ("ngram", "draft_model")
 _FIELDS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
@@ -33,14 +32,7 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeC
     """A JSON string (the flag) or a dict (`LLM(speculative_config=...)`) -> the config, or None."""
     if value is None or value == "" or value == {}:
         return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"--speculative-config is not valid JSON ({error}): give e.g. "
-                              '\'{"method": "ngram", "num_speculative_tokens": 3}\'') from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"speculative_config must be a JSON object, got {value!r}")
+    value = json_object_setting(value, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
     unknown = set(value) - _FIELDS
     if unknown:
         raise ConfigError(f"speculative_config has unknown fields {sorted(unknown)}: the fields are {sorted(_FIELDS)}")
