@@ -91,7 +91,8 @@ RUNS: dict[str, list[Layout]] = {
     "v3-dense": [Layout(1, 1), Layout(4, 1), Layout(4, 2, BLOCK_SIZE), Layout(4, 4, 1), Layout(4, 4, 1, "replicated")],
     "v2-moe": [Layout(1, 1), Layout(4, 2, 1), Layout(4, 4, BLOCK_SIZE)],
     # at KVSHARD_FUSED_MERGE_MAX_BYTES=0 a GQA merge would reduce-scatter features; W_UV needs whole heads' latents
-    "v3-6heads": [Layout(1, 1), Layout(4, 4, 1), Layout(4, 2, BLOCK_SIZE, env=(("KVSHARD_FUSED_MERGE_MAX_BYTES", "0"),))],
+    "v3-6heads": [Layout(1, 1), Layout(4, 4, 1), Layout(4, 2, BLOCK_SIZE, env=(("KVSHARD_FUSED_MERGE_MAX_BYTES", "0"),
+                                                                                ("KVSHARD_A2A_MAX_BYTES", "0")))],
 }
 SHARDED_RUNS = [(name, layout) for name, layouts in RUNS.items() for layout in layouts if layout.tp > 1]
 ALL_RUNS = [(name, layout) for name, layouts in RUNS.items() for layout in layouts]
@@ -240,7 +241,8 @@ def test_sharded_run_equals_unsharded_run(run, name, layout):
 def test_canonical_merge_and_split_decode_groups_match_transformers(run, reference):
     """Tiny models stay below the fused merge's threshold and the decode-group spread: at 0 the
     latent's merge takes the LSE all-gather + ReduceScatter path, decodes attend in groups by length."""
-    layout = Layout(2, 2, env=(("KVSHARD_DECODE_GROUP_SPREAD", "0"), ("KVSHARD_FUSED_MERGE_MAX_BYTES", "0")))
+    layout = Layout(2, 2, env=(("KVSHARD_DECODE_GROUP_SPREAD", "0"), ("KVSHARD_FUSED_MERGE_MAX_BYTES", "0"),
+                               ("KVSHARD_A2A_MAX_BYTES", "0")))
     got, single = run("v3-dense", layout).generation, run("v3-dense", Layout(1, 1)).generation
     want = reference("v3-dense")
     assert_same_generation(got.tokens, got.logprobs, want.tokens, want.logprobs, atol=1e-3, same_candidates=False)

@@ -225,6 +225,7 @@ class LLMEngine:
                 prefix_cache_queries=self.scheduler.prefix_cache_queries,
                 prefix_cache_hits=self.scheduler.prefix_cache_hits,
                 kv_blocks_cached=self.pool.num_cached,
+                dcp_timing=self.runner.dcp_timing.report,
             )
 
     def reset_prefix_cache(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvshard.attention.metadata import AttentionMetadata, decode_group_spread_from_env
+from kvshard.attention.timing import DcpTimingGather
 from kvshard.config import EngineConfig
 from kvshard.engine.step_plan import StepPlan
 from kvshard.kv.cache import allocate_kv_cache
@@ -29,6 +30,7 @@ class ModelRunner:
             config.kv_cache_spec, config.num_kv_blocks, config.cache.block_size, config.model.dtype, device
         )
         self.decode_group_spread = decode_group_spread_from_env()
+        self.dcp_timing = DcpTimingGather(parallel)  # rank 0's .report: every rank's DCP time
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -50,4 +52,6 @@ class ModelRunner:
         input_ids = torch.tensor(plan.token_ids, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, meta, self.kv_caches)  # [t, D]
         rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[rows])
+        logits = self.model.compute_logits(hidden[rows])
+        self.dcp_timing.after_step()
+        return logits
