@@ -36,9 +36,9 @@ from kvshard.parallel import AttentionHeads, ParallelState, dcp_all_gather, dcp_
 FUSED_MERGE_MAX_BYTES = 256 * 1024
 # --dcp-comm-backend auto takes the all-to-all up to this many bytes of partial output per rank
 # (KVSHARD_A2A_MAX_BYTES overrides; 0 is always ag_rs). Measured over shared memory at dcp=2 on a
-# CPU: the all-to-all beat both ag_rs forms from 64 KiB to 8 MiB; at 16 MiB the reduce-scatter,
-# which reads 1/N of each peer's output as the all-to-all does, won by skipping the packing copy.
-A2A_MAX_BYTES = 8 << 20
+# shared 2-core CPU (medians of 50, two runs): a tie with both ag_rs forms at 64 KiB, the
+# all-to-all 1.3-3x faster from 1 to 8 MiB, 16 MiB split between runs; above is unmeasured.
+A2A_MAX_BYTES = 16 << 20
 AG_RS, AG_RS_FUSED, A2A = "ag_rs", "ag_rs fused", "a2a"  # the merge schemes, named as the planner's
 
 

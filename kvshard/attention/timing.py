@@ -53,6 +53,24 @@ class DcpTimingReport:
         """Mean seconds per step in `phase`, per rank."""
         return [s[phase] / self.steps if self.steps else 0.0 for s in self.seconds]
 
+    def since(self, earlier: DcpTimingReport | None) -> DcpTimingReport:
+        """The steps and seconds after `earlier` (a report of the same engine)."""
+        if earlier is None:
+            return self
+        return DcpTimingReport(
+            self.steps - earlier.steps,
+            [{p: now[p] - then[p] for p in PHASES} for now, then in zip(self.seconds, earlier.seconds)],
+            {k: n - earlier.merges.get(k, 0) for k, n in self.merges.items()})
+
+    def summary(self) -> str:
+        """Milliseconds per step: rank 0 and the slowest rank, per phase."""
+        parts = []
+        for phase in PHASES:
+            per_rank = self.per_step(phase)
+            parts.append(f"{phase} {per_rank[0] * 1e3:.2f} ms (slowest rank {max(per_rank) * 1e3:.2f})")
+        merges = ", ".join(f"{k} x{n}" for k, n in sorted(self.merges.items()) if n)
+        return f"DCP per step over {self.steps} steps: " + "; ".join(parts) + f"; merges: {merges or 'none'}"
+
 
 class DcpTimingGather:
     """Called once per step on every rank (the same steps everywhere, so the gathers match)."""

@@ -178,6 +178,8 @@ class EngineArgs:
         interleave = _resolve_interleave(self.dcp_kv_interleave_size)
         tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
         layout = choose_attention_layout(model_config, tp, dcp, self.dcp_attention_layout)
+        if self.dcp_comm_backend not in DCP_COMM_BACKENDS:
+            raise ConfigError(f"dcp_comm_backend={self.dcp_comm_backend!r} is not one of {', '.join(DCP_COMM_BACKENDS)}")
         parallel = ParallelConfig(tp, dcp, interleave, layout, self.dcp_comm_backend)
         if self.block_size % interleave != 0:
             raise ConfigError(
