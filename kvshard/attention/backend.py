@@ -103,10 +103,10 @@ class Attention:
             if self.heads.gathers_queries:
                 q_group = dcp_all_gather(q, state).permute(1, 0, 2, 3).flatten(1, 2)  # [t, H/A, dk]
                 start = times.add("collective", start) if times else start
-            out, lse = self._attend_context(q_group, cache, meta)  # [t, H/A, dv], [t, H/A]
+            packed = self._attend_context(q_group, cache, meta)  # [t, H/A, dv + 1]
             start = times.add("attention", start) if times else start
             # a value map needs whole heads' merged latents: a share ending inside a head gathers them all
-            out, lse = self._merge_over_group(out, lse, whole_heads=value_map is not None,
+            out, lse = self._merge_over_group(packed, whole_heads=value_map is not None,
                                               times=times, start=start)  # [t, H_o, dv], [t, H_o]
             if value_map is not None:  # in the model's dtype, as its weights; merged in float32
                 out = value_map(out.to(q.dtype)).float()
@@ -152,10 +152,13 @@ class Attention:
             out[rows], lse[rows] = o[0], l[0]
         return out, lse
 
-    def _attend_context(self, q, cache: KVCacheLayer, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def _attend_context(self, q, cache: KVCacheLayer, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of q [t, H/A, dk] over this rank's shard: [output | lse], [t, H/A, dv + 1]
+        (side by side so the merge sends them without a packing copy)."""
         t, heads = q.shape[0], q.shape[1]
-        out = q.new_zeros((t, heads, cache.value.shape[-1]), dtype=torch.float32)
-        lse = q.new_full((t, heads), float("-inf"), dtype=torch.float32)
+        packed = q.new_zeros((t, heads, cache.value.shape[-1] + 1), dtype=torch.float32)
+        out, lse = packed[..., :-1], packed[..., -1]
+        lse.fill_(float("-inf"))
         for group in meta.groups:
             if group.context_blocks is None:  # this rank holds none of these requests' tokens yet
                 continue
@@ -164,15 +167,16 @@ class Attention:
             queries = q[rows].unflatten(0, (group.num_seqs, group.query_len))  # [g, s, H, dk]
             o, l = attention_with_lse(queries, keys, values, group.context_bias, self.scale)
             out[rows], lse[rows] = o.flatten(0, 1), l.flatten(0, 1)
-        return out, lse
+        return packed
 
-    def _merge_over_group(self, out: torch.Tensor, lse: torch.Tensor, whole_heads: bool = False,
+    def _merge_over_group(self, packed: torch.Tensor, whole_heads: bool = False,
                           times: DcpTimes | None = None, start: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sum the group's partial attentions [t, H/A, dv], weighted by LSE, and keep this rank's
+        """Sum the group's partial attentions [output | lse] [t, H/A, dv + 1], weighted by LSE, and keep this rank's
         share of the features, in its output heads [t, H_o, dv] (features of a head at either end
         that belong to a neighbour are left zero, unless `whole_heads` or the scheme gives them).
         With `times`, the time since `start` goes to "merge" and the collectives' to "collective"."""
         state = self.parallel
+        out, lse = packed[..., :-1], packed[..., -1]  # [t, H/A, dv], [t, H/A]
         if state.dcp_size == 1:
             return out, lse
         scheme = merge_scheme(state.dcp_comm_backend, out.numel() * out.element_size(), self.fused_merge_max_bytes,
@@ -199,7 +203,6 @@ class Attention:
                 mine = padded
             merged = mine.unflatten(1, (-1, dv)), total[:, self._output_in_group]
         else:
-            packed = torch.cat([out, lse.unsqueeze(-1)], dim=-1)  # [t, H/A, dv + 1]
             if scheme == A2A:  # each rank gets its output heads' partials from every rank
                 parts = timed(dcp_all_to_all, [packed[:, heads] for heads in self._output_in_group_of_rank])
             else:
