@@ -70,6 +70,7 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None) -> tor
 HEAD_SPLIT = "head-split"  # query heads split over all T ranks, gathered in the group: one collective more
 REPLICATED = "replicated"  # every rank computes its group's queries: N x the query-side projection weights
 ATTENTION_LAYOUTS = ("auto", HEAD_SPLIT, REPLICATED)
+DCP_COMM_BACKENDS = ("auto", "ag_rs", "a2a")  # vLLM's --dcp-comm-backend names
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class ParallelConfig:
     decode_context_parallel_size: int
     dcp_kv_interleave_size: int
     attention_layout: str = HEAD_SPLIT  # resolved: HEAD_SPLIT or REPLICATED
+    dcp_comm_backend: str = "auto"  # one of DCP_COMM_BACKENDS: how a DCP group merges its partial attentions
 
     @property
     def world_size(self) -> int:
@@ -368,7 +370,8 @@ class EngineConfig:
         else:
             how = (f"every rank computes its group's queries (replicated projections: "
                    f"+{self.replicated_projection_bytes_per_rank / 2**20:,.2f} MiB per rank, no Q all-gather)")
-        return f"attention layout: {p.attention_layout} (attention-TP A={p.attention_tp_size}; {heads}; {how})"
+        return (f"attention layout: {p.attention_layout} (attention-TP A={p.attention_tp_size}; {heads}; {how}); "
+                f"DCP merge: --dcp-comm-backend {p.dcp_comm_backend}")
 
 
 # --- model directory ---------------------------------------------------------

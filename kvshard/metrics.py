@@ -10,6 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvshard.attention.timing import PHASES, DcpTimingReport
 from kvshard.config import EngineConfig
 from kvshard.engine.stats import EngineStats
 
@@ -49,6 +50,7 @@ class ServerMetrics:
                  "interleave": str(parallel.dcp_kv_interleave_size),
                  "attention_layout": parallel.attention_layout,
                  "attention_tp": str(parallel.attention_tp_size),
+                 "dcp_comm_backend": parallel.dcp_comm_backend,
                  "kv_bytes_per_token_per_rank": f"{config.kv_bytes_per_token_per_rank:g}",
                  "replicated_projection_bytes_per_rank": str(config.replicated_projection_bytes_per_rank),
                  "block_size": str(config.cache.block_size),
@@ -104,6 +106,7 @@ class ServerMetrics:
             per_rank_tokens.add_metric([name, str(dcp_rank)], tokens)
         yield per_rank_usage
         yield per_rank_tokens
+        yield from _dcp_timing_families(stats.dcp_timing, name)
         yield counter("kvshard:num_preemptions", "Sequences preempted (KV freed, recomputed later).",
                       stats.num_preemptions)
         yield counter("kvshard:prompt_tokens", "Prompt tokens admitted (times n).", stats.prompt_tokens)
@@ -132,3 +135,27 @@ def _spec_decode_counters(stats: EngineStats, name: str):
     for position, value in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
         per_pos.add_metric([name, str(position)], value)
     yield per_pos
+
+
+def _dcp_timing_families(report: DcpTimingReport | None, name: str):
+    """Every rank's seconds in DCP collectives, local attention and merge (as of the last gather
+    among the ranks), their mean per step, and rank 0's merges by scheme."""
+    if report is None:  # no DCP, timers off, or no gather yet
+        return
+    total = CounterMetricFamily("kvshard:dcp_seconds", "Seconds a rank spent in a DCP phase: collective "
+                                "(Q all-gather, merge collectives), attention (over its KV shard), merge (LSE "
+                                "arithmetic).", labels=["model_name", "rank", "phase"])
+    per_step = GaugeMetricFamily("kvshard:dcp_seconds_per_step", "Mean seconds per engine step a rank spent "
+                                 "in a DCP phase (compare rank 0 with the slowest rank).",
+                                 labels=["model_name", "rank", "phase"])
+    for phase in PHASES:
+        for rank, (seconds, mean) in enumerate(zip((s[phase] for s in report.seconds), report.per_step(phase))):
+            total.add_metric([name, str(rank), phase], seconds)
+            per_step.add_metric([name, str(rank), phase], mean)
+    merges = CounterMetricFamily("kvshard:dcp_merges", "Layer merges on rank 0, by scheme (--dcp-comm-backend).",
+                                 labels=["model_name", "scheme"])
+    for scheme, count in sorted(report.merges.items()):
+        merges.add_metric([name, scheme], count)
+    yield total
+    yield per_step
+    yield merges

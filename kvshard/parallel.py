@@ -68,6 +68,7 @@ class ParallelState:
     tp_shm: ShmGroup | None = None  # shared-memory collectives when every rank is on this CPU machine
     dcp_shm: ShmGroup | None = None
     attention_layout: str = HEAD_SPLIT  # HEAD_SPLIT or REPLICATED (the same thing when dcp == 1)
+    dcp_comm_backend: str = "auto"  # ParallelConfig.dcp_comm_backend
 
     @property
     def tp_rank(self) -> int:
@@ -177,6 +178,7 @@ def init_parallel(
         tp_shm=tp_shm,
         dcp_shm=dcp_shm,
         attention_layout=parallel.attention_layout,
+        dcp_comm_backend=parallel.dcp_comm_backend,
     )
 
 
@@ -303,6 +305,25 @@ def dcp_reduce_scatter(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
     dist.reduce_scatter_single(out, x.contiguous().flatten(0, 1), group=state.dcp_group)
     return out
+
+
+def dcp_all_to_all(chunks: list[torch.Tensor], state: ParallelState) -> torch.Tensor:
+    """chunks[j] goes to DCP rank j -> [dcp, *chunks[dcp_rank].shape]: what each rank sent this one.
+
+    The shape and dtype of chunks[j] must be the same on every rank (a function of j alone), so
+    every rank knows what it receives without a size exchange.
+    """
+    if state.dcp_size == 1:
+        return chunks[0].unsqueeze(0)
+    shm = state.dcp_shm
+    if shm is not None and shm.fits(sum(c.numel() * c.element_size() for c in chunks)):
+        return shm.all_to_all(chunks, _TIMEOUT_S)
+    mine = chunks[state.dcp_rank]
+    send = torch.cat([c.reshape(-1) for c in chunks])
+    received = torch.empty(state.dcp_size * mine.numel(), dtype=mine.dtype, device=mine.device)
+    dist.all_to_all_single(received, send, output_split_sizes=[mine.numel()] * state.dcp_size,
+                           input_split_sizes=[c.numel() for c in chunks], group=state.dcp_group)
+    return received.view(state.dcp_size, *mine.shape)
 
 
 def _all_gather_stacked(x: torch.Tensor, size: int, group, shm: ShmGroup | None) -> torch.Tensor:

@@ -161,6 +161,34 @@ class ShmGroup:
             out += part
         return out.view(x.shape[1:])
 
+    def all_to_all(self, chunks: list[torch.Tensor], timeout_s: float) -> torch.Tensor:
+        """chunks[j] goes to rank j -> [size, *chunks[index].shape], what each rank sent this one.
+
+        Every rank's chunks[j] has the same shape (and all chunks one dtype), so each chunk sits at
+        the same offset of every rank's slot: a rank writes all of its chunks, then reads its own
+        from each peer's slot (1/size of what an all-gather would read).
+        """
+        sizes = [c.numel() * c.element_size() for c in chunks]
+        offset = sum(sizes[:self.index])
+        mine = chunks[self.index]
+        out = torch.empty((self.size, *mine.shape), dtype=mine.dtype)
+        if sum(sizes) == 0:  # the same on every rank: all of them skip the exchange
+            return out
+        op = self._begin(timeout_s)
+        slot = self._slot(self.index, op)
+        start = 0
+        for chunk, size in zip(chunks, sizes):
+            if size:  # copy_ from a strided view: no packing copy first
+                slot[start:start + size].view(chunk.dtype).view(chunk.shape).copy_(chunk)
+            start += size
+        self._publish(op)
+        self._wait_for([r for r in range(self.size) if r != self.index], op, timeout_s)
+        if sizes[self.index]:
+            flat = out.view(self.size, -1).view(torch.uint8)
+            for rank in range(self.size):
+                flat[rank].copy_(self._slot(rank, op)[offset:offset + sizes[self.index]])
+        return out
+
     def broadcast_bytes(self, data: bytes | None, root: int, timeout_s: float | None) -> bytes | None:
         """Root's bytes to every rank; None when they do not fit a slot (the caller falls back)."""
         op = self._begin(timeout_s)

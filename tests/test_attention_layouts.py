@@ -33,7 +33,7 @@ MODELS = {
 
 # Tiny models merge by one all-gather of [output | lse]; at 0 the merge takes the LSE all-gather +
 # ReduceScatter of features, which hands a rank part of a head.
-CANONICAL_MERGE = {"KVSHARD_FUSED_MERGE_MAX_BYTES": "0"}
+CANONICAL_MERGE = {"KVSHARD_FUSED_MERGE_MAX_BYTES": "0", "KVSHARD_A2A_MAX_BYTES": "0"}
 
 # (model, tp, dcp, interleave, prefill budget): none of these passed the old rule. A 12-token budget
 # prefills the 21-token prompt in chunks that attend to the cache across the group.

@@ -43,7 +43,7 @@ MODELS = {
 
 class Run:
     def __init__(self, outputs, peak_blocks: int, peak_tokens_per_rank: list[int], kv_bytes_per_slot: int,
-                 allocated_bytes: int, num_blocks: int, shared_memory: bool, attention_layout: str):
+                 allocated_bytes: int, num_blocks: int, shared_memory: bool, attention_layout: str, merges: set[str]):
         self.tokens = [o.outputs[0].token_ids for o in outputs]
         self.logprobs = [o.outputs[0].logprobs for o in outputs]
         self.peak_blocks = peak_blocks
@@ -53,6 +53,7 @@ class Run:
         self.num_blocks = num_blocks
         self.shared_memory = shared_memory  # the collectives went through shared memory (else gloo)
         self.attention_layout = attention_layout
+        self.merges = merges  # the merge schemes rank 0's layers took (empty without DCP)
 
 
 @pytest.fixture(scope="module")
@@ -60,20 +61,21 @@ def run(checkpoints):
     cache: dict[tuple, Run] = {}
 
     def get(model: str, tp: int, dcp: int, interleave: int = 1, budget: int | None = None,
-            attention: str = "auto", env: dict | None = None) -> Run:
-        key = (model, tp, dcp, interleave, budget, attention, tuple(sorted((env or {}).items())))
+            attention: str = "auto", env: dict | None = None, comm: str = "auto") -> Run:
+        key = (model, tp, dcp, interleave, budget, attention, tuple(sorted((env or {}).items())), comm)
         if key not in cache:
             path = checkpoints(model, MODELS[model]())
             with environment(env or {}):
-                cache[key] = _run(path, tp, dcp, interleave, budget, attention)
+                cache[key] = _run(path, tp, dcp, interleave, budget, attention, comm)
         return cache[key]
 
     return get
 
 
-def _run(path, tp: int, dcp: int, interleave: int, budget: int | None, attention: str) -> Run:
+def _run(path, tp: int, dcp: int, interleave: int, budget: int | None, attention: str, comm: str) -> Run:
     with LLM(str(path), tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-             dcp_kv_interleave_size=interleave, dcp_attention_layout=attention, block_size=BLOCK, max_num_seqs=8,
+             dcp_kv_interleave_size=interleave, dcp_attention_layout=attention, dcp_comm_backend=comm,
+             block_size=BLOCK, max_num_seqs=8,
              max_num_batched_tokens=budget, kv_cache_memory="1MiB") as llm:
         engine = llm.engine
         for i, prompt in enumerate(PROMPTS):
@@ -87,9 +89,11 @@ def _run(path, tp: int, dcp: int, interleave: int, budget: int | None, attention
             if stats.kv_blocks_used > peak_blocks:
                 peak_blocks, peak_tokens = stats.kv_blocks_used, stats.kv_tokens_per_dcp_rank
         assert engine.stats().kv_blocks_used == 0
+        timing = engine.stats().dcp_timing
         return Run([done[str(i)] for i in range(len(PROMPTS))], peak_blocks, peak_tokens,
                    llm.config.kv_bytes_per_slot, engine.runner.kv_cache_bytes, llm.config.num_kv_blocks,
-                   engine.executor.parallel.tp_shm is not None, llm.config.parallel.attention_layout)
+                   engine.executor.parallel.tp_shm is not None, llm.config.parallel.attention_layout,
+                   set(timing.merges) if timing else set())
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +140,16 @@ def test_replicated_queries_change_nothing(run, tp, dcp, interleave, budget):
     assert_same_as(result, run("llama", 1, 1))
 
 
+# Tiny models' merges are small: --dcp-comm-backend auto takes the all-to-all, ag_rs its fused
+# all-gather; both merge the same [output | lse] rows in the same order, so the bits are equal.
+@pytest.mark.parametrize("tp, dcp, interleave, budget", [(2, 2, 1, None), (4, 4, BLOCK, None), (4, 2, 1, None)])
+def test_all_to_all_merge_equals_ag_rs_bit_for_bit(run, reference, tp, dcp, interleave, budget):
+    a2a, ag_rs = run("llama", tp, dcp, interleave, budget), run("llama", tp, dcp, interleave, budget, comm="ag_rs")
+    assert a2a.merges == {"a2a"} and ag_rs.merges == {"ag_rs fused"}
+    assert a2a.tokens == ag_rs.tokens == reference("llama")
+    assert a2a.logprobs == ag_rs.logprobs
+
+
 # gloo alone; and shared-memory slots so small that the prefill's activations go through gloo while
 # the decodes' go through shared memory (both paths within one step sequence)
 GLOO = {"KVSHARD_SHM_COLLECTIVES": "0"}
@@ -155,7 +169,8 @@ def test_gloo_and_shared_memory_collectives_agree(run, tp, dcp, interleave, budg
 # Tiny models never reach the canonical merge (a rank's partial output above 256 KiB) nor decode
 # groups split by length (contexts 1,024 tokens apart): at 0 every merge takes the LSE all-gather +
 # ReduceScatter path, and decodes of different local lengths attend in groups of their own.
-CANONICAL_MERGE_AND_SPLIT_GROUPS = {"KVSHARD_FUSED_MERGE_MAX_BYTES": "0", "KVSHARD_DECODE_GROUP_SPREAD": "0"}
+CANONICAL_MERGE_AND_SPLIT_GROUPS = {"KVSHARD_FUSED_MERGE_MAX_BYTES": "0", "KVSHARD_A2A_MAX_BYTES": "0",
+                                    "KVSHARD_DECODE_GROUP_SPREAD": "0"}
 
 
 def test_canonical_merge_and_split_decode_groups_match_transformers(run, reference):

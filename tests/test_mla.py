@@ -8,7 +8,7 @@ replication, while each rank stores 1/N of the latent cache.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -73,10 +73,11 @@ class Layout:
     interleave: int = 1
     attention: str = "auto"  # dcp_attention_layout
     env: tuple[tuple[str, str], ...] = ()  # environment the ranks start with
+    comm: str = "auto"  # dcp_comm_backend
 
     def __str__(self) -> str:
         return (f"tp{self.tp}-dcp{self.dcp}-i{self.interleave}" + (f"-{self.attention}" if self.attention != "auto" else "")
-                + "".join(f"-{name}={value}" for name, value in self.env))
+                + "".join(f"-{name}={value}" for name, value in self.env) + (f"-{self.comm}" if self.comm != "auto" else ""))
 
 
 # Each tp=4 start costs ~10 s here, so the layouts cover the features instead of the full cross
@@ -91,7 +92,8 @@ RUNS: dict[str, list[Layout]] = {
     "v3-dense": [Layout(1, 1), Layout(4, 1), Layout(4, 2, BLOCK_SIZE), Layout(4, 4, 1), Layout(4, 4, 1, "replicated")],
     "v2-moe": [Layout(1, 1), Layout(4, 2, 1), Layout(4, 4, BLOCK_SIZE)],
     # at KVSHARD_FUSED_MERGE_MAX_BYTES=0 a GQA merge would reduce-scatter features; W_UV needs whole heads' latents
-    "v3-6heads": [Layout(1, 1), Layout(4, 4, 1), Layout(4, 2, BLOCK_SIZE, env=(("KVSHARD_FUSED_MERGE_MAX_BYTES", "0"),))],
+    "v3-6heads": [Layout(1, 1), Layout(4, 4, 1), Layout(4, 2, BLOCK_SIZE, env=(("KVSHARD_FUSED_MERGE_MAX_BYTES", "0"),
+                                                                                ("KVSHARD_A2A_MAX_BYTES", "0")))],
 }
 SHARDED_RUNS = [(name, layout) for name, layouts in RUNS.items() for layout in layouts if layout.tp > 1]
 ALL_RUNS = [(name, layout) for name, layouts in RUNS.items() for layout in layouts]
@@ -121,12 +123,14 @@ class Run:
     kv_cache_bytes: int  # allocated on rank 0
     kv_tokens_per_dcp_rank: list[int]  # with one request of ACCOUNTING_PROMPT_LEN tokens in the cache
     q_rows_on_rank0: int  # output rows of rank 0's Q projection (first layer)
+    merges: set[str]  # the merge schemes rank 0's layers took (empty without DCP)
 
 
 def _run(directory: Path, layout: Layout, prompts: list[list[int]], dtype: str = "auto") -> Run:
     with environment(dict(layout.env)), LLM(
         str(directory), tensor_parallel_size=layout.tp, decode_context_parallel_size=layout.dcp,
         dcp_kv_interleave_size=layout.interleave, dcp_attention_layout=layout.attention, block_size=BLOCK_SIZE,
+        dcp_comm_backend=layout.comm,
         max_model_len=128, num_kv_blocks=64, max_num_seqs=4,
         max_num_batched_tokens=16,  # long prompts prefill in chunks that attend to the sharded cache
         dtype=dtype,
@@ -140,13 +144,14 @@ def _run(directory: Path, layout: Layout, prompts: list[list[int]], dtype: str =
         live = engine.requests["accounting"].seqs[0]
         while live.num_computed_tokens < ACCOUNTING_PROMPT_LEN:  # prefilled, still running
             engine.step()
-        kv_tokens = engine.stats().kv_tokens_per_dcp_rank
+        kv_tokens, timing = engine.stats().kv_tokens_per_dcp_rank, engine.stats().dcp_timing
         engine.abort_request("accounting")
         attention = engine.runner.model.model.layers[0].self_attn
         q_proj = attention.q_b_proj if attention.q_lora else attention.q_proj
         return Run(
             Generation([o.outputs[0].token_ids for o in outputs], [o.outputs[0].logprobs for o in outputs]),
             llm.config, engine.runner.kv_cache_bytes, kv_tokens, q_proj.weight.shape[0],
+            set(timing.merges) if timing else set(),
         )
 
 
@@ -210,11 +215,22 @@ def test_sharded_run_equals_unsharded_run(run, name, layout):
 def test_canonical_merge_and_split_decode_groups_match_transformers(run, reference):
     """Tiny models stay below the fused merge's threshold and the decode-group spread: at 0 the
     latent's merge takes the LSE all-gather + ReduceScatter path, decodes attend in groups by length."""
-    layout = Layout(2, 2, env=(("KVSHARD_DECODE_GROUP_SPREAD", "0"), ("KVSHARD_FUSED_MERGE_MAX_BYTES", "0")))
+    layout = Layout(2, 2, env=(("KVSHARD_DECODE_GROUP_SPREAD", "0"), ("KVSHARD_FUSED_MERGE_MAX_BYTES", "0"),
+                               ("KVSHARD_A2A_MAX_BYTES", "0")))
     got, single = run("v3-dense", layout).generation, run("v3-dense", Layout(1, 1)).generation
     want = reference("v3-dense")
     assert_same_generation(got.tokens, got.logprobs, want.tokens, want.logprobs, atol=1e-3, same_candidates=False)
     assert_same_generation(got.tokens, got.logprobs, single.tokens, single.logprobs, atol=2e-4)
+
+
+# Tiny models' merges are small: --dcp-comm-backend auto takes the all-to-all, ag_rs its fused
+# all-gather; both merge the same [latent | lse] rows in the same order, so the bits are equal.
+@pytest.mark.parametrize("layout", [Layout(2, 2), Layout(4, 4), Layout(4, 2, BLOCK_SIZE)], ids=str)
+def test_all_to_all_merge_equals_ag_rs_bit_for_bit(run, reference, layout):
+    a2a, ag_rs = run("v3-dense", layout), run("v3-dense", replace(layout, comm="ag_rs"))
+    assert a2a.merges == {"a2a"} and ag_rs.merges == {"ag_rs fused"}
+    assert a2a.generation.tokens == ag_rs.generation.tokens == reference("v3-dense").tokens
+    assert a2a.generation.logprobs == ag_rs.generation.logprobs
 
 
 @pytest.mark.parametrize("layout", [Layout(1, 1), Layout(2, 2)], ids=str)

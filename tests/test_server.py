@@ -246,7 +246,7 @@ def test_metrics_describe_the_dcp_layout(server):
                     "kv_capacity_tokens": str(4096 * 16 * 2), "max_model_len": "512",
                     # 4 layers x 1 KV head x (K + V) x 32 dims x 4 bytes, over dcp=2; 8 query heads split over tp=2
                     "attention_layout": "head-split", "attention_tp": "1", "kv_bytes_per_token_per_rank": "512",
-                    "replicated_projection_bytes_per_rank": "0"}
+                    "replicated_projection_bytes_per_rank": "0", "dcp_comm_backend": "auto"}
 
 
 # --- clients that leave ---------------------------------------------------------------------------

@@ -40,10 +40,17 @@ def _collectives(name: str, index: int, barrier, results) -> None:
         per_rank = torch.full((SIZE, 2), float(index + 1)) * torch.arange(1, SIZE + 1).view(SIZE, 1)
         out[f"scatter{step}"] = group.reduce_scatter(per_rank, 10).tolist()
         out[f"bcast{step}"] = group.broadcast_bytes(b"plan %d" % step if index == 0 else None, 0, 10)
+        # rank j receives [j, 2] from each sender (nothing for rank 0), sent from strided views
+        chunks = [_a2a_chunk(index, dest, step).t().contiguous().t() for dest in range(SIZE)]
+        out[f"a2a{step}"] = group.all_to_all(chunks, 10).tolist()
     out["too_big"] = group.broadcast_bytes(b"x" * SLOT if index == 0 else None, 0, 10)
     out["fits"] = (group.fits(SLOT), group.fits(SLOT + 1))
     results[index] = out
     barrier.wait()
+
+
+def _a2a_chunk(sender: int, dest: int, step: int) -> torch.Tensor:
+    return torch.arange(dest * 2, dtype=torch.float32).view(dest, 2) + 100 * sender + 10 * dest + step
 
 
 def _run_ranks(target) -> tuple[dict, list[int], str]:
@@ -73,6 +80,7 @@ def test_collectives_give_the_arithmetic_on_every_rank():
             # rank r sends (r + 1) * [1, 2, 3] per row: this rank's row sums (1 + 2 + 3) * (index + 1)
             assert out[f"scatter{step}"] == [6.0 * (index + 1)] * 2
             assert out[f"bcast{step}"] == b"plan %d" % step
+            assert out[f"a2a{step}"] == torch.stack([_a2a_chunk(r, index, step) for r in range(SIZE)]).tolist()
         assert out["too_big"] is None  # every rank learns to fall back
         assert out["fits"] == (True, False)
 

@@ -17,21 +17,30 @@ owns into its cache. Then:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
 from kvshard.attention.kernels import attention_with_lse
 from kvshard.attention.merge import lse_weights, merge_attention_states
 from kvshard.attention.metadata import AttentionMetadata, int_from_env
+from kvshard.attention.timing import DCP_TIMES, DcpTimes
 from kvshard.kv.cache import KVCacheLayer
 from kvshard.layers.batch_invariant import batch_invariant_active
-from kvshard.parallel import AttentionHeads, ParallelState, dcp_all_gather, dcp_reduce_scatter
+from kvshard.parallel import AttentionHeads, ParallelState, dcp_all_gather, dcp_all_to_all, dcp_reduce_scatter
 
 # Below this many bytes of partial output per rank, a merge costs its collectives' latency, not
 # their bandwidth: one all-gather of [output | lse] replaces the LSE all-gather + ReduceScatter
 # pair, at the price of moving every head instead of one rank's share.
 FUSED_MERGE_MAX_BYTES = 256 * 1024
+# --dcp-comm-backend auto takes the all-to-all up to this many bytes of partial output per rank
+# (KVSHARD_A2A_MAX_BYTES overrides; 0 is always ag_rs). Measured over shared memory at dcp=2 on a
+# shared 2-core CPU (medians of 50, two runs): a tie with both ag_rs forms at 64 KiB, the
+# all-to-all 1.3-3x faster from 1 to 8 MiB, 16 MiB split between runs; above is unmeasured.
+A2A_MAX_BYTES = 16 << 20
+AG_RS, AG_RS_FUSED, A2A = "ag_rs", "ag_rs fused", "a2a"  # the merge schemes, named as the planner's
 
 
 def fused_merge_max_bytes_from_env() -> int:
@@ -54,8 +63,14 @@ class Attention:
         self.scale = scale
         self.parallel = parallel
         self.fused_merge_max_bytes = fused_merge_max_bytes_from_env()
+        self.a2a_max_bytes = int_from_env("KVSHARD_A2A_MAX_BYTES", A2A_MAX_BYTES)
         # where the output heads sit among the group's heads and among the computed queries
         self._output_in_group = _relative(heads.output, heads.group)
+        # every DCP rank's output heads among the group's: what the all-to-all sends each of them
+        group_start = parallel.dcp_group_index * parallel.dcp_size
+        self._output_in_group_of_rank = [
+            _relative(replace(parallel, rank=group_start + r, dcp_rank=r).attention_heads(
+                heads.num_heads, heads.num_kv_heads).output, heads.group) for r in range(parallel.dcp_size)]
         self._output_in_query = _relative(heads.output, heads.query)
         self._output_kv = self._kv_heads_of(heads.output)
         self._whole_heads = len(heads.group) % parallel.dcp_size == 0  # each rank's share is whole heads
@@ -83,12 +98,17 @@ class Attention:
             cache.write(meta.write_slots, k[meta.write_index], v[meta.write_index])
         out = lse = None  # over the output heads: [t, H_o, dv], [t, H_o]
         if meta.uses_context:
+            times = DCP_TIMES if DCP_TIMES.enabled and state.dcp_size > 1 else None
+            start = time.perf_counter() if times else 0.0
             q_group = q
             if self.heads.gathers_queries:
                 q_group = dcp_all_gather(q, state).permute(1, 0, 2, 3).flatten(1, 2)  # [t, H/A, dk]
-            out, lse = self._attend_context(q_group, cache, meta)  # [t, H/A, dv], [t, H/A]
+                start = times.add("collective", start) if times else start
+            packed = self._attend_context(q_group, cache, meta)  # [t, H/A, dv + 1]
+            start = times.add("attention", start) if times else start
             # a value map needs whole heads' merged latents: a share ending inside a head gathers them all
-            out, lse = self._merge_over_group(out, lse, whole_heads=value_map is not None)  # [t, H_o, dv], [t, H_o]
+            out, lse = self._merge_over_group(packed, whole_heads=value_map is not None,
+                                              times=times, start=start)  # [t, H_o, dv], [t, H_o]
             if value_map is not None:  # in the model's dtype, as its weights; merged in float32
                 out = value_map(out.to(q.dtype)).float()
         if meta.has_prefill:
@@ -133,10 +153,13 @@ class Attention:
             out[rows], lse[rows] = o[0], l[0]
         return out, lse
 
-    def _attend_context(self, q, cache: KVCacheLayer, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def _attend_context(self, q, cache: KVCacheLayer, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of q [t, H/A, dk] over this rank's shard: [output | lse], [t, H/A, dv + 1]
+        (side by side so the merge sends them without a packing copy)."""
         t, heads = q.shape[0], q.shape[1]
-        out = q.new_zeros((t, heads, cache.value.shape[-1]), dtype=torch.float32)
-        lse = q.new_full((t, heads), float("-inf"), dtype=torch.float32)
+        packed = q.new_zeros((t, heads, cache.value.shape[-1] + 1), dtype=torch.float32)
+        out, lse = packed[..., :-1], packed[..., -1]
+        lse.fill_(float("-inf"))
         for group in meta.groups:
             if group.context_blocks is None:  # this rank holds none of these requests' tokens yet
                 continue
@@ -145,32 +168,69 @@ class Attention:
             queries = q[rows].unflatten(0, (group.num_seqs, group.query_len))  # [g, s, H, dk]
             o, l = attention_with_lse(queries, keys, values, group.context_bias, self.scale)
             out[rows], lse[rows] = o.flatten(0, 1), l.flatten(0, 1)
-        return out, lse
+        return packed
 
-    def _merge_over_group(self, out: torch.Tensor, lse: torch.Tensor,
-                          whole_heads: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sum the group's partial attentions [t, H/A, dv], weighted by LSE, and keep this rank's
+    def _merge_over_group(self, packed: torch.Tensor, whole_heads: bool = False,
+                          times: DcpTimes | None = None, start: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum the group's partial attentions [output | lse] [t, H/A, dv + 1], weighted by LSE, and keep this rank's
         share of the features, in its output heads [t, H_o, dv] (features of a head at either end
-        that belong to a neighbour are left zero, unless `whole_heads`)."""
+        that belong to a neighbour are left zero, unless `whole_heads` or the scheme gives them).
+        With `times`, the time since `start` goes to "merge" and the collectives' to "collective"."""
         state = self.parallel
+        out, lse = packed[..., :-1], packed[..., -1]  # [t, H/A, dv], [t, H/A]
         if state.dcp_size == 1:
             return out, lse
-        # batch-invariant mode: one path whatever the batch size (the sum runs locally, in rank order)
-        small = batch_invariant_active() or out.numel() * out.element_size() <= self.fused_merge_max_bytes
-        if small or (whole_heads and not self._whole_heads):
-            packed = torch.cat([out, lse.unsqueeze(-1)], dim=-1)  # [t, H/A, dv + 1]
-            gathered = dcp_all_gather(packed, state)[:, :, self._output_in_group]  # [N, t, H_o, dv + 1]
-            return merge_attention_states(gathered[..., :-1], gathered[..., -1])
-        total = torch.logsumexp(dcp_all_gather(lse, state), dim=0)  # [t, H/A]
-        scaled = out * lse_weights(lse, total).unsqueeze(-1)  # [t, H/A, dv]
-        t, heads, dv = out.shape
-        per_rank = scaled.flatten(1).unflatten(1, (state.dcp_size, -1)).transpose(0, 1)  # [N, t, H/A*dv/N]
-        mine = dcp_reduce_scatter(per_rank, state)  # [t, H/A*dv/N]
-        if not self._whole_heads:
-            padded = mine.new_zeros(t, len(self.heads.output) * dv)
-            padded[:, self._share(dv)] = mine
-            mine = padded
-        return mine.unflatten(1, (-1, dv)), total[:, self._output_in_group]
+        # batch-invariant mode: one scheme whatever the batch size (the sum runs locally, in rank order)
+        scheme = AG_RS_FUSED if batch_invariant_active() else merge_scheme(
+            state.dcp_comm_backend, out.numel() * out.element_size(), self.fused_merge_max_bytes,
+            self.a2a_max_bytes, whole_heads and not self._whole_heads)
+
+        def timed(collective: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+            nonlocal start
+            if times is None:
+                return collective(*args, state)
+            start = times.add("merge", start)
+            result = collective(*args, state)
+            start = times.add("collective", start)
+            return result
+
+        if scheme == AG_RS:
+            total = torch.logsumexp(timed(dcp_all_gather, lse), dim=0)  # [t, H/A]
+            scaled = out * lse_weights(lse, total).unsqueeze(-1)  # [t, H/A, dv]
+            t, heads, dv = out.shape
+            per_rank = scaled.flatten(1).unflatten(1, (state.dcp_size, -1)).transpose(0, 1)  # [N, t, H/A*dv/N]
+            mine = timed(dcp_reduce_scatter, per_rank)  # [t, H/A*dv/N]
+            if not self._whole_heads:
+                padded = mine.new_zeros(t, len(self.heads.output) * dv)
+                padded[:, self._share(dv)] = mine
+                mine = padded
+            merged = mine.unflatten(1, (-1, dv)), total[:, self._output_in_group]
+        else:
+            if scheme == A2A:  # each rank gets its output heads' partials from every rank
+                parts = timed(dcp_all_to_all, [packed[:, heads] for heads in self._output_in_group_of_rank])
+            else:
+                parts = timed(dcp_all_gather, packed)[:, :, self._output_in_group]
+            merged = merge_attention_states(parts[..., :-1], parts[..., -1])  # from [N, t, H_o, dv + 1]
+        if times is not None:
+            times.add("merge", start)
+            times.merges[scheme] += 1
+        return merged
+
+
+def merge_scheme(backend: str, output_bytes: int, fused_max_bytes: int, a2a_max_bytes: int,
+                 needs_whole_heads: bool) -> str:
+    """How a DCP group merges one layer's partial attentions of `output_bytes` per rank.
+
+    ag_rs: the LSE all-gather + ReduceScatter pair, or one all-gather of [output | lse] when the
+    output is small (latency-bound) or a value map needs whole heads; a2a: always one all-to-all;
+    auto: a2a up to `a2a_max_bytes`, ag_rs above. The result depends on sizes alone, so every
+    rank of a group picks the same scheme.
+    """
+    if backend == A2A or (backend == "auto" and output_bytes <= a2a_max_bytes):
+        return A2A
+    if output_bytes <= fused_max_bytes or needs_whole_heads:
+        return AG_RS_FUSED
+    return AG_RS
 
 
 def _relative(inner: range, outer: range) -> slice:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvshard.attention.timing import PHASES
 from kvshard.bench.workloads import WorkloadSpec
 
 if TYPE_CHECKING:
@@ -80,6 +81,7 @@ def measure_decode_floor(engine_args: EngineArgs, batch_size: int, context_len: 
         for _ in range(warmup_steps):
             step()
         times, kv_tokens = [], []
+        dcp_before = engine.stats().dcp_timing
         for _ in range(steps):
             kv_tokens.append(sum(context_len + n for n in generated.values()))  # tokens this step attends to
             start = time.perf_counter()
@@ -87,6 +89,8 @@ def measure_decode_floor(engine_args: EngineArgs, batch_size: int, context_len: 
             times.append(time.perf_counter() - start)
         if min(generated.values()) < warmup_steps + steps or len(generated) != batch_size:
             raise RuntimeError("a request left the decode batch while timing (preempted?): raise --kv-cache-memory")
+        dcp_after = engine.stats().dcp_timing  # gathered every KVSHARD_DCP_TIMING_EVERY steps
+        dcp = dcp_after.since(dcp_before) if dcp_after is not None and dcp_after is not dcp_before else None
         weights = weight_bytes_per_step(engine.runner.model, batch_size)
         kv_per_token = config.kv_bytes_per_token_per_rank
         while engine.has_unfinished_requests():
@@ -105,6 +109,9 @@ def measure_decode_floor(engine_args: EngineArgs, batch_size: int, context_len: 
         "floor_ms": floor_s * 1e3, "median_step_ms": step_s * 1e3,
         "min_step_ms": min(times) * 1e3, "ratio_to_floor": step_s / floor_s,
         "decode_tokens_per_s": batch_size / step_s,
+        "dcp_ms_per_step": ({phase: [t * 1e3 for t in dcp.per_step(phase)] for phase in PHASES} | {
+            "steps": dcp.steps, "merges": dcp.merges} if dcp is not None else None),
+        "dcp_summary": dcp.summary() if dcp is not None else None,
     }
 
 
@@ -118,4 +125,5 @@ def format_decode_floor(result: dict) -> str:
         f"floor: {result['floor_ms']:.2f} ms per step; measured: {result['median_step_ms']:.2f} ms median "
         f"({result['min_step_ms']:.2f} ms best, {result['threads']} threads) "
         f"-> {result['ratio_to_floor']:.1f}x the floor, {result['decode_tokens_per_s']:.0f} decode tok/s",
+        *([result["dcp_summary"]] if result.get("dcp_summary") else []),
     ])

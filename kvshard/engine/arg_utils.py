@@ -19,6 +19,7 @@ from typing import Any
 
 from kvshard.config import (
     ATTENTION_LAYOUTS,
+    DCP_COMM_BACKENDS,
     REPLICATED,
     CacheConfig,
     ConfigError,
@@ -65,6 +66,11 @@ class EngineArgs:
                 "rank computes its group's queries (dcp x the query projection weights, one collective fewer per "
                 "layer, and any head count that tp/dcp divides); auto: head-split where it applies",
         choices=ATTENTION_LAYOUTS, switches={"--dcp-replicate-q": REPLICATED})
+    dcp_comm_backend: str = _setting(
+        "auto", "how a DCP group merges its partial attentions: ag_rs (LSE all-gather + reduce-scatter, or one "
+                "all-gather of [output|lse] for small outputs), a2a (one all-to-all of each rank's share of "
+                "[output|lse], merged locally), auto: chosen per layer by message size",
+        choices=DCP_COMM_BACKENDS)
     block_size: int = _setting(16, "tokens per physical block; a virtual block holds block_size * dcp",
                                positive=True)
     kv_cache_memory: str | int = _setting("1GiB", "KV budget per rank, e.g. 64MiB or 2GiB")
@@ -186,7 +192,9 @@ class EngineArgs:
         interleave = _resolve_interleave(self.dcp_kv_interleave_size)
         tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
         layout = choose_attention_layout(model_config, tp, dcp, self.dcp_attention_layout)
-        parallel = ParallelConfig(tp, dcp, interleave, layout)
+        if self.dcp_comm_backend not in DCP_COMM_BACKENDS:
+            raise ConfigError(f"dcp_comm_backend={self.dcp_comm_backend!r} is not one of {', '.join(DCP_COMM_BACKENDS)}")
+        parallel = ParallelConfig(tp, dcp, interleave, layout, self.dcp_comm_backend)
         if speculative is not None and speculative.method == "draft_model":
             speculative = _with_draft_model(speculative, model_config, parallel, self.dtype)
         if self.block_size % interleave != 0:

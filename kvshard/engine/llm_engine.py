@@ -309,6 +309,7 @@ class LLMEngine:
                 spec_decode_num_draft_tokens=self.spec_num_draft_tokens,
                 spec_decode_num_accepted_tokens=sum(self.spec_accepted_per_pos),
                 spec_decode_num_accepted_tokens_per_pos=list(self.spec_accepted_per_pos),
+                dcp_timing=self.runner.dcp_timing.report,
             )
 
     def reset_prefix_cache(self) -> None:

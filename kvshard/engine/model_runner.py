@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvshard.attention.metadata import AttentionMetadata, decode_group_spread_from_env
+from kvshard.attention.timing import DcpTimingGather
 from kvshard.config import EngineConfig, ModelConfig
 from kvshard.engine.step_plan import StepPlan
 from kvshard.kv.cache import allocate_kv_cache, kv_cache_spec, load_kv_scales
@@ -38,6 +39,7 @@ class ModelRunner:
         # the attention kernel's rounding depends on the key length a group is padded to: in
         # batch-invariant mode only decodes of equal local length share a group, so none is padded
         self.decode_group_spread = 0 if config.batch_invariant else decode_group_spread_from_env()
+        self.dcp_timing = DcpTimingGather(parallel)  # rank 0's .report: every rank's DCP time
 
     def _load_model(self, model_config: ModelConfig) -> torch.nn.Module:
         cls = model_class(model_config.architecture)
@@ -68,4 +70,6 @@ class ModelRunner:
         rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=self.device)
         with batch_invariant_mode(self.config.batch_invariant):
             hidden = model(input_ids, meta, caches)  # [t, D]
-            return model.compute_logits(hidden[rows])
+            logits = model.compute_logits(hidden[rows])
+        self.dcp_timing.after_step()
+        return logits

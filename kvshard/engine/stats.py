@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvshard.attention.timing import DcpTimingReport
+
 
 @dataclass
 class EngineStats:
@@ -23,6 +25,7 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     kv_blocks_cached: int = 0
+    dcp_timing: DcpTimingReport | None = None  # every rank's time in DCP collectives, attention, merge
     # speculative decoding (vLLM's counters): requests' steps that verified drafts, drafts verified,
     # drafts accepted, and accepted drafts by position (index 0: the first draft of a step)
     spec_decode_num_drafts: int = 0
