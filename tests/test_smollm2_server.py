@@ -57,7 +57,7 @@ def test_chat_question_is_answered_with_paris(server):
 
 def test_concurrent_chats_equal_the_same_chats_one_at_a_time(server):
     client = server.client()
-    steps = server.metric("kvshard:engine_steps")
+    steps = server.metric("kvshard:engine_steps_total")
     alone = [client.chat.completions.create(messages=chat(q), **GREEDY).choices[0].message.content
              for q in QUESTIONS]
 
@@ -67,9 +67,9 @@ def test_concurrent_chats_equal_the_same_chats_one_at_a_time(server):
                                              for q in QUESTIONS))
         return [reply.choices[0].message.content for reply in replies]
 
-    steps_alone = server.metric("kvshard:engine_steps") - steps
+    steps_alone = server.metric("kvshard:engine_steps_total") - steps
     together = asyncio.run(all_at_once())
-    steps_together = server.metric("kvshard:engine_steps") - steps - steps_alone
+    steps_together = server.metric("kvshard:engine_steps_total") - steps - steps_alone
     print("\n" + "\n".join(f"{q!r} -> {a!r}" for q, a in zip(QUESTIONS, alone)))
     assert together == alone
     assert len(set(alone)) == len(QUESTIONS)  # real, different answers: not one degenerate string
