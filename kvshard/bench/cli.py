@@ -289,6 +289,7 @@ def _run_throughput(args: argparse.Namespace) -> int:
             "dtype": str(engine_config.model.dtype).removeprefix("torch."), "seed": engine_config.seed,
             # block size: vLLM CPU needs a multiple of 32, so it keeps its own
             "enforce_eager": args.vllm_enforce_eager,
+            "enable_prefix_caching": engine_config.cache.enable_prefix_caching,
         }
         if engine_config.parallel.decode_context_parallel_size > 1:
             vllm_kwargs["decode_context_parallel_size"] = engine_config.parallel.decode_context_parallel_size

@@ -1,8 +1,13 @@
 """`kvshard bench throughput`: offline throughput, as nano-vllm's bench.py and `vllm bench throughput`.
 
 N random token-id requests (lengths drawn from the seed), generated in full
-(`ignore_eos`, greedy) by one engine in one `generate` call after a short
-warm-up; the result is requests/s, output tok/s and total tok/s. `--engine
+(`ignore_eos`, greedy) by one engine in one `generate` call; the result is
+requests/s, output tok/s and total tok/s. Before the first timed pass an
+untimed warm-up runs the same requests with at most 8 output tokens each (every
+prefill shape and the full decode batch, so neither engine's first repeat pays
+for first-time allocations), and the prefix cache is emptied before every
+timed pass (a repeat must not read the previous pass's prompts from the
+cache; the random prompts share no prefix among themselves). `--engine
 vllm` runs the same request list through vLLM's offline `LLM` instead; vLLM is
 imported only then, so it may live in another virtual environment:
 
@@ -14,7 +19,7 @@ from __future__ import annotations
 import os
 import platform
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
@@ -25,7 +30,12 @@ if TYPE_CHECKING:
     from kvshard.engine.arg_utils import EngineArgs
 
 ENGINES = ("kvshard", "vllm")
-_WARMUP = [BenchRequest(list(range(2, 34)), 8), BenchRequest(list(range(3, 19)), 8)]
+WARMUP_OUTPUT_TOKENS = 8
+
+
+def warmup_requests(requests: list[BenchRequest]) -> list[BenchRequest]:
+    """The same prompts with at most WARMUP_OUTPUT_TOKENS output tokens each."""
+    return [replace(r, output_len=min(r.output_len, WARMUP_OUTPUT_TOKENS)) for r in requests]
 
 
 def run_kvshard(engine_args: EngineArgs, requests: list[BenchRequest], repeats: int = 1,
@@ -37,9 +47,11 @@ def run_kvshard(engine_args: EngineArgs, requests: list[BenchRequest], repeats: 
         return SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
 
     with LLM(**asdict(engine_args)) as llm:
-        llm.generate([r.prompt_token_ids for r in _WARMUP], [params(r) for r in _WARMUP], use_tqdm=False)
+        warmup = warmup_requests(requests)
+        llm.generate([r.prompt_token_ids for r in warmup], [params(r) for r in warmup], use_tqdm=False)
         times = []
         for _ in range(repeats):
+            llm.reset_prefix_cache()
             start = time.perf_counter()
             outputs = llm.generate([r.prompt_token_ids for r in requests], [params(r) for r in requests],
                                    use_tqdm=progress)
@@ -53,6 +65,7 @@ def run_kvshard(engine_args: EngineArgs, requests: list[BenchRequest], repeats: 
             "max_model_len": config.scheduler.max_model_len,
             "kv_capacity_tokens": config.kv_capacity_tokens,
             "dtype": str(config.model.dtype).removeprefix("torch."),
+            "enable_prefix_caching": config.cache.enable_prefix_caching,
             "torch_threads_rank0": torch_threads(),
         }
     return times, sum(len(o.outputs[0].token_ids) for o in outputs), described
@@ -60,23 +73,25 @@ def run_kvshard(engine_args: EngineArgs, requests: list[BenchRequest], repeats: 
 
 def run_vllm(model_path: str, engine_kwargs: dict, requests: list[BenchRequest], repeats: int = 1,
              progress: bool = True) -> tuple[list[float], int, dict]:
-    """The same through vLLM (prefix caching off: kvshard has none, and repeats must not hit a cache)."""
+    """The same through vLLM (its prefix cache on or off as kvshard's, emptied before each pass)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     def params(r: BenchRequest) -> SamplingParams:
         return SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
 
-    llm = LLM(model_path, enable_prefix_caching=False, **engine_kwargs)
-    llm.generate([TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in _WARMUP],
-                 [params(r) for r in _WARMUP], use_tqdm=False)
+    llm = LLM(model_path, **engine_kwargs)
+    warmup = warmup_requests(requests)
+    llm.generate([TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in warmup],
+                 [params(r) for r in warmup], use_tqdm=False)
     times = []
     for _ in range(repeats):
+        llm.reset_prefix_cache()
         start = time.perf_counter()
         outputs = llm.generate([TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in requests],
                                [params(r) for r in requests], use_tqdm=progress)
         times.append(time.perf_counter() - start)
-    described = dict(engine_kwargs, enable_prefix_caching=False)
+    described = dict(engine_kwargs)
     described["dtype"] = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")  # what vLLM ran in
     return times, sum(len(o.outputs[0].token_ids) for o in outputs), described
 

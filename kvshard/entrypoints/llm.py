@@ -79,6 +79,10 @@ class LLM:
             raise
         return [finished[i] for i in ids]
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (as vLLM's `LLM.reset_prefix_cache`); running requests keep their blocks."""
+        self.engine.reset_prefix_cache()
+
     def close(self) -> None:
         self._finalizer()
 
