@@ -47,3 +47,30 @@ def test_every_repeat_prefills_every_prompt(monkeypatch):
                                                   repeats=2, progress=False)
     assert len(times) == 2 and output_tokens == 12 and described["enable_prefix_caching"]
     assert cached == [0, 0, 0]  # the warm-up, then two timed passes: none read the previous pass from the cache
+
+
+def test_repeat_workload_asks_the_chat_model_to_copy_each_passage_in_its_template():
+    from transformers import AutoTokenizer
+
+    from kvshard.bench.text_workload import OUTPUT_MARGIN, PASSAGES, repeat_requests
+    from kvshard.config import resolve_model_path
+
+    path = resolve_model_path("kvshard-demo-gqa")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    requests = repeat_requests(path, len(PASSAGES) + 1)
+    assert requests[-1].prompt_token_ids == requests[0].prompt_token_ids  # the passages cycle
+    for request, passage in zip(requests, PASSAGES):
+        assert passage in tokenizer.decode(request.prompt_token_ids)
+        assert request.output_len == len(tokenizer.encode(passage)) + OUTPUT_MARGIN
+
+
+def test_bench_throughput_runs_the_repeat_workload_with_ngram_speculation(capsys):
+    from kvshard.bench.cli import main as bench_main
+
+    assert bench_main(["throughput", "kvshard-demo-gqa", "--workload", "repeat", "--num-prompts", "2",
+                       "--no-progress", "--speculative-config",
+                       '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}']) == 0
+    printed = capsys.readouterr().out
+    assert "workload: repeat: 2 chat requests" in printed
+    assert "speculative decoding (ngram, k=3):" in printed and "mean acceptance length" in printed
+    assert "engine steps per pass:" in printed

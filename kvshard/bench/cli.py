@@ -14,7 +14,8 @@ from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
-from kvshard.bench.workloads import SESSIONS, WORKLOADS, WorkloadSpec
+from kvshard.bench.text_workload import REPEAT, describe_repeat, repeat_requests
+from kvshard.bench.workloads import SESSIONS, WORKLOADS, BenchRequest, WorkloadSpec
 from kvshard.config import ConfigError, resolve_model_path
 from kvshard.engine.arg_utils import EngineArgs
 
@@ -48,15 +49,18 @@ def _reporting_errors(run):
 
 def _add_workload_args(parser: argparse.ArgumentParser, workload: str, input_len: int, output_len: int,
                        range_ratio: float, context_scale: str = "1", output_scale: str | None = None,
-                       sessions: bool = True) -> None:
-    """`sessions`: whether the command can send a session's turns one after another (a server benchmark)."""
+                       sessions: bool = True, text: bool = False) -> None:
+    """`sessions`: whether the command can send a session's turns one after another (a server benchmark);
+    `text`: whether it offers the `repeat` workload (real text through the model's tokenizer)."""
+    choices = tuple(w for w in WORKLOADS if sessions or w != SESSIONS) + ((REPEAT,) if text else ())
     group = parser.add_argument_group("workload")
-    group.add_argument("--workload", choices=WORKLOADS if sessions else tuple(w for w in WORKLOADS if w != SESSIONS),
-                       default=workload,
+    group.add_argument("--workload", choices=choices, default=workload,
                        help=f"random lengths around --input-len/--output-len; agentic: the seed's bimodal "
                             f"long-context shape scaled by --context-scale"
                             + ("; sessions: agentic sessions of --num-turns requests, each turn's prompt the "
                                "previous prompt + its answer + new input" if sessions else "")
+                            + ("; repeat: chat requests asking the model to repeat or lightly edit a passage of "
+                               "English (where n-gram speculation pays; needs a chat model)" if text else "")
                             + f" (default {workload})")
     group.add_argument("--input-len", type=int, default=input_len, help=f"random: prompt tokens (default {input_len})")
     group.add_argument("--output-len", type=int, default=output_len,
@@ -83,6 +87,16 @@ def _workload_spec(args: argparse.Namespace, vocab_size: int) -> WorkloadSpec:
         range_ratio=args.range_ratio, context_scale=args.context_scale, output_scale=args.output_scale,
         num_turns=getattr(args, "num_turns", WorkloadSpec.num_turns),
     )
+
+
+def _repeat_workload(model: str | None, num: int) -> tuple[list[BenchRequest], str]:
+    """The repeat workload's requests, tokenized by `model`'s own tokenizer (a local checkpoint or name)."""
+    if model is None:
+        raise ConfigError("the repeat workload needs the model's tokenizer: pass --model (a local checkpoint)")
+    try:
+        return repeat_requests(resolve_model_path(model), num), describe_repeat(num)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def model_vocab_size(model: str) -> int:
@@ -155,7 +169,7 @@ def _add_serve(commands) -> None:
     parser.add_argument("--metrics-interval", type=float, default=0.25, help="seconds between /metrics scrapes")
     parser.add_argument("--result-file", default=None, help="write the result as JSON here")
     parser.add_argument("--no-progress", action="store_true")
-    _add_workload_args(parser, "random", input_len=1024, output_len=128, range_ratio=0.0)
+    _add_workload_args(parser, "random", input_len=1024, output_len=128, range_ratio=0.0, text=True)
     parser.set_defaults(func=_reporting_errors(_run_serve))
 
 
@@ -165,17 +179,24 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     from kvshard.bench.serve import served_model_root
 
-    roots = [] if args.vocab_size is not None else [served_model_root(args.base_url, args.model, args.api_key)]
-    spec = _workload_spec(args, _vocab_size(args, args.model, *roots))
-    sessions = spec.sessions(args.num_prompts)
-    print(f"workload: {spec.describe()}; {sum(len(s) for s in sessions)} requests"
-          + (f" in {len(sessions)} sessions" if spec.kind == SESSIONS else ""))
+    if args.workload == REPEAT:
+        root = args.model if args.model else served_model_root(args.base_url, None, args.api_key)
+        requests, described = _repeat_workload(root, args.num_prompts)
+        sessions = [[request] for request in requests]
+        print(f"workload: {described}")
+    else:
+        roots = [] if args.vocab_size is not None else [served_model_root(args.base_url, args.model, args.api_key)]
+        spec = _workload_spec(args, _vocab_size(args, args.model, *roots))
+        sessions = spec.sessions(args.num_prompts)
+        described = spec.describe()
+        print(f"workload: {described}; {sum(len(s) for s in sessions)} requests"
+              + (f" in {len(sessions)} sessions" if spec.kind == SESSIONS else ""))
     result = run_serve_benchmark(
         args.base_url, sessions, model=args.model, max_concurrency=args.max_concurrency,
         request_rate=args.request_rate, seed=args.seed, num_ranks=args.num_ranks, api_key=args.api_key,
         metrics_interval=args.metrics_interval, progress=not args.no_progress,
     )
-    result["workload"] = spec.describe()
+    result["workload"] = described
     print(format_serve_result(result))
     if args.result_file:
         print(f"result: {write_json(args.result_file, result)}")
@@ -260,7 +281,7 @@ def _add_throughput(commands) -> None:
     parser.add_argument("--vllm-enforce-eager", action="store_true", help="vLLM: no torch.compile")
     parser.add_argument("--result-file", default=None)
     parser.add_argument("--no-progress", action="store_true")
-    _add_workload_args(parser, "random", input_len=512, output_len=128, range_ratio=0.5, sessions=False)
+    _add_workload_args(parser, "random", input_len=512, output_len=128, range_ratio=0.5, sessions=False, text=True)
     parser.set_defaults(func=_reporting_errors(_run_throughput))
 
 
@@ -269,12 +290,16 @@ def _run_throughput(args: argparse.Namespace) -> int:
     from kvshard.bench.throughput import format_throughput, run_kvshard, run_vllm, throughput_result
     if args.repeats < 1:
         raise ConfigError("--repeats must be at least 1")
-    spec = _workload_spec(args, _vocab_size(args, args.model))
-    requests = spec.requests(args.num_prompts)
+    if args.workload == REPEAT:
+        requests, described = _repeat_workload(args.model, args.num_prompts)
+        longest = max(r.input_len + r.output_len for r in requests)
+    else:
+        spec = _workload_spec(args, _vocab_size(args, args.model))
+        requests, described, longest = spec.requests(args.num_prompts), spec.describe(), spec.max_request_len()
     engine_args = EngineArgs.from_cli_args(args)
     if engine_args.max_model_len is None:
-        engine_args = replace(engine_args, max_model_len=spec.max_request_len())
-    print(f"workload: {spec.describe()}; {len(requests)} requests")
+        engine_args = replace(engine_args, max_model_len=longest)
+    print(f"workload: {described}; {len(requests)} requests")
     if args.engine == "kvshard":
         times, output_tokens, config = run_kvshard(engine_args, requests, args.repeats, not args.no_progress)
     else:

@@ -50,12 +50,14 @@ def run_kvshard(engine_args: EngineArgs, requests: list[BenchRequest], repeats: 
         warmup = warmup_requests(requests)
         llm.generate([r.prompt_token_ids for r in warmup], [params(r) for r in warmup], use_tqdm=False)
         times = []
+        before = llm.engine.stats()
         for _ in range(repeats):
             llm.reset_prefix_cache()
             start = time.perf_counter()
             outputs = llm.generate([r.prompt_token_ids for r in requests], [params(r) for r in requests],
                                    use_tqdm=progress)
             times.append(time.perf_counter() - start)
+        after = llm.engine.stats()
         config = llm.config
         described = {
             "tensor_parallel_size": config.parallel.tensor_parallel_size,
@@ -67,7 +69,21 @@ def run_kvshard(engine_args: EngineArgs, requests: list[BenchRequest], repeats: 
             "dtype": str(config.model.dtype).removeprefix("torch."),
             "enable_prefix_caching": config.cache.enable_prefix_caching,
             "torch_threads_rank0": torch_threads(),
+            "engine_steps_per_pass": (after.steps - before.steps) / repeats,
         }
+        if config.speculative is not None:
+            drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
+            accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+            described["speculative"] = {
+                "method": config.speculative.method,
+                "num_speculative_tokens": config.speculative.num_speculative_tokens,
+                "drafts": drafts,
+                "draft_tokens": after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
+                "accepted_tokens": accepted, "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
+            }
+        if after.dcp_timing is not None and after.dcp_timing.steps:
+            timing = after.dcp_timing.since(before.dcp_timing)
+            described["dcp_timing"] = timing.summary()
     return times, sum(len(o.outputs[0].token_ids) for o in outputs), described
 
 
@@ -135,8 +151,22 @@ def throughput_result(engine: str, model: str, requests: list[BenchRequest], tim
 def format_throughput(result: dict) -> str:
     repeats = result["output_tokens_per_s_each_repeat"]
     spread = f"; median of {len(repeats)}: " + ", ".join(f"{r:.0f}" for r in repeats) if len(repeats) > 1 else ""
-    return (f"Throughput ({result['engine']} {result['engine_version']}, {result['num_requests']} requests, "
-            f"digest {result['requests_digest']}): {result['requests_per_s']:.2f} requests/s, "
-            f"{result['total_tokens_per_s']:.2f} total tokens/s, {result['output_tokens_per_s']:.2f} output tokens/s "
-            f"({result['total_output_tokens']:,} of {result['expected_output_tokens']:,} output tokens "
-            f"in {result['elapsed_s']:.2f} s{spread})")
+    config = result["engine_config"]
+    lines = []
+    if "engine_steps_per_pass" in config:
+        steps = config["engine_steps_per_pass"]
+        lines.append(f"engine steps per pass: {steps:.0f} ({result['elapsed_s'] / steps * 1e3:.1f} ms per step)")
+    if "speculative" in config:
+        spec = config["speculative"]
+        lines.append(f"speculative decoding ({spec['method']}, k={spec['num_speculative_tokens']}): "
+                     f"{spec['accepted_tokens']:,} of {spec['draft_tokens']:,} drafts accepted, "
+                     f"mean acceptance length {spec['mean_acceptance_length']:.2f}")
+    if "dcp_timing" in config:
+        lines.append(config["dcp_timing"])
+    lines.append(
+        f"Throughput ({result['engine']} {result['engine_version']}, {result['num_requests']} requests, "
+        f"digest {result['requests_digest']}): {result['requests_per_s']:.2f} requests/s, "
+        f"{result['total_tokens_per_s']:.2f} total tokens/s, {result['output_tokens_per_s']:.2f} output tokens/s "
+        f"({result['total_output_tokens']:,} of {result['expected_output_tokens']:,} output tokens "
+        f"in {result['elapsed_s']:.2f} s{spread})")
+    return "\n".join(lines)
