@@ -39,7 +39,9 @@ Inter-token latency:
   f >= 1/100, else t_step.
 
 Left out: queueing, KV held by requests still in prefill or in transfer (it does not
-count against b), overlap of the transfer with prefill, and prefix caching.
+count against b), overlap of the transfer with prefill, overlap of a colocated chunk's
+compute-bound linear layers with the decode batch's weight reads (the mixed step pays
+both in full), and prefix caching.
 """
 
 from __future__ import annotations
