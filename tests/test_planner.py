@@ -19,9 +19,11 @@ import pytest
 
 from kvshard.planner.arch import Quantization
 from kvshard.planner.cli import add_plan_parser, build_inputs, main, run_plan
+from kvshard.planner.disaggregation import Split, compare
 from kvshard.planner.layout import HEAD_SPLIT, REPLICATED, AttentionLayout, divisors, refusal, split_layouts
 from kvshard.planner.memory import kv_slot_bytes, plan_memory, weight_bytes, weight_bytes_per_gpu
 from kvshard.planner.plan import evaluate
+from kvshard.planner.prefill import prefill_time
 from kvshard.planner.presets import load_gpu, load_model, model_presets
 from kvshard.planner.recommend import recommend
 from kvshard.planner.roofline import A2A, AG_RS, AG_RS_FUSED, decode_step, dcp_merge_schemes, routed_expert_fraction
@@ -450,6 +452,164 @@ def test_dcp_beyond_a_node_is_warned() -> None:
     _, _, _, rec = plan(["--model", "deepseek-v3", "--gpu", "H200", "--gpus", "16", "--tp", "16", "--dcp", "16",
                       "--workload", "agentic"])
     assert any("spans more than one node" in w for w in rec.warnings)
+
+
+# --- prefill and disaggregation ----------------------------------------------------
+
+
+def _prefill(model: str, input_len: int, tp: int = 8, dcp: int = 1, kind: str = HEAD_SPLIT,
+             efficiency: float = 0.5, chunk: int = 8192):
+    arch, gpu = load_model(model), load_gpu("H200", {})
+    lay = layout(tp, dcp, kind)
+    return prefill_time(arch, gpu, weight_bytes(arch), lay, kv_slot_bytes=kv_slot_bytes(arch, lay, 2),
+                        input_len=input_len, chunk_tokens=chunk, efficiency=efficiency, collective_latency_us=10.0)
+
+
+@pytest.mark.parametrize("model", ["llama-3.1-70b", "deepseek-v3"])
+def test_prefill_time_grows_linearly_then_quadratically_with_the_prompt(model: str) -> None:
+    short, double_short = _prefill(model, 2048), _prefill(model, 4096)
+    long, double_long = _prefill(model, 1_000_000), _prefill(model, 2_000_000)
+    # Short prompts: the linear layers' 2 x active params FLOPs per token dominate.
+    assert 1.9 < double_short.total_s / short.total_s < 2.2
+    # Long prompts: causal attention's ~L^2 / 2 (query, key) pairs take over.
+    assert 3.5 < double_long.total_s / long.total_s < 4.0
+    assert double_long.attention_s / long.attention_s == pytest.approx(4, rel=0.01)
+    assert double_long.linear_s / long.linear_s == pytest.approx(2, rel=0.01)
+    # Chunking keeps the (query, key) pairs; MLA also up-projects the cached latents
+    # once per chunk, so smaller chunks cost it more.
+    whole, chunked = _prefill(model, 65_536, chunk=65_536), _prefill(model, 65_536, chunk=8192)
+    if load_model(model).is_mla:
+        assert chunked.attention_s > whole.attention_s * 1.02
+    else:
+        assert chunked.attention_s == pytest.approx(whole.attention_s, rel=0.001)
+
+
+def test_prefill_is_compute_bound_at_the_stated_efficiency() -> None:
+    arch, gpu = load_model("llama-3.1-70b"), load_gpu("H200", {})
+    full, half = _prefill("llama-3.1-70b", 65_536, efficiency=1.0), _prefill("llama-3.1-70b", 65_536, efficiency=0.5)
+    assert half.linear_s == pytest.approx(2 * full.linear_s) and half.attention_s == pytest.approx(2 * full.attention_s)
+    # At peak, the linear layers take 2 x active params x tokens / tp over the BF16 rate.
+    assert full.linear_s == pytest.approx(2 * arch.active_params_per_token() * 65_536 / 8 / (gpu.bf16_tflops * 1e12))
+    assert full.num_chunks == 8 and full.chunk_s == tuple(sorted(full.chunk_s))  # later chunks see more context
+
+
+def test_disaggregated_ttft_is_prefill_plus_kv_transfer_plus_one_step(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--model", "deepseek-v3", "--gpu", "H200", "--gpus", "16", "--workload", "agentic", "--dcp", "8",
+            "--disaggregate", "8:8"]
+    doc = run_json(base, capsys)["disaggregation"]["disaggregated"]
+    # The decode side holds the latent once per DCP group; every decode rank receives
+    # its 1/8 of the prompt's tokens, the 8 prefill ranks send the 8 shares between them.
+    per_rank = 67_000 * 70_272 / 8
+    assert doc["kv_transfer_bytes"] == pytest.approx(8 * per_rank)
+    # 16 GPUs span two nodes: the KV crosses the 50 GB/s network.
+    assert doc["kv_transfer_ms"] == pytest.approx((per_rank / 50e9 + 10e-6) * 1e3)
+    assert doc["ttft_s"] == pytest.approx(doc["prefill_s"] + doc["kv_transfer_ms"] / 1e3 + doc["decode_step_ms"] / 1e3)
+    slow = run_json([*base, "--network-gbps", "12.5"], capsys)["disaggregation"]["disaggregated"]
+    assert slow["ttft_s"] - doc["ttft_s"] == pytest.approx(3 * per_rank / 50e9)
+    # Both sides in one node: NVLink.
+    one_node = run_json(["--model", "llama-3.1-70b", "--gpu", "H200", "--gpus", "8", "--tp", "4", "--workload",
+                         "agentic", "--disaggregate", "4:4"], capsys)["disaggregation"]["disaggregated"]
+    assert one_node["kv_transfer_ms"] == pytest.approx((67_000 * 80 * 2 * 2 * 128 * 2 / 450e9 + 10e-6) * 1e3)
+
+
+def test_too_few_prefill_gpus_are_prefill_limited(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--model", "llama-3.1-70b", "--gpu", "H200", "--gpus", "16", "--tp", "2"]
+    long_prompts = run_json([*base, "--workload", "agentic", "--disaggregate", "2:14"], capsys)["disaggregation"]
+    d = long_prompts["disaggregated"]
+    assert d["limit"] == "prefill" and d["rps"] == d["prefill_rps"] < d["decode_rps"]
+    assert d["prefill_rps"] == pytest.approx(1 / d["prefill_s"])  # one prefill instance of tp=2
+    assert d["output_tok_s_per_gpu"] == pytest.approx(d["rps"] * 400 / 16)
+    # More prefill GPUs move the limit to decode.
+    many = run_json([*base, "--workload", "agentic", "--disaggregate", "14:2"], capsys)["disaggregation"]
+    assert many["disaggregated"]["prefill_rps"] == pytest.approx(7 * d["prefill_rps"])
+    assert many["disaggregated"]["output_tok_s_per_gpu"] > d["output_tok_s_per_gpu"]
+    # Short prompts and long answers: the same 2:14 split is decode-limited.
+    chat = run_json([*base, "--context-len", "1000", "--output-len", "4000", "--disaggregate", "2:14"], capsys)
+    assert chat["disaggregation"]["disaggregated"]["limit"] == "decode"
+
+
+def test_colocated_time_shares_prefill_and_decode_and_pays_a_chunk_in_itl(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = run_json(["--model", "deepseek-v3", "--gpu", "H200", "--gpus", "16", "--workload", "agentic", "--dcp", "8",
+                    "--disaggregate", "8:8"], capsys)
+    colo, disagg = doc["disaggregation"]["colocated"], doc["disaggregation"]["disaggregated"]
+    assert colo["rps"] == pytest.approx(1 / (1 / colo["prefill_rps"] + 1 / colo["decode_rps"]))
+    config = next(c for c in doc["configs"] if c["dcp"] == colo["decode_dcp"]
+                  and c["attention_layout"] == colo["decode_attention_layout"])
+    assert colo["prefill_s"] == config["prefill"]["prefill_s"] and colo["decode_step_ms"] == config["step"]["step_ms"]
+    # Every decode step of this workload carries a chunk (9 chunks per request against
+    # 400 / 69 steps): p99 is a step with the longest chunk, p50 one with a mean chunk.
+    assert colo["chunk_step_share"] == 1.0
+    assert colo["itl_p99_ms"] == pytest.approx(colo["decode_step_ms"] + config["prefill"]["longest_chunk_ms"])
+    assert colo["itl_p50_ms"] == pytest.approx(colo["decode_step_ms"] + 1e3 * colo["prefill_s"] / 9)
+    assert disagg["itl_p50_ms"] == disagg["itl_p99_ms"] == disagg["decode_step_ms"] == colo["decode_step_ms"]
+    assert colo["ttft_s"] == pytest.approx(colo["prefill_s"] + 9 * colo["decode_step_ms"] / 1e3)
+    # Half the GPUs decode: half the decode capacity and concurrency.
+    assert disagg["decode_rps"] == pytest.approx(colo["decode_rps"] / 2)
+    assert disagg["decode_concurrency"] * 2 == colo["decode_concurrency"]
+    assert doc["disaggregation"]["throughput_ratio"] == pytest.approx(
+        disagg["output_tok_s_per_gpu"] / colo["output_tok_s_per_gpu"])
+
+
+def test_balanced_split_equalizes_both_sides() -> None:
+    inputs = build_inputs(parse(["--model", "llama-3.1-70b", "--gpu", "H200", "--gpus", "16", "--tp", "2",
+                                 "--workload", "agentic"]))
+    results, _ = evaluate(inputs)
+    comparison = compare(inputs, results[0], Split(8, 8, 2))
+    share, d = comparison.balanced_prefill_share, comparison.disaggregated
+    # Rates grow with GPUs: at the balanced share both sides sustain the same req/s.
+    prefill_per_gpu, decode_per_gpu = d.prefill_rps / 8, d.decode_rps / 8
+    assert share * 16 * prefill_per_gpu == pytest.approx((1 - share) * 16 * decode_per_gpu)
+
+
+def test_disaggregation_json_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = run_json(["--model", "deepseek-v3", "--gpu", "H200", "--gpus", "16", "--workload", "agentic",
+                    "--disaggregate", "8:8"], capsys)
+    fields = {"gpus", "prefill_gpus", "decode_gpus", "prefill_tp", "prefill_dcp", "decode_tp", "decode_dcp",
+              "decode_attention_layout", "prefill_s", "prefill_chunks", "prefill_rps", "decode_concurrency",
+              "decode_step_ms", "decode_rps", "rps", "limit", "kv_transfer_bytes", "kv_transfer_ms", "ttft_s",
+              "itl_p50_ms", "itl_p99_ms", "chunk_step_share", "output_tok_s_per_gpu"}
+    section = doc["disaggregation"]
+    assert set(section["colocated"]) == set(section["disaggregated"]) == fields
+    assert (section["disaggregated"]["prefill_gpus"], section["disaggregated"]["decode_gpus"]) == (8, 8)
+    assert section["colocated"]["kv_transfer_ms"] == 0 and 0 < section["balanced_prefill_share"] < 1
+    assert doc["assumptions"]["prefill_efficiency"] == 0.5 and doc["assumptions"]["max_num_batched_tokens"] == 8192
+    assert all(c["prefill"]["prefill_s"] > 0 for c in doc["configs"])
+    assert "disaggregation" not in run_json(["--model", "deepseek-v3", "--gpu", "H200", "--gpus", "16",
+                                             "--workload", "agentic"], capsys)
+
+
+def test_disaggregation_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--model", "llama-3.1-70b", "--gpu", "H200", "--gpus", "16", "--workload", "agentic",
+                 "--disaggregate", "8:8"]) == 0
+    out = capsys.readouterr().out
+    assert "colocated vs disaggregated" in out and "ITL p50 / p99" in out and "limited by" in out
+    assert "the two sides balance with" in out
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--disaggregate", "8"], "--disaggregate '8': give PREFILL_GPUS:DECODE_GPUS"),
+    (["--disaggregate", "a:b"], "--disaggregate 'a:b': give PREFILL_GPUS:DECODE_GPUS"),
+    (["--disaggregate", "0:16"], "two whole numbers of at least 1 that add up to --gpus 16, e.g. 8:8"),
+    (["--disaggregate", "8:9"], "8 + 9 = 17 GPUs, but --gpus is 16"),
+    (["--disaggregate", "12:4"], "tp=8 does not divide the 4 decode GPUs"),
+    (["--disaggregate", "8:8", "--prefill-tp", "3"], "--prefill-tp 3 does not divide its GPU count 8"),
+    (["--disaggregate", "8:8", "--prefill-tp", "0"], "--prefill-tp must be positive"),
+    (["--prefill-tp", "8"], "give --disaggregate too"),
+    (["--prefill-efficiency", "1.5"], "--prefill-efficiency must be in (0, 1]"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be positive"),
+])
+def test_bad_disaggregation_flags_are_one_line_errors(extra: list[str], message: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--model", "deepseek-v3", "--gpu", "H200", "--gpus", "16", "--workload", "agentic", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvshard plan: error: ") and message in err
+
+
+def test_prefill_side_too_small_for_the_model_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--model", "deepseek-v3", "--gpu", "H200", "--gpus", "16", "--workload", "agentic",
+                 "--disaggregate", "8:8", "--prefill-tp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "prefill side of --disaggregate" in err and "--prefill-tp" in err
 
 
 # --- command line ---------------------------------------------------------------------

@@ -14,19 +14,23 @@ import sys
 from pathlib import Path
 
 from kvshard.planner.arch import Quantization
+from kvshard.planner.disaggregation import (Comparison, Split, compare, decode_result, default_prefill_tp,
+                                             parse_split)
 from kvshard.planner.errors import PlanError
 from kvshard.planner.layout import check_tp, divisors, split_layouts
-from kvshard.planner.plan import PlanInputs, evaluate
+from kvshard.planner.plan import ConfigResult, PlanInputs, evaluate
+from kvshard.planner.prefill import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_PREFILL_EFFICIENCY
 from kvshard.planner.presets import load_gpu, load_model, load_workload
-from kvshard.planner.recommend import recommend
+from kvshard.planner.recommend import Recommendation, recommend
 from kvshard.planner.report import Report, plot, render, to_json
 from kvshard.planner.roofline import BACKEND_SCHEMES, DEFAULT_COLLECTIVE_LATENCY_US
 from kvshard.planner.seed import compare_with_seed, seed_inputs
 
 DESCRIPTION = ("Predict, for a model on a GPU cluster, what each TP/DCP layout gives (attention-TP A = tp/dcp, "
                "query heads split or projections replicated in a DCP group): weights and KV per GPU, KV capacity, "
-               "maximum concurrency, decode tok/s per GPU from a roofline, what limits it, and which dcp, layout "
-               "and DCP communication backend to use. Needs no GPU.")
+               "maximum concurrency, prefill time, decode tok/s per GPU from a roofline, what limits it, and which "
+               "dcp, layout and DCP communication backend to use; with --disaggregate, colocated against "
+               "disaggregated prefill/decode on the same GPUs. Needs no GPU.")
 
 # GpuSpec fields that can be set from the command line, with their help.
 _GPU_FLAGS = {
@@ -75,6 +79,18 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default): the cheaper at each batch size")
     parser.add_argument("--a2a-latency-us", type=float,
                         help="fixed cost of one all-to-all, microseconds (default: --collective-latency-us)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                        help="tokens per step, the prefill chunk size (default "
+                             f"{DEFAULT_MAX_NUM_BATCHED_TOKENS}, vLLM's for its server on 70+ GiB GPUs)")
+    parser.add_argument("--prefill-efficiency", type=float, default=DEFAULT_PREFILL_EFFICIENCY,
+                        help="share of the datasheet FLOPS that prefill kernels reach, in (0, 1] "
+                             f"(default {DEFAULT_PREFILL_EFFICIENCY:g})")
+    parser.add_argument("--disaggregate", metavar="P:D",
+                        help="also compare colocated serving on all --gpus with P GPUs that only prefill and D "
+                             "that only decode (P + D = --gpus; decode at --tp and the plan's layout)")
+    parser.add_argument("--prefill-tp", type=int,
+                        help="tensor parallel size of the prefill instances with --disaggregate (default: one "
+                             "node, at most P)")
     gpu_figures = parser.add_argument_group("GPU figures", "override a preset's, or describe --gpu custom")
     for name, (kind, text) in _GPU_FLAGS.items():
         gpu_figures.add_argument("--" + name.replace("_", "-"), type=kind, help=text)
@@ -112,8 +128,13 @@ def _default_tp(num_gpus: int, gpus_per_node: int) -> int:
 
 
 def build_inputs(args: argparse.Namespace) -> PlanInputs:
-    for flag in ("gpus", "tp", "block_size", "max_num_seqs", "kv_memory_gib", "context_len", "output_len"):
+    for flag in ("gpus", "tp", "block_size", "max_num_seqs", "kv_memory_gib", "context_len", "output_len",
+                 "max_num_batched_tokens", "prefill_tp"):
         _positive(getattr(args, flag), "--" + flag.replace("_", "-"))
+    if not 0 < args.prefill_efficiency <= 1:
+        raise PlanError(f"--prefill-efficiency must be in (0, 1], got {args.prefill_efficiency}")
+    if args.prefill_tp is not None and args.disaggregate is None:
+        raise PlanError("--prefill-tp sets the prefill side of --disaggregate P:D: give --disaggregate too")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise PlanError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
     if args.reserve_gib < 0 or args.collective_latency_us < 0 or (args.a2a_latency_us or 0) < 0:
@@ -149,20 +170,39 @@ def build_inputs(args: argparse.Namespace) -> PlanInputs:
         gpu_memory_utilization=args.gpu_memory_utilization, reserve_gib=args.reserve_gib,
         kv_memory_gib=args.kv_memory_gib, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         collective_latency_us=args.collective_latency_us, dcp_comm_backend=args.dcp_comm_backend,
-        a2a_latency_us=args.a2a_latency_us)
+        a2a_latency_us=args.a2a_latency_us, max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_efficiency=args.prefill_efficiency)
+
+
+def build_split(args: argparse.Namespace, inputs: PlanInputs) -> Split | None:
+    """--disaggregate P:D and --prefill-tp, checked against the cluster; None without them."""
+    if args.disaggregate is None:
+        return None
+    prefill_gpus, decode_gpus = parse_split(args.disaggregate, inputs.num_gpus)
+    prefill_tp = args.prefill_tp or default_prefill_tp(inputs.arch, prefill_gpus, inputs.gpu.gpus_per_node)
+    return Split(prefill_gpus=prefill_gpus, decode_gpus=decode_gpus, prefill_tp=prefill_tp)
+
+
+def build_comparison(inputs: PlanInputs, results: list[ConfigResult], rec: Recommendation,
+                     split: Split) -> Comparison:
+    return compare(inputs, decode_result(inputs, results, rec.dcp, rec.attention_layout), split)
 
 
 def run_plan(args: argparse.Namespace) -> int:
     try:
         inputs = build_inputs(args)
+        split = build_split(args, inputs)
         if args.compare_seed:
             inputs = seed_inputs(inputs)
         results, too_big = evaluate(inputs)
+        recommendation = recommend(inputs, results)
+        comparison = build_comparison(inputs, results, recommendation, split) if split else None
     except PlanError as error:
         return _fail(str(error))
     report = Report(inputs=inputs, results=results, refused=[*inputs.refused, *too_big],
-                    recommendation=recommend(inputs, results),
-                    seed_rows=compare_with_seed(inputs, results) if args.compare_seed else None)
+                    recommendation=recommendation,
+                    seed_rows=compare_with_seed(inputs, results) if args.compare_seed else None,
+                    comparison=comparison)
     if args.json:
         print(json.dumps(to_json(report), indent=2))
     else:

@@ -9,6 +9,8 @@ from kvshard.planner.errors import PlanError
 from kvshard.planner.hardware import GpuSpec
 from kvshard.planner.layout import AttentionLayout
 from kvshard.planner.memory import MemoryPlan, WeightBytes, plan_memory, weight_bytes
+from kvshard.planner.prefill import (DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_PREFILL_EFFICIENCY, PrefillTime,
+                                     prefill_time)
 from kvshard.planner.presets import Workload
 from kvshard.planner.roofline import StepTime, decode_step
 
@@ -32,6 +34,8 @@ class PlanInputs:
     collective_latency_us: float
     dcp_comm_backend: str = "auto"  # auto, ag_rs or a2a
     a2a_latency_us: float | None = None  # None: collective_latency_us
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS  # the prefill chunk
+    prefill_efficiency: float = DEFAULT_PREFILL_EFFICIENCY  # share of peak FLOPs prefill reaches
 
     @property
     def kv_dtype_bytes(self) -> float:
@@ -70,6 +74,7 @@ class ConfigResult:
     operating: StepTime | None  # at the highest concurrency that runs; None if no request fits
     curve: tuple[CurvePoint, ...]
     tokens_per_request: int
+    prefill: PrefillTime  # of one request's input, on one replica of this layout
 
     @property
     def tp(self) -> int:
@@ -126,7 +131,16 @@ def _evaluate_layout(inputs: PlanInputs, weights: WeightBytes, memory: MemoryPla
     return ConfigResult(layout=layout, replicas=inputs.replicas, memory=memory,
                         ceiling_per_replica=ceiling, max_num_seqs=inputs.max_num_seqs,
                         operating=step(running) if running > 0 else None, curve=curve,
-                        tokens_per_request=inputs.tokens_per_request)
+                        tokens_per_request=inputs.tokens_per_request,
+                        prefill=prefill_for(inputs, weights, layout, memory.kv_slot_bytes))
+
+
+def prefill_for(inputs: PlanInputs, weights: WeightBytes, layout: AttentionLayout, kv_slot_bytes: int) -> PrefillTime:
+    """Prefill of one request of the workload on one replica of `layout`."""
+    return prefill_time(inputs.arch, inputs.gpu, weights, layout, kv_slot_bytes=kv_slot_bytes,
+                        input_len=inputs.workload.input_len, chunk_tokens=inputs.max_num_batched_tokens,
+                        efficiency=inputs.prefill_efficiency, collective_latency_us=inputs.collective_latency_us,
+                        backend=inputs.dcp_comm_backend, a2a_latency_us=inputs.a2a_latency_us)
 
 
 def evaluate(inputs: PlanInputs) -> tuple[list[ConfigResult], list[tuple[AttentionLayout, str]]]:
