@@ -8,6 +8,8 @@ shows that the check catches a sampler without the rejection step).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -244,24 +246,78 @@ MAX_MODEL_LEN = 64
 LAYOUTS = [(1, 1, 1), (2, 2, 1), (2, 2, BLOCK), (4, 4, 1)]
 
 
-def tiny_mla_config():
-    """DeepSeek-V3 attention (MLA, one latent per token) in a dense three-layer model."""
+def tiny_mla_config(**overrides):
+    """DeepSeek-V3 attention (MLA, one latent per token) in a dense three-layer model, declaring one MTP
+    layer (an MoE layer, as V3's: its index 3 is past first_k_dense_replace)."""
     from transformers import DeepseekV3Config
 
-    return DeepseekV3Config(
+    settings = dict(
         vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
         num_key_value_heads=8, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
         max_position_embeddings=256, bos_token_id=0, eos_token_id=1, initializer_range=0.3, q_lora_rank=None,
-        first_k_dense_replace=3, rope_interleave=False, tie_word_embeddings=False,
+        first_k_dense_replace=3, rope_interleave=False, tie_word_embeddings=False, num_nextn_predict_layers=1,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32,
+        n_shared_experts=1, norm_topk_prob=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, architectures=["DeepseekV3ForCausalLM"])
+    return DeepseekV3Config(**{**settings, **overrides})
 
 
 MODELS = {"gqa": tiny_llama_config, "mla": tiny_mla_config}
+MTP_FILE = "mtp.safetensors"
+
+
+def random_mtp_module(config, seed: int = 1):
+    """The MTP tensors as transformers' DeepSeek-V3 modules hold them (the decoder layer is transformers'
+    own, random, norms and routing bias off neutral): (decoder layer, {name: tensor} of the rest)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    torch.manual_seed(seed)
+    config._attn_implementation = "eager"
+    layer = DeepseekV3DecoderLayer(config, config.num_hidden_layers).float()
+    with torch.no_grad():
+        for name, tensor in layer.state_dict().items():
+            if name.endswith("norm.weight"):
+                tensor.uniform_(0.5, 1.5)
+            elif name.endswith("e_score_correction_bias"):
+                tensor.uniform_(-0.3, 0.3)
+            else:
+                tensor.normal_(0, config.initializer_range)
+    d = config.hidden_size
+    rest = {"enorm.weight": torch.rand(d) + 0.5, "hnorm.weight": torch.rand(d) + 0.5,
+            "eh_proj.weight": torch.randn(d, 2 * d) * config.initializer_range,
+            "shared_head.norm.weight": torch.rand(d) + 0.5}
+    return layer.eval(), rest
+
+
+def add_mtp_layer(directory: Path, config) -> None:
+    """Store the MTP module beside the target's weights as published V3 checkpoints do: under
+    model.layers.{num_hidden_layers}., routed experts one tensor per expert and projection, the
+    embedding and LM head copied from the target's."""
+    from safetensors.torch import load_file, save_file
+
+    main = load_file(directory / "model.safetensors")
+    layer, rest = random_mtp_module(config)
+    tensors = {**rest, "embed_tokens.weight": main["model.embed_tokens.weight"],
+               "shared_head.head.weight": main["lm_head.weight"]}
+    for name, tensor in layer.state_dict().items():
+        if name == "mlp.experts.gate_up_proj":  # [E, 2I, D]: gate rows, then up rows
+            gates, ups = tensor.chunk(2, dim=1)
+            for e, (gate, up) in enumerate(zip(gates, ups)):
+                tensors[f"mlp.experts.{e}.gate_proj.weight"], tensors[f"mlp.experts.{e}.up_proj.weight"] = gate, up
+        elif name == "mlp.experts.down_proj":  # [E, D, I]
+            tensors.update({f"mlp.experts.{e}.down_proj.weight": w for e, w in enumerate(tensor)})
+        else:
+            tensors[name] = tensor
+    prefix = f"model.layers.{config.num_hidden_layers}."
+    save_file({prefix + name: t.contiguous() for name, t in tensors.items()}, directory / MTP_FILE)
 
 
 @pytest.fixture(scope="module")
 def models(checkpoints) -> dict[str, str]:
-    return {name: str(checkpoints(f"spec-{name}", config())) for name, config in MODELS.items()}
+    paths = {name: checkpoints(f"spec-{name}", config()) for name, config in MODELS.items()}
+    if not (paths["mla"] / MTP_FILE).exists():
+        add_mtp_layer(paths["mla"], tiny_mla_config())
+    return {name: str(path) for name, path in paths.items()}
 
 
 @pytest.fixture(scope="module")
