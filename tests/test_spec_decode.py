@@ -1,13 +1,17 @@
-"""Speculative decoding: n-gram drafts verified as a (k+1)-token step through the DCP rhythm.
+"""Speculative decoding: n-gram, draft-model and MTP drafts verified as a (k+1)-token step through the
+DCP rhythm.
 
 Greedy tokens equal plain decoding in every layout (drafts cross DCP shard and
 block boundaries, requests are preempted while they speculate, no block leaks);
+the MTP module's drafts equal a reference computed from the checkpoint's tensors;
 sampled tokens follow the target distribution (statistical checks, one of which
 shows that the check catches a sampler without the rejection step).
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -416,25 +420,119 @@ def record_draft_proposals(llm: LLM) -> list[tuple[list[int], list[int]]]:
     return proposals
 
 
-@pytest.mark.parametrize("model", list(MODELS))
+class RecordedMtp:
+    """Wraps the engine's MTP proposer: records (the request's tokens, the MTP module's drafts after
+    them) of every proposal; with `script` set, the scripted drafts are verified in their place (the
+    module's random weights accept few of its own), so that its cache also meets accepted runs."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.proposals: list[tuple[list[int], list[int]]] = []
+        self.script: ScriptedDrafts | None = None
+        self.propose = llm.engine.mtp.propose
+        llm.engine.mtp.propose = self
+
+    def __call__(self, batch):
+        contexts = [list(seq.all_token_ids) for seq in batch.seqs]
+        probs = self.propose(batch)
+        for i, (tokens, drafts) in enumerate(zip(contexts, batch.drafts)):
+            if drafts:
+                self.proposals.append((tokens, list(drafts)))
+                if self.script is not None:
+                    scripted = self.script.propose(tokens, len(drafts))
+                    batch.drafts[i] = scripted + drafts[len(scripted):]
+        return probs
+
+
+class MtpReference:
+    """The MTP module's greedy drafts computed from scratch, the published way: transformers' target
+    for its last decoder layer's output (before the final norm, by a hook), transformers' decoder layer
+    for the module's, plain torch for the rest; each further draft from the module's own output."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoModelForCausalLM
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+        self.target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.config = tiny_mla_config()
+        self.layer, self.weights = random_mtp_module(self.config)  # the tensors add_mtp_layer stored
+        self.rotary = DeepseekV3RotaryEmbedding(self.config)
+        self.known: dict[tuple[int, ...], list[int]] = {}
+
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps) * self.weights[name]
+
+    def _input(self, token: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """tokens [n], states [n, D] -> the decoder layer's input [n, D]: enorm(embedding) first."""
+        embedding = self.target.model.embed_tokens(token)
+        x = torch.cat([self._norm(embedding, "enorm.weight"), self._norm(state, "hnorm.weight")], dim=-1)
+        return x @ self.weights["eh_proj.weight"].T
+
+    @torch.no_grad()
+    def drafts(self, tokens: list[int], k: int) -> list[int]:
+        key = tuple(tokens)
+        if len(self.known.get(key, [])) < k:
+            kept = []
+            hook = self.target.model.layers[-1].register_forward_hook(lambda module, args, out: kept.append(out))
+            self.target(torch.tensor([tokens]))
+            hook.remove()
+            states = kept[0][0, :-1]  # [m, D]: positions 0..m-1, each paired with the token after it
+            x = self._input(torch.tensor(tokens[1:]), states)  # [m, D]
+            drafts = []
+            for _ in range(k):
+                n = x.shape[0]
+                positions = torch.arange(n)[None]
+                mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+                out = self.layer(x[None], attention_mask=mask, position_ids=positions,
+                                 position_embeddings=self.rotary(x[None], positions))[0]  # [n, D]
+                logits = self._norm(out[-1], "shared_head.norm.weight") @ self.target.lm_head.weight.T
+                drafts.append(int(logits.argmax()))
+                x = torch.cat([x, self._input(torch.tensor(drafts[-1:]), out[-1:])])
+            self.known[key] = drafts
+        return self.known[key][:k]
+
+
+@pytest.fixture(scope="module")
+def mtp_reference(models) -> MtpReference:
+    return MtpReference(models["mla"])
+
+
+MTP = {"method": "mtp", "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize("model, drafter", [("gqa", "draft model"), ("mla", "draft model"), ("mla", "mtp")])
 @pytest.mark.parametrize("tp, dcp, interleave", LAYOUTS)
-def test_greedy_draft_model_gives_the_tokens_of_plain_decoding(models, reference, model, tp, dcp, interleave):
-    """The target as its own draft model: its drafts are mostly accepted, so its cache's rollback
-    and catch-up (after prefill, preemption, rejection) are exercised; a wrong draft K/V would lower
-    the acceptance, never change the tokens, so the acceptance is checked too."""
-    draft = {"model": models[model], "num_speculative_tokens": 3}
+def test_greedy_model_drafts_give_the_tokens_of_plain_decoding(models, reference, mtp_reference, model, drafter,
+                                                               tp, dcp, interleave):
+    """A draft model (the target as its own: its drafts are mostly accepted) or the checkpoint's MTP
+    module, whose cache is caught up and rolled back (after prefill, preemption, rejection) along the
+    target's; a wrong draft cache would lower the acceptance or change the drafts, never the tokens, so
+    the acceptance (draft model) or every proposed draft (MTP, against a reference) is checked too."""
+    speculative = {"model": models[model], "num_speculative_tokens": 3} if drafter == "draft model" else MTP
     with environment({"KVSHARD_FUSED_MERGE_MAX_BYTES": "0", "KVSHARD_DECODE_GROUP_SPREAD": "0"}), \
             LLM(models[model], tensor_parallel_size=tp, decode_context_parallel_size=dcp,
                 dcp_kv_interleave_size=interleave, block_size=BLOCK, num_kv_blocks=96 // (BLOCK * dcp),
-                max_model_len=MAX_MODEL_LEN, speculative_config=draft) as llm:
+                max_model_len=MAX_MODEL_LEN, speculative_config=speculative) as llm:
         spans = record_accepted_spans(llm)
+        recorded = RecordedMtp(llm) if drafter == "mtp" else None
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-        stats = llm.engine.stats()
         assert got == reference[model]
+        if recorded is not None:  # again with scripted drafts verified, for accepted runs
+            assert llm.engine.stats().spec_decode_num_draft_tokens > 0
+            recorded.script = ScriptedDrafts(PROMPTS, reference[model])
+            got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+            assert got == reference[model]
+        stats = llm.engine.stats()
         assert stats.num_preemptions > 0
-        assert stats.spec_decode_num_accepted_tokens >= 0.9 * stats.spec_decode_num_draft_tokens
+        if recorded is None:
+            assert stats.spec_decode_num_accepted_tokens >= 0.9 * stats.spec_decode_num_draft_tokens
+        else:
+            assert stats.spec_decode_num_accepted_tokens_per_pos[2] > 0
         assert any(first // (BLOCK * dcp) != last // (BLOCK * dcp) for first, last in spans)
         assert stats.kv_blocks_used == 0
+    if recorded is not None:
+        assert len(recorded.proposals) > 50
+        assert [drafts for _, drafts in recorded.proposals] == \
+            [mtp_reference.drafts(tokens, len(drafts)) for tokens, drafts in recorded.proposals]
 
 
 def test_a_different_draft_model_is_rejected_often_and_changes_nothing(models, reference, checkpoints):
@@ -473,6 +571,24 @@ def test_draft_model_config_errors(models):
     assert config.speculative.method == "draft_model"  # inferred from "model", as vLLM does
     plain = EngineArgs("kvshard-demo").create_engine_config()
     assert config.kv_bytes_per_slot > plain.kv_bytes_per_slot  # the draft's cache shares the budget
+
+
+def test_mtp_config_errors_and_cache_cost(models, tmp_path):
+    with pytest.raises(ConfigError, match="needs a DeepSeek-V3"):
+        EngineArgs(models["gqa"], speculative_config=MTP).create_engine_config()
+    # the MLA checkpoint without its MTP file: the config still declares one layer, then none
+    shutil.copytree(models["mla"], tmp_path, dirs_exist_ok=True, ignore=shutil.ignore_patterns(MTP_FILE))
+    with pytest.raises(ConfigError, match=r"lacks the MTP weights under model\.layers\.3\."):
+        EngineArgs(str(tmp_path), speculative_config=MTP).create_engine_config()
+    hf_config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**hf_config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(ConfigError, match="has no MTP layers"):
+        EngineArgs(str(tmp_path), speculative_config=MTP).create_engine_config()
+    config = EngineArgs(models["mla"], speculative_config=MTP).create_engine_config()
+    plain = EngineArgs(models["mla"]).create_engine_config()
+    assert "speculative decoding: mtp" in config.layout_report()
+    assert config.kv_bytes_per_slot * 3 == plain.kv_bytes_per_slot * 4  # one MLA layer on top of three
+    assert plain.cache.enable_prefix_caching and not config.cache.enable_prefix_caching
 
 
 def test_metrics_name_the_spec_decode_counters():
