@@ -448,7 +448,7 @@ class MtpReference:
     for its last decoder layer's output (before the final norm, by a hook), transformers' decoder layer
     for the module's, plain torch for the rest; each further draft from the module's own output."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, sequences: list[list[int]]) -> None:
         from transformers import AutoModelForCausalLM
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 
@@ -456,7 +456,8 @@ class MtpReference:
         self.config = tiny_mla_config()
         self.layer, self.weights = random_mtp_module(self.config)  # the tensors add_mtp_layer stored
         self.rotary = DeepseekV3RotaryEmbedding(self.config)
-        self.known: dict[tuple[int, ...], list[int]] = {}
+        self.sequences = sequences  # every request's tokens are a prefix of one of these, or their own
+        self.rows: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps) * self.weights[name]
@@ -467,33 +468,45 @@ class MtpReference:
         x = torch.cat([self._norm(embedding, "enorm.weight"), self._norm(state, "hnorm.weight")], dim=-1)
         return x @ self.weights["eh_proj.weight"].T
 
-    @torch.no_grad()
-    def drafts(self, tokens: list[int], k: int) -> list[int]:
-        key = tuple(tokens)
-        if len(self.known.get(key, [])) < k:
+    def _layer(self, x: torch.Tensor) -> torch.Tensor:
+        """transformers' decoder layer over rows [n, D] at positions 0..n-1, causally."""
+        n = x.shape[0]
+        positions = torch.arange(n)[None]
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        return self.layer(x[None], attention_mask=mask, position_ids=positions,
+                          position_embeddings=self.rotary(x[None], positions))[0]  # [n, D]
+
+    def _rows(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The module's input rows [m, D] for a request's m + 1 tokens and the layer's output [m, D],
+        computed once for the longest sequence the tokens begin: causal rows of a prefix are its first."""
+        full = next((s for s in self.sequences if s[: len(tokens)] == tokens), tokens)
+        if tuple(full) not in self.rows:
             kept = []
             hook = self.target.model.layers[-1].register_forward_hook(lambda module, args, out: kept.append(out))
-            self.target(torch.tensor([tokens]))
+            self.target(torch.tensor([full]))
             hook.remove()
-            states = kept[0][0, :-1]  # [m, D]: positions 0..m-1, each paired with the token after it
-            x = self._input(torch.tensor(tokens[1:]), states)  # [m, D]
-            drafts = []
-            for _ in range(k):
-                n = x.shape[0]
-                positions = torch.arange(n)[None]
-                mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
-                out = self.layer(x[None], attention_mask=mask, position_ids=positions,
-                                 position_embeddings=self.rotary(x[None], positions))[0]  # [n, D]
-                logits = self._norm(out[-1], "shared_head.norm.weight") @ self.target.lm_head.weight.T
-                drafts.append(int(logits.argmax()))
-                x = torch.cat([x, self._input(torch.tensor(drafts[-1:]), out[-1:])])
-            self.known[key] = drafts
-        return self.known[key][:k]
+            # the state at each position 0..len-2, paired with the token after it
+            x = self._input(torch.tensor(full[1:]), kept[0][0, :-1])  # [len - 1, D]
+            self.rows[tuple(full)] = x, self._layer(x)
+        x, out = self.rows[tuple(full)]
+        return x[: len(tokens) - 1], out[: len(tokens) - 1]
+
+    @torch.no_grad()
+    def drafts(self, tokens: list[int], k: int) -> list[int]:
+        x, out = self._rows(tokens)
+        drafts: list[int] = []
+        while True:
+            logits = self._norm(out[-1], "shared_head.norm.weight") @ self.target.lm_head.weight.T  # [V]
+            drafts.append(int(logits.argmax()))
+            if len(drafts) == k:
+                return drafts
+            x = torch.cat([x, self._input(torch.tensor(drafts[-1:]), out[-1:])])  # the draft after its own state
+            out = self._layer(x)
 
 
 @pytest.fixture(scope="module")
-def mtp_reference(models) -> MtpReference:
-    return MtpReference(models["mla"])
+def mtp_reference(models, reference) -> MtpReference:
+    return MtpReference(models["mla"], [p + o for p, o in zip(PROMPTS, reference["mla"])])
 
 
 MTP = {"method": "mtp", "num_speculative_tokens": 3}
@@ -529,10 +542,16 @@ def test_greedy_model_drafts_give_the_tokens_of_plain_decoding(models, reference
             assert stats.spec_decode_num_accepted_tokens_per_pos[2] > 0
         assert any(first // (BLOCK * dcp) != last // (BLOCK * dcp) for first, last in spans)
         assert stats.kv_blocks_used == 0
+        if recorded is not None:  # sampled MTP drafts (rejection sampling with their distributions)
+            proposals, recorded.script = list(recorded.proposals), None
+            sampled = SamplingParams(temperature=0.8, seed=11, max_tokens=16, ignore_eos=True)
+            runs = llm.generate([PROMPTS[0], PROMPTS[0]], sampled, use_tqdm=False)
+            assert runs[0].outputs[0].token_ids == runs[1].outputs[0].token_ids
+            assert llm.engine.stats().kv_blocks_used == 0
     if recorded is not None:
-        assert len(recorded.proposals) > 50
-        assert [drafts for _, drafts in recorded.proposals] == \
-            [mtp_reference.drafts(tokens, len(drafts)) for tokens, drafts in recorded.proposals]
+        assert len(proposals) > 50
+        assert [drafts for _, drafts in proposals] == \
+            [mtp_reference.drafts(tokens, len(drafts)) for tokens, drafts in proposals]
 
 
 def test_a_different_draft_model_is_rejected_often_and_changes_nothing(models, reference, checkpoints):
