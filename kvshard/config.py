@@ -7,6 +7,7 @@ raises `ConfigError` with a message that says what to change, before any process
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -297,12 +298,19 @@ class EngineConfig:
     @property
     def kv_bytes_per_slot(self) -> int:
         """Bytes of one physical cache slot (one token, all layers) on one rank; a draft model's cache
-        uses the same block ids, so its slot (in the draft's dtype) counts too."""
+        uses the same block ids, so its slot (in the draft's dtype) counts too, as does an MTP module's."""
         slot = self.kv_cache_spec.bytes_per_slot(self.kv_cache_dtype)
         draft = self.speculative.draft_model_config if self.speculative is not None else None
         if draft is not None:
             slot += kv_cache_spec(draft, self.parallel.attention_tp_size).bytes_per_slot(draft.dtype)
+        if self.speculative is not None and self.speculative.method == "mtp":
+            slot += self.mtp_kv_cache_spec.bytes_per_slot(self.model.dtype)
         return slot
+
+    @property
+    def mtp_kv_cache_spec(self) -> KVCacheSpec:
+        """The MTP module's cache: one more layer of the target's, in the model's dtype."""
+        return dataclasses.replace(self.kv_cache_spec, num_layers=1)
 
     @property
     def num_kv_blocks(self) -> int:

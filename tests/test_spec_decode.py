@@ -1,12 +1,18 @@
-"""Speculative decoding: n-gram drafts verified as a (k+1)-token step through the DCP rhythm.
+"""Speculative decoding: n-gram, draft-model and MTP drafts verified as a (k+1)-token step through the
+DCP rhythm.
 
 Greedy tokens equal plain decoding in every layout (drafts cross DCP shard and
 block boundaries, requests are preempted while they speculate, no block leaks);
+the MTP module's drafts equal a reference computed from the checkpoint's tensors;
 sampled tokens follow the target distribution (statistical checks, one of which
 shows that the check catches a sampler without the rejection step).
 """
 
 from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -244,24 +250,78 @@ MAX_MODEL_LEN = 64
 LAYOUTS = [(1, 1, 1), (2, 2, 1), (2, 2, BLOCK), (4, 4, 1)]
 
 
-def tiny_mla_config():
-    """DeepSeek-V3 attention (MLA, one latent per token) in a dense three-layer model."""
+def tiny_mla_config(**overrides):
+    """DeepSeek-V3 attention (MLA, one latent per token) in a dense three-layer model, declaring one MTP
+    layer (an MoE layer, as V3's: its index 3 is past first_k_dense_replace)."""
     from transformers import DeepseekV3Config
 
-    return DeepseekV3Config(
+    settings = dict(
         vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
         num_key_value_heads=8, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
         max_position_embeddings=256, bos_token_id=0, eos_token_id=1, initializer_range=0.3, q_lora_rank=None,
-        first_k_dense_replace=3, rope_interleave=False, tie_word_embeddings=False,
+        first_k_dense_replace=3, rope_interleave=False, tie_word_embeddings=False, num_nextn_predict_layers=1,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32,
+        n_shared_experts=1, norm_topk_prob=True,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, architectures=["DeepseekV3ForCausalLM"])
+    return DeepseekV3Config(**{**settings, **overrides})
 
 
 MODELS = {"gqa": tiny_llama_config, "mla": tiny_mla_config}
+MTP_FILE = "mtp.safetensors"
+
+
+def random_mtp_module(config, seed: int = 1):
+    """The MTP tensors as transformers' DeepSeek-V3 modules hold them (the decoder layer is transformers'
+    own, random, norms and routing bias off neutral): (decoder layer, {name: tensor} of the rest)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    torch.manual_seed(seed)
+    config._attn_implementation = "eager"
+    layer = DeepseekV3DecoderLayer(config, config.num_hidden_layers).float()
+    with torch.no_grad():
+        for name, tensor in layer.state_dict().items():
+            if name.endswith("norm.weight"):
+                tensor.uniform_(0.5, 1.5)
+            elif name.endswith("e_score_correction_bias"):
+                tensor.uniform_(-0.3, 0.3)
+            else:
+                tensor.normal_(0, config.initializer_range)
+    d = config.hidden_size
+    rest = {"enorm.weight": torch.rand(d) + 0.5, "hnorm.weight": torch.rand(d) + 0.5,
+            "eh_proj.weight": torch.randn(d, 2 * d) * config.initializer_range,
+            "shared_head.norm.weight": torch.rand(d) + 0.5}
+    return layer.eval(), rest
+
+
+def add_mtp_layer(directory: Path, config) -> None:
+    """Store the MTP module beside the target's weights as published V3 checkpoints do: under
+    model.layers.{num_hidden_layers}., routed experts one tensor per expert and projection, the
+    embedding and LM head copied from the target's."""
+    from safetensors.torch import load_file, save_file
+
+    main = load_file(directory / "model.safetensors")
+    layer, rest = random_mtp_module(config)
+    tensors = {**rest, "embed_tokens.weight": main["model.embed_tokens.weight"],
+               "shared_head.head.weight": main["lm_head.weight"]}
+    for name, tensor in layer.state_dict().items():
+        if name == "mlp.experts.gate_up_proj":  # [E, 2I, D]: gate rows, then up rows
+            gates, ups = tensor.chunk(2, dim=1)
+            for e, (gate, up) in enumerate(zip(gates, ups)):
+                tensors[f"mlp.experts.{e}.gate_proj.weight"], tensors[f"mlp.experts.{e}.up_proj.weight"] = gate, up
+        elif name == "mlp.experts.down_proj":  # [E, D, I]
+            tensors.update({f"mlp.experts.{e}.down_proj.weight": w for e, w in enumerate(tensor)})
+        else:
+            tensors[name] = tensor
+    prefix = f"model.layers.{config.num_hidden_layers}."
+    save_file({prefix + name: t.contiguous() for name, t in tensors.items()}, directory / MTP_FILE)
 
 
 @pytest.fixture(scope="module")
 def models(checkpoints) -> dict[str, str]:
-    return {name: str(checkpoints(f"spec-{name}", config())) for name, config in MODELS.items()}
+    paths = {name: checkpoints(f"spec-{name}", config()) for name, config in MODELS.items()}
+    if not (paths["mla"] / MTP_FILE).exists():
+        add_mtp_layer(paths["mla"], tiny_mla_config())
+    return {name: str(path) for name, path in paths.items()}
 
 
 @pytest.fixture(scope="module")
@@ -360,25 +420,138 @@ def record_draft_proposals(llm: LLM) -> list[tuple[list[int], list[int]]]:
     return proposals
 
 
-@pytest.mark.parametrize("model", list(MODELS))
+class RecordedMtp:
+    """Wraps the engine's MTP proposer: records (the request's tokens, the MTP module's drafts after
+    them) of every proposal; with `script` set, the scripted drafts are verified in their place (the
+    module's random weights accept few of its own), so that its cache also meets accepted runs."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.proposals: list[tuple[list[int], list[int]]] = []
+        self.script: ScriptedDrafts | None = None
+        self.propose = llm.engine.mtp.propose
+        llm.engine.mtp.propose = self
+
+    def __call__(self, batch):
+        contexts = [list(seq.all_token_ids) for seq in batch.seqs]
+        probs = self.propose(batch)
+        for i, (tokens, drafts) in enumerate(zip(contexts, batch.drafts)):
+            if drafts:
+                self.proposals.append((tokens, list(drafts)))
+                if self.script is not None:
+                    scripted = self.script.propose(tokens, len(drafts))
+                    batch.drafts[i] = scripted + drafts[len(scripted):]
+        return probs
+
+
+class MtpReference:
+    """The MTP module's greedy drafts computed from scratch, the published way: transformers' target
+    for its last decoder layer's output (before the final norm, by a hook), transformers' decoder layer
+    for the module's, plain torch for the rest; each further draft from the module's own output."""
+
+    def __init__(self, path: str, sequences: list[list[int]]) -> None:
+        from transformers import AutoModelForCausalLM
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+        self.target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.config = tiny_mla_config()
+        self.layer, self.weights = random_mtp_module(self.config)  # the tensors add_mtp_layer stored
+        self.rotary = DeepseekV3RotaryEmbedding(self.config)
+        self.sequences = sequences  # every request's tokens are a prefix of one of these, or their own
+        self.rows: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps) * self.weights[name]
+
+    def _input(self, token: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """tokens [n], states [n, D] -> the decoder layer's input [n, D]: enorm(embedding) first."""
+        embedding = self.target.model.embed_tokens(token)
+        x = torch.cat([self._norm(embedding, "enorm.weight"), self._norm(state, "hnorm.weight")], dim=-1)
+        return x @ self.weights["eh_proj.weight"].T
+
+    def _layer(self, x: torch.Tensor) -> torch.Tensor:
+        """transformers' decoder layer over rows [n, D] at positions 0..n-1, causally."""
+        n = x.shape[0]
+        positions = torch.arange(n)[None]
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        return self.layer(x[None], attention_mask=mask, position_ids=positions,
+                          position_embeddings=self.rotary(x[None], positions))[0]  # [n, D]
+
+    def _rows(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The module's input rows [m, D] for a request's m + 1 tokens and the layer's output [m, D],
+        computed once for the longest sequence the tokens begin: causal rows of a prefix are its first."""
+        full = next((s for s in self.sequences if s[: len(tokens)] == tokens), tokens)
+        if tuple(full) not in self.rows:
+            kept = []
+            hook = self.target.model.layers[-1].register_forward_hook(lambda module, args, out: kept.append(out))
+            self.target(torch.tensor([full]))
+            hook.remove()
+            # the state at each position 0..len-2, paired with the token after it
+            x = self._input(torch.tensor(full[1:]), kept[0][0, :-1])  # [len - 1, D]
+            self.rows[tuple(full)] = x, self._layer(x)
+        x, out = self.rows[tuple(full)]
+        return x[: len(tokens) - 1], out[: len(tokens) - 1]
+
+    @torch.no_grad()
+    def drafts(self, tokens: list[int], k: int) -> list[int]:
+        x, out = self._rows(tokens)
+        drafts: list[int] = []
+        while True:
+            logits = self._norm(out[-1], "shared_head.norm.weight") @ self.target.lm_head.weight.T  # [V]
+            drafts.append(int(logits.argmax()))
+            if len(drafts) == k:
+                return drafts
+            x = torch.cat([x, self._input(torch.tensor(drafts[-1:]), out[-1:])])  # the draft after its own state
+            out = self._layer(x)
+
+
+@pytest.fixture(scope="module")
+def mtp_reference(models, reference) -> MtpReference:
+    return MtpReference(models["mla"], [p + o for p, o in zip(PROMPTS, reference["mla"])])
+
+
+MTP = {"method": "mtp", "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize("model, drafter", [("gqa", "draft model"), ("mla", "draft model"), ("mla", "mtp")])
 @pytest.mark.parametrize("tp, dcp, interleave", LAYOUTS)
-def test_greedy_draft_model_gives_the_tokens_of_plain_decoding(models, reference, model, tp, dcp, interleave):
-    """The target as its own draft model: its drafts are mostly accepted, so its cache's rollback
-    and catch-up (after prefill, preemption, rejection) are exercised; a wrong draft K/V would lower
-    the acceptance, never change the tokens, so the acceptance is checked too."""
-    draft = {"model": models[model], "num_speculative_tokens": 3}
+def test_greedy_model_drafts_give_the_tokens_of_plain_decoding(models, reference, mtp_reference, model, drafter,
+                                                               tp, dcp, interleave):
+    """A draft model (the target as its own: its drafts are mostly accepted) or the checkpoint's MTP
+    module, whose cache is caught up and rolled back (after prefill, preemption, rejection) along the
+    target's; a wrong draft cache would lower the acceptance or change the drafts, never the tokens, so
+    the acceptance (draft model) or every proposed draft (MTP, against a reference) is checked too."""
+    speculative = {"model": models[model], "num_speculative_tokens": 3} if drafter == "draft model" else MTP
     with environment({"KVSHARD_FUSED_MERGE_MAX_BYTES": "0", "KVSHARD_DECODE_GROUP_SPREAD": "0"}), \
             LLM(models[model], tensor_parallel_size=tp, decode_context_parallel_size=dcp,
                 dcp_kv_interleave_size=interleave, block_size=BLOCK, num_kv_blocks=96 // (BLOCK * dcp),
-                max_model_len=MAX_MODEL_LEN, speculative_config=draft) as llm:
+                max_model_len=MAX_MODEL_LEN, speculative_config=speculative) as llm:
         spans = record_accepted_spans(llm)
+        recorded = RecordedMtp(llm) if drafter == "mtp" else None
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-        stats = llm.engine.stats()
         assert got == reference[model]
+        if recorded is not None:  # again with scripted drafts verified, for accepted runs
+            assert llm.engine.stats().spec_decode_num_draft_tokens > 0
+            recorded.script = ScriptedDrafts(PROMPTS, reference[model])
+            got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+            assert got == reference[model]
+        stats = llm.engine.stats()
         assert stats.num_preemptions > 0
-        assert stats.spec_decode_num_accepted_tokens >= 0.9 * stats.spec_decode_num_draft_tokens
+        if recorded is None:
+            assert stats.spec_decode_num_accepted_tokens >= 0.9 * stats.spec_decode_num_draft_tokens
+        else:
+            assert stats.spec_decode_num_accepted_tokens_per_pos[2] > 0
         assert any(first // (BLOCK * dcp) != last // (BLOCK * dcp) for first, last in spans)
         assert stats.kv_blocks_used == 0
+        if recorded is not None:  # sampled MTP drafts (rejection sampling with their distributions)
+            proposals, recorded.script = list(recorded.proposals), None
+            sampled = SamplingParams(temperature=0.8, seed=11, max_tokens=16, ignore_eos=True)
+            runs = llm.generate([PROMPTS[0], PROMPTS[0]], sampled, use_tqdm=False)
+            assert runs[0].outputs[0].token_ids == runs[1].outputs[0].token_ids
+            assert llm.engine.stats().kv_blocks_used == 0
+    if recorded is not None:
+        assert len(proposals) > 50
+        assert [drafts for _, drafts in proposals] == \
+            [mtp_reference.drafts(tokens, len(drafts)) for tokens, drafts in proposals]
 
 
 def test_a_different_draft_model_is_rejected_often_and_changes_nothing(models, reference, checkpoints):
@@ -417,6 +590,24 @@ def test_draft_model_config_errors(models):
     assert config.speculative.method == "draft_model"  # inferred from "model", as vLLM does
     plain = EngineArgs("kvshard-demo").create_engine_config()
     assert config.kv_bytes_per_slot > plain.kv_bytes_per_slot  # the draft's cache shares the budget
+
+
+def test_mtp_config_errors_and_cache_cost(models, tmp_path):
+    with pytest.raises(ConfigError, match="needs a DeepSeek-V3"):
+        EngineArgs(models["gqa"], speculative_config=MTP).create_engine_config()
+    # the MLA checkpoint without its MTP file: the config still declares one layer, then none
+    shutil.copytree(models["mla"], tmp_path, dirs_exist_ok=True, ignore=shutil.ignore_patterns(MTP_FILE))
+    with pytest.raises(ConfigError, match=r"lacks the MTP weights under model\.layers\.3\."):
+        EngineArgs(str(tmp_path), speculative_config=MTP).create_engine_config()
+    hf_config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**hf_config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(ConfigError, match="has no MTP layers"):
+        EngineArgs(str(tmp_path), speculative_config=MTP).create_engine_config()
+    config = EngineArgs(models["mla"], speculative_config=MTP).create_engine_config()
+    plain = EngineArgs(models["mla"]).create_engine_config()
+    assert "speculative decoding: mtp" in config.layout_report()
+    assert config.kv_bytes_per_slot * 3 == plain.kv_bytes_per_slot * 4  # one MLA layer on top of three
+    assert plain.cache.enable_prefix_caching and not config.cache.enable_prefix_caching
 
 
 def test_metrics_name_the_spec_decode_counters():

@@ -32,7 +32,7 @@ from kvshard.config import (
 )
 from kvshard.kv.cache import resolve_kv_cache_dtype
 from kvshard.models.demo import DEFAULT_DEMO_MODEL
-from kvshard.spec_decode.config import parse_speculative_config
+from kvshard.spec_decode.config import check_mtp_checkpoint, parse_speculative_config
 
 INTERLEAVE_ENV_VARS = ("KVSHARD_DCP_KV_INTERLEAVE_SIZE", "VLLM_DCP_KV_INTERLEAVE_SIZE")
 
@@ -197,6 +197,9 @@ class EngineArgs:
         parallel = ParallelConfig(tp, dcp, interleave, layout, self.dcp_comm_backend)
         if speculative is not None and speculative.method == "draft_model":
             speculative = _with_draft_model(speculative, model_config, parallel, self.dtype)
+        mtp = speculative is not None and speculative.method == "mtp"
+        if mtp:
+            check_mtp_checkpoint(model_config)
         if self.block_size % interleave != 0:
             raise ConfigError(
                 f"block_size={self.block_size} is not a multiple of dcp_kv_interleave_size={interleave}: "
@@ -216,9 +219,10 @@ class EngineArgs:
                 f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                 f"{model_config.max_position_embeddings}: lower --max-model-len"
             )
-        # a prefix hit computes the rest of the prompt against cached context: other bits than without it
+        # a prefix hit computes the rest of the prompt against cached context: other bits than without it;
+        # an MTP cache entry depends on the token after it, which a block's hash does not cover
         cache = CacheConfig(self.block_size, parse_memory_size(self.kv_cache_memory), self.num_kv_blocks,
-                            self.enable_prefix_caching and not self.batch_invariant, self.kv_cache_dtype)
+                            self.enable_prefix_caching and not self.batch_invariant and not mtp, self.kv_cache_dtype)
         resolve_kv_cache_dtype(self.kv_cache_dtype, model_config.dtype)  # an unknown name fails here, early
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:

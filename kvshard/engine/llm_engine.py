@@ -28,6 +28,7 @@ from kvshard.kv.block_pool import BlockPool
 from kvshard.outputs import RequestOutput
 from kvshard.sampling_params import SamplingParams
 from kvshard.spec_decode.draft_model import DraftModelProposer
+from kvshard.spec_decode.mtp import MtpProposer
 from kvshard.spec_decode.ngram import NgramProposer
 
 __all__ = ["EngineDeadError", "LLMEngine"]
@@ -54,8 +55,11 @@ class LLMEngine:
         self.speculative = config.speculative
         self.proposer: NgramProposer | None = None  # drafts from the request's tokens, before scheduling
         self.draft_model: DraftModelProposer | None = None  # drafts from a model, once their blocks are held
+        self.mtp: MtpProposer | None = None  # drafts from the checkpoint's MTP module, likewise
         if self.speculative is not None and self.speculative.method == "ngram":
             self.proposer = NgramProposer(self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
+        elif self.speculative is not None and self.speculative.method == "mtp":
+            self.mtp = MtpProposer(self.executor, self.default_generator)
         elif self.speculative is not None:
             self.draft_model = DraftModelProposer(self.executor, self.default_generator)
         # speculative decoding counters, as EngineStats names them
@@ -147,7 +151,10 @@ class LLMEngine:
             draft_probs = None
             if self.draft_model is not None:
                 draft_probs = self._run_draft_model(batch)
-            logits = self.executor.execute(StepPlan.from_batch(batch))
+            elif self.mtp is not None:
+                draft_probs = self.mtp.propose(batch)
+            plan = StepPlan.from_batch(batch)
+            logits = self.executor.execute(self.mtp.target_plan(batch, plan) if self.mtp is not None else plan)
             self.steps += 1
             logits = self._take_prompt_logprobs(batch, logits)
             self.scheduler.mark_computed(batch)
@@ -165,8 +172,9 @@ class LLMEngine:
                 room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
             if self.proposer is not None:
                 seq.spec_token_ids = self.proposer.propose(seq.all_token_ids, min(k, room))
-            else:  # a draft model fills in the drafts the scheduler found room for (`_run_draft_model`)
-                seq.spec_token_ids = [-1] * max(0, min(k, room))
+            else:  # a model fills in the drafts the scheduler found room for (`_run_draft_model`, MtpProposer)
+                drafts = max(0, min(k, room)) if self.mtp is None or self.mtp.can_draft(seq) else 0
+                seq.spec_token_ids = [-1] * drafts
 
     def _run_draft_model(self, batch: ScheduledBatch) -> dict[int, torch.Tensor | None]:
         """Replace the scheduled placeholder drafts by the draft model's; their distributions by seq_id."""

@@ -22,7 +22,14 @@ class StepPlan:
     # logprobs still lack (Sequence.pending_prompt_logprobs), then the rows it samples from (its last
     # known token, and each of its drafts when it verifies some)
     sample_rows: list[int]
-    draft: bool = False  # run the speculative draft model (and its cache) instead of the target
+    draft: bool = False  # run the speculative draft model or MTP module (and its cache) instead of the target
+    # MTP, target steps: the token after each row in its request (a draft where one follows), -1 where the
+    # step samples it: the MTP module writes the cache entry of every row with a next token; and the rows
+    # whose last-layer states the ranks keep for the next draft pass (kvshard/spec_decode/mtp.py)
+    next_token_ids: list[int] | None = None
+    keep_rows: list[int] | None = None
+    # MTP, draft steps: each request's row among the states the ranks kept last
+    hidden_rows: list[int] | None = None
 
     @classmethod
     def from_batch(cls, batch: ScheduledBatch) -> StepPlan:

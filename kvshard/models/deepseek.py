@@ -227,11 +227,25 @@ class DeepseekV2Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
+# checkpoint name -> (our fused parameter, shard): dense and shared-expert gate/up in one matmul
+PACKED_MODULES = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+# a routed expert's projection, after PACKED_MODULES has renamed gate/up
+_EXPERT_WEIGHT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_up_proj|down_proj)\.weight")
+
+
+def _stacked_expert_name(name: str, shard_id) -> tuple[str, object]:
+    """A routed expert's per-expert tensor -> its layer's stacked parameter and (expert, shard)."""
+    expert = _EXPERT_WEIGHT.fullmatch(name)
+    if expert is None:
+        return name, shard_id
+    experts, index, projection = expert.groups()
+    if projection == "down_proj":
+        return f"{experts}.w2_weight", (int(index), None)
+    return f"{experts}.w13_weight", (int(index), shard_id)
+
+
 class DeepseekV2ForCausalLM(CausalLM):
-    # checkpoint name -> (our fused parameter, shard): dense and shared-expert gate/up in one matmul
-    packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-    # a routed expert's projection, after packed_modules has renamed gate/up
-    _expert_weight = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_up_proj|down_proj)\.weight")
+    packed_modules = PACKED_MODULES
     _layer_index = re.compile(r"model\.layers\.(\d+)\.")
 
     def __init__(self, cfg, dtype: torch.dtype, parallel: ParallelState) -> None:
@@ -268,13 +282,7 @@ class DeepseekV2ForCausalLM(CausalLM):
         layer = self._layer_index.match(name)
         if layer is not None and int(layer.group(1)) >= self.cfg.num_hidden_layers:
             return None, None
-        expert = self._expert_weight.fullmatch(name)
-        if expert is None:
-            return name, shard_id
-        experts, index, projection = expert.groups()
-        if projection == "down_proj":
-            return f"{experts}.w2_weight", (int(index), None)
-        return f"{experts}.w13_weight", (int(index), shard_id)
+        return _stacked_expert_name(name, shard_id)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
@@ -289,3 +297,55 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
             topk_groups=cfg.topk_group or 1, norm_topk_prob=bool(cfg.norm_topk_prob),
             routed_scaling_factor=cfg.routed_scaling_factor,
         )
+
+
+class DeepseekMultiTokenPredictor(nn.Module):
+    """V3's multi-token-prediction (MTP) module, the speculative drafter of `{"method": "mtp"}`.
+
+    Published checkpoints store it as layer L = num_hidden_layers: `embed_tokens` (a copy of the
+    main embedding), the RMSNorms `enorm` and `hnorm`, `eh_proj` [D, 2D], one decoder layer (MoE
+    from first_k_dense_replace on, as V3's) and `shared_head.{norm,head}` (a copy of the final norm
+    and LM head). For the token at position p + 2 it takes the target's last-layer hidden state at
+    p (before the final norm) and the embedding of token p + 1; its decoder layer attends over its
+    own one-layer cache, whose entry at p holds that pair (RoPE position p). Only the first MTP
+    layer is used: further drafts apply it again to its own output hidden state.
+    """
+
+    packed_modules = PACKED_MODULES
+
+    def __init__(self, cfg, dtype: torch.dtype, parallel: ParallelState) -> None:
+        super().__init__()
+        self.prefix = f"model.layers.{cfg.num_hidden_layers}."
+        d = cfg.hidden_size
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, d, dtype, parallel)
+        self.enorm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.hnorm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.eh_proj = ReplicatedLinear(2 * d, d, False, dtype)  # its input is replicated over TP: no collective
+        routing = DeepseekV3ForCausalLM.routing(cfg) if cfg.n_routed_experts else None
+        self.layer = DeepseekV2DecoderLayer(cfg, cfg.num_hidden_layers, DeepseekV3ForCausalLM.rope_interleaved(cfg),
+                                            routing, dtype, parallel)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.shared_head.head = ParallelLMHead(cfg.vocab_size, d, dtype, parallel)
+        self.rotary = RotaryEmbedding(cfg, cfg.qk_rope_head_dim)
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
+                cache: KVCacheLayer) -> torch.Tensor:
+        """Tokens p + 1 [t] and hidden states at p [t, D] (positions p in `meta`) -> its output [t, D],
+        before shared_head.norm: the hidden state the next draft starts from."""
+        cos, sin = self.rotary.cos_sin(meta.positions)
+        x = torch.cat([self.enorm(self.embed_tokens(input_ids)), self.hnorm(hidden)], dim=-1)  # [t, 2D]
+        return self.layer(self.eh_proj(x), cos, sin, cache, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[t, D] -> float32 logits [t, V] on rank 0, None on the other ranks."""
+        return self.shared_head.head.logits(self.shared_head.norm(hidden))
+
+    def remap_weight_name(self, name: str, shard_id) -> tuple[str | None, object]:
+        """Only layer L's tensors, its decoder layer's under `layer.`; the target's are skipped."""
+        if not name.startswith(self.prefix):
+            return None, None
+        name = name[len(self.prefix):]
+        if name.startswith(("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.")):
+            name = f"layer.{name}"
+        return _stacked_expert_name(name, shard_id)

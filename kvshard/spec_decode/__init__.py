@@ -1,5 +1,5 @@
-"""Speculative decoding: proposers of draft tokens (n-gram prompt lookup, a draft model), checked by
-the target model in one step.
+"""Speculative decoding: proposers of draft tokens (n-gram prompt lookup, a draft model, the
+checkpoint's MTP module), checked by the target model in one step.
 
 Verifying k drafts is a step with k + 1 query tokens for the request (its last
 accepted token and the drafts) against its cached context: the attention path
