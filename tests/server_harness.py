@@ -13,6 +13,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -141,3 +143,15 @@ def stop_all(servers: list[Server]) -> list[int]:
     for server in servers:
         server.terminate()
     return [server.stop() for server in servers]
+
+
+def start_together(starters: list[Callable[[], Server]]) -> list[Server]:
+    """Call every starter at once, so that the servers' startups overlap; if one fails, the others are
+    stopped and its error is raised."""
+    with ThreadPoolExecutor(len(starters)) as pool:
+        futures = [pool.submit(start) for start in starters]
+    started = [f.result() for f in futures if f.exception() is None]
+    if len(started) < len(starters):
+        stop_all(started)
+        raise next(f.exception() for f in futures if f.exception() is not None)
+    return started

@@ -183,7 +183,9 @@ def concurrent_vs_one_at_a_time(clients: int, runs: int, log_dir: Path, max_toke
 
 
 def test_32_concurrent_greedy_clients_equal_one_at_a_time_in_every_run(tmp_path):
-    assert concurrent_vs_one_at_a_time(clients=32, runs=2, log_dir=tmp_path, max_tokens=24) == [0, 0]
+    # 16 new tokens each: the one-at-a-time pass (32 x 16 steps) is most of the cost; every one of the
+    # 512 greedy positions is still compared, computed in batches of requests of different lengths
+    assert concurrent_vs_one_at_a_time(clients=32, runs=2, log_dir=tmp_path, max_tokens=16) == [0, 0]
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import socket
 import sys
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import httpx
 import pytest
@@ -22,7 +22,7 @@ from fastapi.testclient import TestClient
 
 from kvshard.entrypoints.proxy import Proxy
 from kvshard.models.demo import DEMO_CONFIGS, build_demo_model
-from server_harness import Server, stop_all
+from server_harness import Server, start_together, stop_all
 from stand_in import Backend
 
 BLOCKS_USED = "kvshard:kv_cache_blocks_used"
@@ -71,15 +71,8 @@ def start_proxy(prefill: list[Server], decode: list[Server], log_path) -> Server
 
 
 def start_all(specs: list[tuple[list[str], str]], tmp) -> list[Server]:
-    """Start `kvshard serve ARGS` for every (args, name) at once: startups overlap. If one fails, the
-    others are stopped."""
-    with ThreadPoolExecutor(len(specs)) as pool:
-        futures = [pool.submit(Server, args, tmp / f"{name}.log") for args, name in specs]
-    started = [f.result() for f in futures if f.exception() is None]
-    if len(started) < len(specs):
-        stop_all(started)
-        raise next(f.exception() for f in futures if f.exception() is not None)
-    return started
+    """`kvshard serve ARGS` for every (args, name), started together."""
+    return start_together([partial(Server, args, tmp / f"{name}.log") for args, name in specs])
 
 
 @pytest.fixture(scope="module")
