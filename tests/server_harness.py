@@ -13,6 +13,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -38,6 +40,7 @@ class Server:
                  startup_timeout: float = 180, env: dict[str, str] | None = None) -> None:
         self.api_key = api_key
         self.log_path = log_path
+        self._terminated = False
         extra = ["--api-key", api_key] if api_key else []
         self._log = open(log_path, "wb")
         self.process = subprocess.Popen(command or serve_command(*args, *extra, "--port", "0"), cwd=ROOT,
@@ -116,9 +119,15 @@ class Server:
                 pids.append(int(stat.parent.name))
         return pids
 
-    def stop(self, timeout: float = 30) -> int:
-        if self.process.poll() is None:
+    def terminate(self) -> None:
+        """Ask the server to shut down (once: a second signal could cut its clean shutdown short)."""
+        if self.process.poll() is None and not self._terminated:
             self.process.send_signal(signal.SIGTERM)
+            self._terminated = True
+
+    def stop(self, timeout: float = 30) -> int:
+        self.terminate()
+        if self.process.poll() is None:
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -127,3 +136,22 @@ class Server:
         self.http.close()
         self._log.close()
         return self.process.returncode
+
+
+def stop_all(servers: list[Server]) -> list[int]:
+    """Stop every server, their shutdowns overlapping; their exit codes in the same order."""
+    for server in servers:
+        server.terminate()
+    return [server.stop() for server in servers]
+
+
+def start_together(starters: list[Callable[[], Server]]) -> list[Server]:
+    """Call every starter at once, so that the servers' startups overlap; if one fails, the others are
+    stopped and its error is raised."""
+    with ThreadPoolExecutor(len(starters)) as pool:
+        futures = [pool.submit(start) for start in starters]
+    started = [f.result() for f in futures if f.exception() is None]
+    if len(started) < len(starters):
+        stop_all(started)
+        raise next(f.exception() for f in futures if f.exception() is not None)
+    return started

@@ -151,19 +151,23 @@ def test_all_to_all_merge_equals_ag_rs_bit_for_bit(run, reference, tp, dcp, inte
 
 
 # gloo alone; and shared-memory slots so small that the prefill's activations go through gloo while
-# the decodes' go through shared memory (both paths within one step sequence)
+# the decodes' go through shared memory (both paths within one step sequence), each against the same
+# layout's run in LLAMA_LAYOUTS. tp=4, dcp=2 has the TP all-reduce over all ranks and DCP groups that are
+# a part of them; at tp=2, dcp=2 the DCP group shares TP's segment, which only the mixed run can tell
+# apart (with gloo alone there is no segment), and its 16-token budget chunks the prefill.
 GLOO = {"KVSHARD_SHM_COLLECTIVES": "0"}
 MIXED = {"KVSHARD_SHM_SLOT_BYTES": "2048"}
 
 
-@pytest.mark.parametrize("tp, dcp, interleave, budget", [(4, 2, 1, 16), (2, 2, BLOCK, None)])
-def test_gloo_and_shared_memory_collectives_agree(run, tp, dcp, interleave, budget):
+@pytest.mark.parametrize("tp, dcp, interleave, budget, collectives", [
+    (4, 2, 1, None, GLOO), (4, 2, 1, None, MIXED), (2, 2, BLOCK, 16, MIXED),
+], ids=["tp4-dcp2-gloo", "tp4-dcp2-mixed", "tp2-dcp2-i4-mixed"])
+def test_gloo_and_shared_memory_collectives_agree(run, tp, dcp, interleave, budget, collectives):
     default = run("llama", tp, dcp, interleave, budget)
     assert default.shared_memory == shm_supported()
-    for collectives in (GLOO, MIXED):
-        other = run("llama", tp, dcp, interleave, budget, env=collectives)
-        assert other.shared_memory == (collectives is MIXED and shm_supported())
-        assert_same_as(other, default)
+    other = run("llama", tp, dcp, interleave, budget, env=collectives)
+    assert other.shared_memory == (collectives is MIXED and shm_supported())
+    assert_same_as(other, default)
 
 
 # Tiny models never reach the canonical merge (a rank's partial output above 256 KiB) nor decode

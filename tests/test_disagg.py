@@ -13,7 +13,7 @@ import socket
 import sys
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import httpx
 import pytest
@@ -22,7 +22,7 @@ from fastapi.testclient import TestClient
 
 from kvshard.entrypoints.proxy import Proxy
 from kvshard.models.demo import DEMO_CONFIGS, build_demo_model
-from server_harness import Server
+from server_harness import Server, start_together, stop_all
 from stand_in import Backend
 
 BLOCKS_USED = "kvshard:kv_cache_blocks_used"
@@ -47,6 +47,10 @@ PAIRS = {
     "gqa2_tp2_to_tp1": ("gqa2", ["-tp", "2", "--block-size", "8"], ["--block-size", "4"]),
 }
 FIRST_PAIR = next(iter(PAIRS))
+# What a producer does when its KV is never fetched, or the transfer never starts, depends on its own
+# ranks, not on the consumer's layout nor the head count: one pair per producer layout (tp=2; tp=2,
+# dcp=2; tp=1 with MLA) runs those faults. The gqa2 pairs' producers (tp=1, tp=2) are layouts of these.
+FAULT_PAIRS = [FIRST_PAIR, "tp2-dcp2-i1_to_tp2-dcp2-i16", "mla_tp1_to_tp2-dcp2"]
 
 
 def role(kv_role: str) -> list[str]:
@@ -67,16 +71,8 @@ def start_proxy(prefill: list[Server], decode: list[Server], log_path) -> Server
 
 
 def start_all(specs: list[tuple[list[str], str]], tmp) -> list[Server]:
-    """Start `kvshard serve ARGS` for every (args, name) at once: startups overlap. If one fails, the
-    others are stopped."""
-    with ThreadPoolExecutor(len(specs)) as pool:
-        futures = [pool.submit(Server, args, tmp / f"{name}.log") for args, name in specs]
-    started = [f.result() for f in futures if f.exception() is None]
-    if len(started) < len(specs):
-        for server in started:
-            server.stop()
-        raise next(f.exception() for f in futures if f.exception() is not None)
-    return started
+    """`kvshard serve ARGS` for every (args, name), started together."""
+    return start_together([partial(Server, args, tmp / f"{name}.log") for args, name in specs])
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +91,8 @@ def references(models, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
     servers = dict(zip(models, start_all([([*args, *COMMON], name) for name, args in models.items()], tmp)))
     yield servers
-    for server in servers.values():
-        assert server.stop() == 0, server.log
+    for server, code in zip(servers.values(), stop_all(list(servers.values()))):
+        assert code == 0, server.log
 
 
 @pytest.fixture(scope="module", params=list(PAIRS))
@@ -109,12 +105,12 @@ def pair(request, models, tmp_path_factory):
     try:
         proxy = start_proxy([producer], [consumer], tmp / "proxy.log")
     except BaseException:
-        producer.stop(), consumer.stop()
+        stop_all([producer, consumer])
         raise
     yield request.param, model, producer, consumer, proxy
-    proxy.stop()
-    for server in (producer, consumer):
-        assert server.stop() == 0, server.log
+    _, *codes = stop_all([proxy, producer, consumer])
+    for server, code in zip((producer, consumer), codes):
+        assert code == 0, server.log
 
 
 def complete(server: Server, model: str, prompt: str, **kwargs) -> dict:
@@ -192,6 +188,7 @@ def prefill_and_hold(producer: Server, model: str, transfer_id: str) -> None:
              kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id})
 
 
+@pytest.mark.parametrize("pair", FAULT_PAIRS, indirect=True)
 def test_kv_nobody_fetches_is_freed_after_the_hold_timeout(pair):
     name, model, producer, consumer, proxy = pair
     prefill_and_hold(producer, model, uuid.uuid4().hex)
@@ -201,6 +198,7 @@ def test_kv_nobody_fetches_is_freed_after_the_hold_timeout(pair):
     assert time.monotonic() - start > HOLD_TIMEOUT_S / 2  # held, then freed by the timeout
 
 
+@pytest.mark.parametrize("pair", FAULT_PAIRS, indirect=True)
 def test_a_consumer_that_dies_mid_transfer_lets_the_producer_free_the_kv(pair, references):
     name, model, producer, consumer, proxy = pair
     transfer_id = uuid.uuid4().hex

@@ -2,8 +2,8 @@
 
 One server (module-scoped) answers most tests; a second one with a tiny KV budget
 shows preemption, a third with room for 1,000-token prompts shows prefix caching
-(and runs a small `bench serve` of agentic sessions), and a two-"node" torchrun
-launch shows multi-node serving.
+(and runs a small `bench serve` of agentic sessions); the three start together. A
+two-"node" torchrun launch shows multi-node serving.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import socket
 import time
 import subprocess
 import sys
+from functools import partial
 
 import httpx
 import pytest
@@ -29,7 +30,7 @@ from kvshard.bench.cli import model_vocab_size
 from kvshard.bench.serve import request_list_digest
 from kvshard.bench.workloads import WorkloadSpec
 from kvshard.engine.arg_utils import EngineArgs
-from server_harness import API_KEY, MODEL, ROOT, SERVE_ARGS, Server, serve_command
+from server_harness import API_KEY, MODEL, ROOT, SERVE_ARGS, Server, serve_command, start_together, stop_all
 
 PROMPTS = [f"Request {i}: " + "Decode context parallelism shards the key value cache. " * (i % 4) + "The capital of"
            for i in range(32)]  # 5 to 45 tokens: shorter and longer than one virtual block (2 x 16 tokens)
@@ -37,11 +38,26 @@ GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    running = Server([*SERVE_ARGS, "--served-model-name", MODEL], tmp_path_factory.mktemp("serve") / "log",
-                     api_key=API_KEY)
+def servers(tmp_path_factory) -> dict[str, Server]:
+    """The module's servers by name, started together (their startups overlap) and stopped together:
+    `main`; `tight`, with 8 virtual blocks of 2 x 16 tokens (256 tokens in all, one request of
+    max_model_len); `cache`, with room for 1,000-token prompts, in blocks of 16."""
+    tmp = tmp_path_factory.mktemp("serve")
+    tight = [*SERVE_ARGS[:-4], "--max-model-len", "256", "--num-kv-blocks", "8"]
+    cache = [*SERVE_ARGS[:-4], "--max-model-len", "1536", "--kv-cache-memory", "16MiB", "--block-size", "16"]
+    running = dict(zip(["main", "tight", "cache"], start_together([
+        partial(Server, [*SERVE_ARGS, "--served-model-name", MODEL], tmp / "main.log", api_key=API_KEY),
+        partial(Server, tight, tmp / "tight.log"),
+        partial(Server, cache, tmp / "cache.log", api_key=API_KEY),
+    ])))
     yield running
-    assert running.stop() == 0, running.log
+    for server, code in zip(running.values(), stop_all(list(running.values()))):
+        assert code == 0, server.log
+
+
+@pytest.fixture(scope="module")
+def server(servers) -> Server:
+    return servers["main"]
 
 
 @pytest.fixture(scope="module")
@@ -195,12 +211,8 @@ def test_32_concurrent_streams_equal_one_at_a_time_and_free_all_kv(server, clien
 
 
 @pytest.fixture(scope="module")
-def tight_server(tmp_path_factory):
-    # 8 virtual blocks of 2 x 16 tokens: 256 tokens in all, one request of max_model_len
-    args = [*SERVE_ARGS[:-4], "--max-model-len", "256", "--num-kv-blocks", "8"]
-    running = Server(args, tmp_path_factory.mktemp("tight") / "log")
-    yield running
-    assert running.stop() == 0, running.log
+def tight_server(servers) -> Server:
+    return servers["tight"]
 
 
 def test_workload_beyond_the_kv_budget_completes_with_preemptions_and_same_outputs(server, tight_server):
@@ -510,11 +522,8 @@ VIRTUAL_BLOCK = 16 * 2  # block size x dcp: the granularity of a cache hit
 
 
 @pytest.fixture(scope="module")
-def cache_server(tmp_path_factory):
-    args = [*SERVE_ARGS[:-4], "--max-model-len", "1536", "--kv-cache-memory", "16MiB", "--block-size", "16"]
-    running = Server(args, tmp_path_factory.mktemp("cache") / "log", api_key=API_KEY)
-    yield running
-    assert running.stop() == 0, running.log
+def cache_server(servers) -> Server:
+    return servers["cache"]
 
 
 def reset_prefix_cache(server: Server) -> None:
