@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -118,6 +119,17 @@ class SchedulerConfig:
     max_model_len: int
 
 
+def plain_hf_config(hf_config: Any) -> SimpleNamespace:
+    """The attributes of a transformers config (and its attribute aliases) without its class."""
+    if isinstance(hf_config, SimpleNamespace):
+        return hf_config
+    values = {**hf_config.to_dict(), **{k: v for k, v in vars(hf_config).items() if not k.startswith("_")}}
+    for alias, name in getattr(type(hf_config), "attribute_map", {}).items():
+        if name in values:
+            values[alias] = values[name]
+    return SimpleNamespace(**values)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     path: Path
@@ -127,6 +139,19 @@ class ModelConfig:
     max_position_embeddings: int
     is_mla: bool
     quantization: Any = None  # models.quantization.Fp8BlockQuantization for FP8 block-scaled weights
+
+    def __getstate__(self) -> dict:
+        # Pickled for the spawned ranks: a transformers config would make every rank import transformers
+        # (~1.5 s of CPU each) only to read attributes, so a plain copy of them travels instead unless the
+        # RoPE type is one whose transformers init function calls the config's methods.
+        state = dict(self.__dict__)
+        rope = dict(getattr(self.hf_config, "rope_parameters", None) or {})
+        if rope.get("rope_type", "default") == "default":
+            state["hf_config"] = plain_hf_config(self.hf_config)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
 
     @property
     def num_layers(self) -> int:
