@@ -18,7 +18,9 @@ the data), so this is used there only; elsewhere, and for messages larger than
 a slot, the gloo collective runs instead (the choice depends only on the
 message size, so every rank makes the same one).
 
-A waiting rank spins briefly, then yields its core, then sleeps in naps of
+A waiting rank spins briefly (not at all when the group's ranks alone fill the
+cores it may run on: there a spinning waiter holds the core its peer needs to
+get to the op), then yields its core, then sleeps in naps of
 up to 1 ms (10 ms after a second of waiting: an idle worker costs nearly no
 CPU); it checks that its peers' processes are alive, so a dead rank makes it
 raise within a fraction of a second instead of waiting forever.
@@ -34,6 +36,7 @@ import time
 import torch
 
 DEFAULT_SLOT_BYTES = 4 << 20  # per rank and slot: a prefill chunk's activations of a small model
+SPIN_ROUNDS = 2000  # polls before a waiter yields: the usual case is a peer a few microseconds behind
 _FLAG_STRIDE = 8  # int64 words: each rank's flag and pid on a cache line of their own
 _HEADER_WORDS_PER_RANK = 2 * _FLAG_STRIDE
 
@@ -64,6 +67,11 @@ def host_identity() -> str:
     return f"{platform.node()}|{boot}"
 
 
+def spin_rounds(group_size: int) -> int:
+    """SPIN_ROUNDS when this process may run on more cores than the group has ranks, else 0."""
+    return SPIN_ROUNDS if len(os.sched_getaffinity(0)) > group_size else 0
+
+
 class ShmGroup:
     """One group's segment: `size` ranks, this one at `index`."""
 
@@ -91,6 +99,7 @@ class ShmGroup:
         self._words = memoryview(self._map).cast("B").cast("q")  # flags and pids
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8, count=total - header, offset=header)
         self._op = 0
+        self._spin_rounds = spin_rounds(size)
         self._words[self._pid_word(index)] = os.getpid()
         self._words[self._flag_word(index)] = 0
 
@@ -229,7 +238,7 @@ class ShmGroup:
     def _wait_for(self, ranks: list[int], op: int, timeout_s: float | None) -> None:
         words = self._words
         flags = [self._flag_word(r) for r in ranks]
-        for _ in range(2000):  # the usual case: the peer is a few microseconds behind
+        for _ in range(self._spin_rounds):
             if all(words[f] >= op for f in flags):
                 return
         start = last_check = time.monotonic()

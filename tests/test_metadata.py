@@ -55,6 +55,11 @@ def test_without_dcp_every_token_is_written_and_decodes_share_a_group():
         ((5, 7), 2, [[4]], [4]),
     ]
     assert meta.uses_context and meta.has_prefill and meta.num_tokens == 7
+    assert meta.writes_every_token
+
+
+def test_with_dcp_a_rank_writes_only_its_own_tokens():
+    assert not any(build(dcp=2, interleave=1, dcp_rank=rank).writes_every_token for rank in (0, 1))
 
 
 @pytest.mark.parametrize("dcp_rank, write_index, write_slots, groups", [

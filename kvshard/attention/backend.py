@@ -94,7 +94,9 @@ class Attention:
         merge by LSE is exact across forms because both give the same scores.
         """
         state = self.parallel
-        if meta.write_index.numel():
+        if meta.writes_every_token:  # no index copy of k and v (every decode without DCP)
+            cache.write(meta.write_slots, k, v)
+        elif meta.write_index.numel():
             cache.write(meta.write_slots, k[meta.write_index], v[meta.write_index])
         out = lse = None  # over the output heads: [t, H_o, dv], [t, H_o]
         if meta.uses_context:

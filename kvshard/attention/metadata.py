@@ -67,6 +67,7 @@ class AttentionMetadata:
     write_slots: torch.Tensor  # [w] ... and the slots they go to
     uses_context: bool  # some token attends to cached context: the same answer on every rank
     has_prefill: bool
+    writes_every_token: bool  # write_index is every row, in order: the layers write k and v unindexed
 
     @property
     def num_tokens(self) -> int:
@@ -118,6 +119,7 @@ class AttentionMetadata:
             write_slots=write_slots.to(device),
             uses_context=bool(is_decode.any()) or any(c > 0 for c in context_lens),
             has_prefill=not bool(is_decode.all()),
+            writes_every_token=write_index.numel() == positions.numel(),
         )
 
 
