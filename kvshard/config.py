@@ -148,10 +148,7 @@ class ModelConfig:
         rope = dict(getattr(self.hf_config, "rope_parameters", None) or {})
         if rope.get("rope_type", "default") == "default":
             state["hf_config"] = plain_hf_config(self.hf_config)
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
+        return state  # unpickling puts it in the instance's __dict__, past the frozen __setattr__
 
     @property
     def num_layers(self) -> int:

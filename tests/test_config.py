@@ -186,3 +186,22 @@ def test_the_dcp_layout_is_one_object_built_from_the_config(one_kv_head):
     layout = config.dcp_layout
     assert layout is config.dcp_layout
     assert (layout.block_size, layout.dcp_size, layout.interleave) == (16, 2, 4)
+
+
+def test_a_spawned_rank_reads_the_model_config_without_importing_transformers(one_kv_head, tmp_path):
+    import pickle
+    import subprocess
+    import sys
+
+    config = EngineArgs(model=str(one_kv_head)).create_engine_config()
+    hf = config.model.hf_config
+    (tmp_path / "config.pkl").write_bytes(pickle.dumps(config))
+    probe = ("import pickle, sys; import kvshard.engine.workers; "
+             f"c = pickle.loads(open({str(tmp_path / 'config.pkl')!r}, 'rb').read()); "
+             "h = c.model.hf_config; "
+             "print(type(h).__name__, h.num_hidden_layers, h.num_key_value_heads, h.rope_parameters['rope_theta'], "
+             "'transformers' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["SimpleNamespace", str(hf.num_hidden_layers), str(hf.num_key_value_heads),
+                                   str(hf.rope_parameters["rope_theta"]), "False"]
+    assert pickle.loads(pickle.dumps(config)).model.hf_config.vocab_size == hf.vocab_size  # attributes kept

@@ -85,10 +85,10 @@ class ModelRunner:
                 logits = self.mtp.compute_logits(hidden[rows])
             else:
                 model, caches = (self.draft_model, self.draft_kv_caches) if plan.draft else (self.model, self.kv_caches)
-                states = model.last_layer_states(input_ids, meta, caches)  # [t, D]
+                states = model(input_ids, meta, caches)  # [t, D], before the final norm
                 if plan.next_token_ids is not None:
                     self._mtp_after_target(plan, states)
-                logits = model.compute_logits(model.model.norm(states)[rows])
+                logits = model.compute_logits(states[rows])
         self.dcp_timing.after_step()
         return logits
 
