@@ -17,6 +17,8 @@ import json
 import logging
 import os
 import secrets
+import socket
+import struct
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -371,7 +373,7 @@ def _sse(payload: dict | str) -> str:
 
 
 class _CuttableStream(StreamingResponse):
-    """An event stream that stops, closing its connection, once `cut` is set (its client stopped reading,
+    """An event stream that stops, resetting its connection, once `cut` is set (its client stopped reading,
     so a last event could not reach it anyway)."""
 
     def __init__(self, content: AsyncIterator[str], cut: asyncio.Event) -> None:
@@ -387,8 +389,42 @@ class _CuttableStream(StreamingResponse):
             cut.cancel()
             stream.cancel()  # stuck writing to a client that does not read
         await asyncio.gather(stream, return_exceptions=True)
+        if self.cut.is_set():
+            reset_connection(scope)
         if not stream.cancelled() and stream.exception() is not None:
             raise stream.exception()
+
+
+TRANSPORT_EXTENSION = "kvshard.transport"
+
+
+def with_connection_transport(app):
+    """The ASGI app, told its connection's transport (scope["extensions"]["kvshard.transport"]).
+
+    A closed connection is only closed once the client has read what the server queued for it: for a
+    client that stopped reading, minutes, or never. To cut such a connection the server needs its
+    transport, which ASGI does not give: uvicorn's `send` is a method of the object that holds it.
+    Without that (another server), connections close as the server closes them.
+    """
+    async def app_with_transport(scope, receive, send) -> None:
+        transport = getattr(getattr(send, "__self__", None), "transport", None)
+        if scope["type"] == "http" and isinstance(transport, asyncio.Transport):
+            scope = {**scope, "extensions": {**(scope.get("extensions") or {}), TRANSPORT_EXTENSION: transport}}
+        await app(scope, receive, send)
+
+    return app_with_transport
+
+
+def reset_connection(scope) -> None:
+    """Drop the connection now, with what is queued for its client (a TCP reset, not a close that waits
+    for the client to read)."""
+    transport = (scope.get("extensions") or {}).get(TRANSPORT_EXTENSION)
+    if transport is None or transport.is_closing():
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close() resets
+    transport.abort()
 
 
 # --- the app ----------------------------------------------------------------------------------

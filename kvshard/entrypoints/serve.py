@@ -83,7 +83,7 @@ def _serve(config: EngineConfig, master: tuple[str, int] | None, listener: socke
     import uvicorn
 
     from kvshard.engine.llm_engine import LLMEngine
-    from kvshard.entrypoints.openai_server import OpenAIServer
+    from kvshard.entrypoints.openai_server import OpenAIServer, with_connection_transport
 
     print(config.layout_report(), flush=True)
     engine = LLMEngine(config, master=master)
@@ -99,7 +99,8 @@ def _serve(config: EngineConfig, master: tuple[str, int] | None, listener: socke
         url_host = f"[{host}]" if ":" in host else host
         print(f"kvshard: serving {', '.join(model_names)} at http://{url_host}:{port}/v1 "
               f"(health: /health, metrics: /metrics)", flush=True)
-        http_config = uvicorn.Config(server.app, log_level="info", timeout_graceful_shutdown=5)
+        http_config = uvicorn.Config(with_connection_transport(server.app), log_level="info",
+                                     timeout_graceful_shutdown=5)
         # uvicorn shuts down cleanly on SIGINT/SIGTERM, then raises the signal again: make that a
         # KeyboardInterrupt for both, so that the exit status below says whether the engine died.
         signal.signal(signal.SIGTERM, signal.default_int_handler)
