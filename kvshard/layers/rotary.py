@@ -36,10 +36,18 @@ class RotaryEmbedding:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """x [t, h, d] rotated by position. `interleaved` pairs (0,1), (2,3), ... as some checkpoints do."""
+    """x [t, h, d] rotated by position. `interleaved` pairs (0,1), (2,3), ... as some checkpoints do.
+
+    The reference's x * cos + cat(-x2, x1) * sin, half by half (cos and sin repeat over the two halves):
+    x1 * c - x2 * s and x2 * c + x1 * s give the same bits without building the rotated copy."""
     if interleaved:
         x = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    xf = x.float() * cos.unsqueeze(1) + rotated.float() * sin.unsqueeze(1)
-    return xf.to(x.dtype)
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    half = x1.shape[-1]
+    c, s = cos[..., :half].unsqueeze(1), sin[..., :half].unsqueeze(1)  # [t, 1, d/2]
+    out = torch.empty_like(xf)
+    out1, out2 = out.chunk(2, dim=-1)
+    torch.mul(x1, c, out=out1).sub_(x2 * s)
+    torch.mul(x2, c, out=out2).add_(x1 * s)
+    return out.to(x.dtype)
