@@ -12,8 +12,8 @@ import torch
 
 def lse_weights(part_lse: torch.Tensor, total_lse: torch.Tensor) -> torch.Tensor:
     """exp(part - total), 0 where the part is empty, never NaN."""
-    finite_total = torch.where(torch.isfinite(total_lse), total_lse, torch.zeros_like(total_lse))
-    return torch.exp(part_lse - finite_total)
+    finite_total = torch.nan_to_num(total_lse, nan=0.0, posinf=0.0, neginf=0.0)  # one op, not isfinite + where
+    return (part_lse - finite_total).exp_()
 
 
 def merge_attention_states(outputs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
