@@ -34,16 +34,17 @@ def serve_command(*args: str) -> list[str]:
 
 
 class Server:
-    """`kvshard serve ARGS --port 0` in a subprocess, up and healthy once constructed."""
+    """`kvshard serve ARGS --port PORT` in a subprocess, up and healthy once constructed; port 0, the default,
+    lets the OS pick one."""
 
     def __init__(self, args: list[str], log_path: Path, api_key: str | None = None, command: list[str] | None = None,
-                 startup_timeout: float = 180, env: dict[str, str] | None = None) -> None:
+                 startup_timeout: float = 180, env: dict[str, str] | None = None, port: int = 0) -> None:
         self.api_key = api_key
         self.log_path = log_path
         self._terminated = False
         extra = ["--api-key", api_key] if api_key else []
         self._log = open(log_path, "wb")
-        self.process = subprocess.Popen(command or serve_command(*args, *extra, "--port", "0"), cwd=ROOT,
+        self.process = subprocess.Popen(command or serve_command(*args, *extra, "--port", str(port)), cwd=ROOT,
                                         stdout=self._log, stderr=subprocess.STDOUT,
                                         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self.url = self._wait_for_url(startup_timeout)

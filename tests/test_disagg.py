@@ -13,6 +13,7 @@ import socket
 import sys
 import time
 import uuid
+from contextlib import ExitStack
 from functools import partial
 
 import httpx
@@ -58,15 +59,19 @@ def role(kv_role: str) -> list[str]:
     return ["--kv-transfer-config", json.dumps({"kv_role": kv_role, "kv_connector_extra_config": extra})]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(count: int) -> list[int]:
+    """Ports free now, all different (each socket stays bound until every port is picked)."""
+    with ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
-def start_proxy(prefill: list[Server], decode: list[Server], log_path) -> Server:
-    command = [sys.executable, "-m", "kvshard.entrypoints.cli", "proxy", "--port", str(free_port()),
-               "--prefill", *[s.url for s in prefill], "--decode", *[s.url for s in decode]]
+def start_proxy(port: int, prefill: list[str], decode: list[str], log_path) -> Server:
+    """`kvshard proxy` between the servers at these URLs; healthy once they are."""
+    command = [sys.executable, "-m", "kvshard.entrypoints.cli", "proxy", "--port", str(port),
+               "--prefill", *prefill, "--decode", *decode]
     return Server([], log_path, command=command)
 
 
@@ -99,14 +104,17 @@ def references(models, tmp_path_factory):
 def pair(request, models, tmp_path_factory):
     model, producer_flags, consumer_flags = PAIRS[request.param]
     tmp = tmp_path_factory.mktemp(request.param)
-    producer, consumer = start_all([([*models[model], *COMMON, *producer_flags, *role("kv_producer")], "producer"),
-                                    ([*models[model], *COMMON, *consumer_flags, *role("kv_consumer")], "consumer")],
-                                   tmp)
-    try:
-        proxy = start_proxy([producer], [consumer], tmp / "proxy.log")
-    except BaseException:
-        stop_all([producer, consumer])
-        raise
+    # the proxy starts with the servers (its startup is mostly imports), on ports chosen for them here
+    producer_port, consumer_port, proxy_port = free_ports(3)
+    producer_url, consumer_url = f"http://127.0.0.1:{producer_port}", f"http://127.0.0.1:{consumer_port}"
+    producer, consumer, proxy = start_together([
+        partial(Server, [*models[model], *COMMON, *producer_flags, *role("kv_producer")], tmp / "producer.log",
+                port=producer_port),
+        partial(Server, [*models[model], *COMMON, *consumer_flags, *role("kv_consumer")], tmp / "consumer.log",
+                port=consumer_port),
+        partial(start_proxy, proxy_port, [producer_url], [consumer_url], tmp / "proxy.log"),
+    ])
+    assert (producer.url, consumer.url) == (producer_url, consumer_url)
     yield request.param, model, producer, consumer, proxy
     _, *codes = stop_all([proxy, producer, consumer])
     for server, code in zip((producer, consumer), codes):

@@ -145,17 +145,20 @@ def transformers_from_gguf(path: Path):
 
 
 def transformers_greedy(model, prompts: list[list[int]], new_tokens: int, **generate_kwargs):
-    """Greedy continuations and the log-probability of every vocabulary entry at each step."""
+    """Greedy continuations and the log-probability of every vocabulary entry at each step.
+
+    The prompts run as one left-padded batch, a step of four costing about half of four steps of one; the
+    masked pads change no SmolLM2 token and move its logprobs by float rounding (< 1e-4, measured 7e-5)."""
     # kvshard runs with ignore_eos; min_new_tokens would instead mask EOS, and pick another token where EOS is likeliest
     model.generation_config.eos_token_id = None
-    results = []
-    for prompt in prompts:
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                             output_logits=True, return_dict_in_generate=True, **generate_kwargs)
-        assert len(out.logits) == new_tokens
-        logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)  # [new_tokens, vocab]
-        results.append((out.sequences[0, len(prompt):].tolist(), logprobs))
-    return results
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(prompt)) + prompt for prompt in prompts])  # [b, width]
+    mask = torch.tensor([[0] * (width - len(prompt)) + [1] * len(prompt) for prompt in prompts])
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                         output_logits=True, return_dict_in_generate=True, **generate_kwargs)
+    assert len(out.logits) == new_tokens
+    logprobs = torch.log_softmax(torch.stack(out.logits, dim=1).float(), dim=-1)  # [b, new_tokens, vocab]
+    return [(out.sequences[i, width:].tolist(), logprobs[i]) for i in range(len(prompts))]
 
 
 def max_logprob_diff(outputs, reference) -> float:

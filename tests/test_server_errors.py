@@ -8,7 +8,8 @@ import signal
 import socket
 import subprocess
 import time
-
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import openai
@@ -17,54 +18,74 @@ import pytest
 from server_harness import MODEL, ROOT, SERVE_ARGS, Server, serve_command
 
 
-def run_serve(*flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run(serve_command(*flags), cwd=ROOT, capture_output=True, text=True, timeout=120)
+CORRUPT_CONFIGS = {"cut short": b'{"architectures": ["LlamaForCausalLM"], ', "not UTF-8": b"\xff\xfe",
+                   "not an object": b"[1, 2]"}
 
 
-def assert_flag_error(result: subprocess.CompletedProcess, expected: str) -> None:
+@dataclass
+class Refusal:
+    result: subprocess.CompletedProcess
+    named: str  # what the error line must name
+
+
+def assert_flag_error(refusal: Refusal) -> None:
+    result = refusal.result
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("kvshard: error:")]
-    assert len(errors) == 1 and expected in errors[0], result.stderr
+    assert len(errors) == 1 and refusal.named in errors[0], result.stderr
     assert "Traceback" not in result.stderr
     assert "ranks:" not in result.stdout  # the layout report comes just before the ranks start
 
 
-@pytest.mark.parametrize("flags, expected", [
-    ([MODEL, "--tensor-parallel-size", "2", "--decode-context-parallel-size", "3"], "decode_context_parallel_size=3"),
-    ([MODEL, "--port", "70000"], "--port 70000 is not a TCP port"),
-], ids=["dcp not dividing tp", "port out of range"])
-def test_bad_flags_print_one_line_and_exit_2(flags, expected):
-    assert_flag_error(run_serve(*flags), expected)
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory) -> dict[str, Refusal]:
+    """Every refused `kvshard serve` of this module, run at once: each is mostly Python importing on one core."""
+    from kvshard.models.demo import ensure_demo_model
 
+    def checkpoint_copy(name: str) -> Path:
+        return Path(shutil.copytree(ensure_demo_model(MODEL), tmp_path_factory.mktemp(name) / "model"))
 
-def test_port_in_use_is_a_flag_error():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        assert_flag_error(run_serve(MODEL, "--port", str(port)), f"cannot listen on 127.0.0.1:{port}")
+        cases = {
+            "dcp not dividing tp": ([MODEL, "--tensor-parallel-size", "2", "--decode-context-parallel-size", "3"],
+                                    "decode_context_parallel_size=3"),
+            "port out of range": ([MODEL, "--port", "70000"], "--port 70000 is not a TCP port"),
+            "port in use": ([MODEL, "--port", str(port)], f"cannot listen on 127.0.0.1:{port}"),
+        }
+        truncated = checkpoint_copy("truncated")
+        weights = truncated / "model.safetensors"
+        with open(weights, "r+b") as f:
+            f.truncate(weights.stat().st_size // 2)  # an interrupted download
+        cases["truncated"] = [str(truncated)], f"{weights} is truncated"
+        for name, content in CORRUPT_CONFIGS.items():
+            config = checkpoint_copy("config") / "config.json"
+            config.write_bytes(content)
+            cases[name] = [str(config.parent)], str(config)
+        with ThreadPoolExecutor(len(cases)) as pool:
+            results = dict(zip(cases, pool.map(lambda case: subprocess.run(
+                serve_command(*case[0]), cwd=ROOT, capture_output=True, text=True, timeout=120), cases.values())))
+    return {name: Refusal(results[name], named) for name, (_, named) in cases.items()}
 
 
-@pytest.fixture
-def checkpoint_copy(tmp_path):
-    from kvshard.models.demo import ensure_demo_model
-
-    return Path(shutil.copytree(ensure_demo_model(MODEL), tmp_path / "model"))
+@pytest.mark.parametrize("case", ["dcp not dividing tp", "port out of range"])
+def test_bad_flags_print_one_line_and_exit_2(refusals, case):
+    assert_flag_error(refusals[case])
 
 
-def test_truncated_checkpoint_is_one_line_naming_the_file_and_exit_2(checkpoint_copy):
-    weights = checkpoint_copy / "model.safetensors"
-    with open(weights, "r+b") as f:
-        f.truncate(weights.stat().st_size // 2)  # an interrupted download
-    assert_flag_error(run_serve(str(checkpoint_copy)), f"{weights} is truncated")
+def test_port_in_use_is_a_flag_error(refusals):
+    assert_flag_error(refusals["port in use"])
 
 
-@pytest.mark.parametrize("content", [b'{"architectures": ["LlamaForCausalLM"], ', b"\xff\xfe", b"[1, 2]"],
-                         ids=["cut short", "not UTF-8", "not an object"])
-def test_corrupt_config_is_one_line_naming_the_file_and_exit_2(checkpoint_copy, content):
-    config = checkpoint_copy / "config.json"
-    config.write_bytes(content)
-    assert_flag_error(run_serve(str(checkpoint_copy)), str(config))
+def test_truncated_checkpoint_is_one_line_naming_the_file_and_exit_2(refusals):
+    assert_flag_error(refusals["truncated"])
+
+
+@pytest.mark.parametrize("case", list(CORRUPT_CONFIGS))
+def test_corrupt_config_is_one_line_naming_the_file_and_exit_2(refusals, case):
+    assert_flag_error(refusals[case])
 
 
 @pytest.fixture
