@@ -12,6 +12,9 @@ import pytest
 
 # Built-in demo models go to a per-session cache, never to the user's home.
 os.environ.setdefault("KVSHARD_CACHE_DIR", str(Path(__file__).parent.parent / ".pytest_cache" / "kvshard"))
+# The suite runs many engines at once on a few cores: a machine shared with other work, where OpenMP threads
+# should sleep rather than spin while they wait (engine/process_setup.py; before anything loads torch).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture(scope="session", autouse=True)

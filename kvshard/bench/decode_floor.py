@@ -47,7 +47,8 @@ def copy_bandwidth(num_bytes: int = 2**30, repeats: int = 10) -> float:
 
 def weight_bytes_per_step(model: torch.nn.Module, batch_size: int) -> int:
     total = 0
-    for name, parameter in model.named_parameters():
+    # linear layers on CPU hold their weight as oneDNN's reordered copy, a buffer (layers/linear.py)
+    for name, parameter in [*model.named_parameters(), *model.named_buffers()]:
         row_bytes = parameter.shape[-1] * parameter.element_size()
         if "embed_tokens" in name:  # an embedding lookup reads one row per request
             total += min(batch_size, parameter.shape[0]) * row_bytes

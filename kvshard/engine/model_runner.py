@@ -10,6 +10,7 @@ from kvshard.config import EngineConfig, ModelConfig
 from kvshard.engine.step_plan import StepPlan
 from kvshard.kv.cache import allocate_kv_cache, kv_cache_spec, load_kv_scales
 from kvshard.layers.batch_invariant import batch_invariant_mode
+from kvshard.layers.linear import reorder_linear_weights
 from kvshard.models.deepseek import DeepseekMultiTokenPredictor
 from kvshard.models.loader import load_weights
 from kvshard.models.registry import model_class
@@ -44,6 +45,7 @@ class ModelRunner:
             with torch.device(device):
                 self.mtp = DeepseekMultiTokenPredictor(config.model.hf_config, config.model.dtype, parallel)
             load_weights(self.mtp, config.model.path, config.model.quantization)
+            reorder_linear_weights(self.mtp)
             self.mtp.eval()
             (self.mtp_kv_cache,) = allocate_kv_cache(config.mtp_kv_cache_spec, config.num_kv_blocks,
                                                      config.cache.block_size, config.model.dtype, device)
@@ -57,6 +59,7 @@ class ModelRunner:
         with torch.device(self.device):
             model = cls(model_config.hf_config, model_config.dtype, self.parallel)
         load_weights(model, model_config.path, model_config.quantization)
+        reorder_linear_weights(model)
         return model.eval()
 
     @property

@@ -51,17 +51,30 @@ def configure_threads(world_size: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
 
 
+# libgomp's spin before a waiting thread sleeps, in rounds of a pause instruction: long enough to bridge
+# the gap between two operators of a step (measured: 10,000 rounds keep nothing of the spin's gain,
+# 100,000 keep all of OMP_WAIT_POLICY=ACTIVE's), a third of libgomp's own default of 300,000, so that a
+# thread whose partner was descheduled by another program gives up its core sooner (BENCHMARKS.md,
+# "Threads on a shared machine"). OMP_WAIT_POLICY=PASSIVE is 0.
+OPENMP_SPIN_ROUNDS = 100_000
+_USER_OPENMP_WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
 def openmp_defaults() -> dict[str, str]:
     """OpenMP settings for a machine whose cores other programs may be using.
 
-    By default libgomp spins up to 300,000 rounds at every barrier of a parallel
-    region waiting for its partner threads. When a partner has been descheduled
-    by another program, the spinning thread burns its own time slice for nothing,
-    at every operator: BENCHMARKS.md measured a 20x slower decode on a busy
-    machine (BENCHMARKS.md, "Threads on a shared machine"). A passive wait yields
-    the core at once. The user's own settings win.
+    At every barrier of a parallel region a thread waits for its partner threads, spinning
+    (libgomp: up to 300,000 rounds, milliseconds) or asleep (OMP_WAIT_POLICY=PASSIVE). Asleep
+    costs a quiet machine a wake-up at every operator: 14-23% of the throughput (BENCHMARKS.md,
+    "Threads on a shared machine"). Spinning costs a busy one: a thread whose partner was
+    descheduled by another program burns its own time slice for nothing. A third of libgomp's
+    spin keeps the quiet machine's speed and bounds the waste. On a machine shared with other
+    work, OMP_WAIT_POLICY=PASSIVE is the setting to use. A user who sets either OMP_WAIT_POLICY
+    or GOMP_SPINCOUNT keeps their setting, and gets nothing added.
     """
-    return {"OMP_WAIT_POLICY": "PASSIVE"}
+    if any(name in os.environ for name in _USER_OPENMP_WAIT_SETTINGS):
+        return {}
+    return {"GOMP_SPINCOUNT": str(OPENMP_SPIN_ROUNDS)}
 
 
 def apply_openmp_defaults() -> None:

@@ -42,6 +42,9 @@ VECTOR_PAD = 64
 _active: ContextVar[bool] = ContextVar("kvshard_batch_invariant", default=False)
 
 aten = torch.ops.aten
+# torch's linear, and oneDNN's from a reordered weight (layers/linear.py) where torch has it
+_LINEAR_PRODUCTS = {aten.linear.default} | (
+    {torch.ops.mkldnn._linear_pointwise.default} if hasattr(torch.ops.mkldnn, "_linear_pointwise") else set())
 # functions whose vector and scalar implementations round differently
 _TRANSCENDENTAL = {aten.exp.default, aten.log.default, aten.sigmoid.default, aten.silu.default,
                    aten.tanh.default, aten.sin.default, aten.cos.default, aten.erf.default,
@@ -109,7 +112,7 @@ class _RowTiledProducts(TorchDispatchMode):
         if func is aten.logsumexp.default:  # its CPU kernel calls exp and log where the mode cannot see them
             with self:
                 return _logsumexp(*args, **kwargs)
-        if func is aten.linear.default:  # x [..., K], weight [N, K]
+        if func in _LINEAR_PRODUCTS:  # x [..., K], weight [N, K] (torch's, or oneDNN's reordered copy)
             x, rest = args[0], args[1:]
             flat = x.reshape(-1, x.shape[-1])  # [M, K]
             out = row_tiled(lambda tile: func(tile, *rest, **kwargs), flat, 0)  # [M, N]

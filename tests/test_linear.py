@@ -1,0 +1,51 @@
+"""Linear layers on CPU multiply by oneDNN's reordered copy of their weight (layers/linear.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvshard.layers import batch_invariant
+from kvshard.layers.linear import ONEDNN_LINEAR, QKVParallelLinear, ReplicatedLinear, reorder_linear_weights
+
+pytestmark = pytest.mark.skipif(ONEDNN_LINEAR is None, reason="this torch has no oneDNN linear")
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
+def test_reordered_layers_give_torch_linear_and_keep_one_weight(dtype, atol):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(ReplicatedLinear(64, 96, True, dtype), QKVParallelLinear(96, 16, range(4), range(2),
+                                                                                          False, dtype))
+    for layer in model:
+        torch.nn.init.normal_(layer.weight)
+        if layer.bias is not None:
+            torch.nn.init.normal_(layer.bias)
+    x = torch.randn(37, 64, dtype=dtype)
+    want = model(x)
+    assert reorder_linear_weights(model) == 2
+    assert all(layer.weight is None and layer.packed_weight.is_mkldnn for layer in model)
+    got = model(x)
+    assert got.dtype == dtype and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), atol=atol * want.abs().max().item(), rtol=0)
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("KVSHARD_ONEDNN_LINEAR", "0")
+    layer = ReplicatedLinear(8, 8, False, torch.float32)
+    assert reorder_linear_weights(layer) == 0 and layer.weight is not None
+
+
+def test_batch_invariant_mode_tiles_the_onednn_product(monkeypatch):
+    layer = ReplicatedLinear(64, 96, False, torch.float32)
+    torch.nn.init.normal_(layer.weight)
+    reorder_linear_weights(layer)
+    tiled = []
+    row_tiled = batch_invariant.row_tiled
+    monkeypatch.setattr(batch_invariant, "row_tiled", lambda product, x, dim: tiled.append(x.shape) or
+                        row_tiled(product, x, dim))
+    x = torch.randn(45, 64)
+    with batch_invariant.batch_invariant_mode():
+        together = layer(x)
+        alone = layer(x[7:8])
+    assert tiled == [(45, 64), (1, 64)]
+    assert torch.equal(together[7:8], alone)  # a row's result whatever the rest of the batch

@@ -1,0 +1,36 @@
+"""The OpenMP wait settings ranks start with: a short spin by default, the user's own settings untouched."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvshard.engine.process_setup import OPENMP_SPIN_ROUNDS, openmp_defaults, rank_environment
+
+
+def test_a_short_spin_is_the_default(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert openmp_defaults() == {"GOMP_SPINCOUNT": str(OPENMP_SPIN_ROUNDS)}
+    with rank_environment():
+        assert os.environ["GOMP_SPINCOUNT"] == str(OPENMP_SPIN_ROUNDS)
+    assert "GOMP_SPINCOUNT" not in os.environ  # only while ranks are spawned
+
+
+@pytest.mark.parametrize("name, value", [("OMP_WAIT_POLICY", "ACTIVE"), ("OMP_WAIT_POLICY", "PASSIVE"),
+                                         ("GOMP_SPINCOUNT", "infinity")])
+def test_a_user_wait_setting_gets_nothing_added(monkeypatch, name, value):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.setenv(name, value)
+    assert openmp_defaults() == {}  # GOMP_SPINCOUNT would override the user's OMP_WAIT_POLICY
+
+
+def test_importing_kvshard_sets_the_spin_before_torch_loads():
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    code = "import os, kvshard, torch; print(os.environ.get('GOMP_SPINCOUNT'))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(OPENMP_SPIN_ROUNDS)
