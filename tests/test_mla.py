@@ -151,7 +151,7 @@ def _run(directory: Path, layout: Layout, prompts: list[list[int]], dtype: str =
         q_proj = attention.q_b_proj if attention.q_lora else attention.q_proj
         return Run(
             Generation([o.outputs[0].token_ids for o in outputs], [o.outputs[0].logprobs for o in outputs]),
-            llm.config, engine.runner.kv_cache_bytes, kv_tokens, q_proj.weight.shape[0],
+            llm.config, engine.runner.kv_cache_bytes, kv_tokens, q_proj.weight_shape[0],
             set(timing.merges) if timing else set(),
         )
 

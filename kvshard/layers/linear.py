@@ -47,6 +47,11 @@ class LinearBase(nn.Module):
             return ONEDNN_LINEAR(x, self.packed_weight, bias, "none", [], "")
         return nn.functional.linear(x, self.weight, bias)
 
+    @property
+    def weight_shape(self) -> torch.Size:
+        """[out_features, in_features] of this rank's weight, in either form."""
+        return (self.weight if self.packed_weight is None else self.packed_weight).shape
+
     def reorder_for_onednn(self) -> bool:
         """Keep only oneDNN's reordered copy of the weight (a CPU weight of a dtype it takes); whether it did."""
         weight = self.weight
