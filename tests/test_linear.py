@@ -49,3 +49,13 @@ def test_batch_invariant_mode_tiles_the_onednn_product(monkeypatch):
         alone = layer(x[7:8])
     assert tiled == [(45, 64), (1, 64)]
     assert torch.equal(together[7:8], alone)  # a row's result whatever the rest of the batch
+
+
+def test_decode_floor_counts_a_reordered_weight_as_its_bytes():
+    from kvshard.bench.decode_floor import weight_bytes_per_step
+
+    model = torch.nn.Sequential(ReplicatedLinear(64, 96, False, torch.float32), ReplicatedLinear(96, 32, True,
+                                                                                                 torch.bfloat16))
+    before = weight_bytes_per_step(model, batch_size=8)
+    assert reorder_linear_weights(model) == 2
+    assert before == (64 * 96 * 4) + (96 * 32 + 32) * 2 == weight_bytes_per_step(model, batch_size=8)
