@@ -98,6 +98,8 @@ class ShmGroup:
             os.close(fd)
         self._words = memoryview(self._map).cast("B").cast("q")  # flags and pids
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8, count=total - header, offset=header)
+        # every rank's slot of one parity as one strided view [size, slot_bytes]: what an op received
+        self._slots_of_parity = self._bytes.view(size, 2, slot_bytes).unbind(1)
         self._op = 0
         self._spin_rounds = spin_rounds(size)
         self._words[self._pid_word(index)] = os.getpid()
@@ -111,7 +113,7 @@ class ShmGroup:
             pass
 
     def close(self) -> None:
-        self._bytes = None
+        self._bytes = self._slots_of_parity = None
         self._words.release()
         try:
             self._map.close()
@@ -138,17 +140,15 @@ class ShmGroup:
 
     # --- collectives ---------------------------------------------------------------------------
     def all_gather(self, x: torch.Tensor, timeout_s: float) -> torch.Tensor:
-        """[*shape] from every rank -> [size, *shape] in rank order."""
-        x = x.contiguous()
+        """[*shape] from every rank -> [size, *shape] in rank order.
+
+        The result views the segment (no copy out): it holds until this rank's next collective on
+        the group, which is when a peer may first reuse its slot. Read or copy it before then.
+        """
         nbytes = x.numel() * x.element_size()
-        out = torch.empty((self.size, *x.shape), dtype=x.dtype)
         if nbytes == 0:  # every rank has the same shape: all of them skip the exchange
-            return out
-        parts = self._exchange(x.view(-1).view(torch.uint8), nbytes, timeout_s)
-        flat = out.view(self.size, -1).view(torch.uint8)
-        for rank, part in enumerate(parts):
-            flat[rank].copy_(part)
-        return out
+            return torch.empty((self.size, *x.shape), dtype=x.dtype)
+        return self._received(self._post([x], timeout_s), 0, x)
 
     def all_reduce_(self, x: torch.Tensor, timeout_s: float) -> torch.Tensor:
         """Sum over ranks into x, in rank order (the same bits on every rank)."""
@@ -161,42 +161,26 @@ class ShmGroup:
 
     def reduce_scatter(self, x: torch.Tensor, timeout_s: float) -> torch.Tensor:
         """[size, *shape] from every rank -> [*shape]: the sum of every rank's slice number `index`."""
-        x = x.contiguous()
         piece = x[0].numel() * x.element_size()
-        parts = self._exchange(x.view(-1).view(torch.uint8), x.numel() * x.element_size(), timeout_s)
-        mine = [p[self.index * piece:(self.index + 1) * piece].view(x.dtype) for p in parts]
-        out = mine[0].clone()
-        for part in mine[1:]:
+        parts = self._received(self._post([x], timeout_s), self.index * piece, x[0])  # [size, *shape]
+        out = parts[0].clone()
+        for part in parts[1:]:
             out += part
-        return out.view(x.shape[1:])
+        return out
 
     def all_to_all(self, chunks: list[torch.Tensor], timeout_s: float) -> torch.Tensor:
         """chunks[j] goes to rank j -> [size, *chunks[index].shape], what each rank sent this one.
 
         Every rank's chunks[j] has the same shape (and all chunks one dtype), so each chunk sits at
         the same offset of every rank's slot: a rank writes all of its chunks, then reads its own
-        from each peer's slot (1/size of what an all-gather would read).
+        from each peer's slot (1/size of what an all-gather would read). The result views the
+        segment, as all_gather's does.
         """
         sizes = [c.numel() * c.element_size() for c in chunks]
-        offset = sum(sizes[:self.index])
         mine = chunks[self.index]
-        out = torch.empty((self.size, *mine.shape), dtype=mine.dtype)
         if sum(sizes) == 0:  # the same on every rank: all of them skip the exchange
-            return out
-        op = self._begin(timeout_s)
-        slot = self._slot(self.index, op)
-        start = 0
-        for chunk, size in zip(chunks, sizes):
-            if size:  # copy_ from a strided view: no packing copy first
-                slot[start:start + size].view(chunk.dtype).view(chunk.shape).copy_(chunk)
-            start += size
-        self._publish(op)
-        self._wait_for([r for r in range(self.size) if r != self.index], op, timeout_s)
-        if sizes[self.index]:
-            flat = out.view(self.size, -1).view(torch.uint8)
-            for rank in range(self.size):
-                flat[rank].copy_(self._slot(rank, op)[offset:offset + sizes[self.index]])
-        return out
+            return torch.empty((self.size, *mine.shape), dtype=mine.dtype)
+        return self._received(self._post(chunks, timeout_s), sum(sizes[:self.index]), mine)
 
     def broadcast_bytes(self, data: bytes | None, root: int, timeout_s: float | None) -> bytes | None:
         """Root's bytes to every rank; None when they do not fit a slot (the caller falls back)."""
@@ -228,12 +212,26 @@ class ShmGroup:
     def _publish(self, op: int) -> None:
         self._words[self._flag_word(self.index)] = op
 
-    def _exchange(self, data: torch.Tensor, nbytes: int, timeout_s: float) -> list[torch.Tensor]:
+    def _received(self, op: int, offset: int, like: torch.Tensor) -> torch.Tensor:
+        """What every rank wrote at `offset` of its slot in `op`, shaped as `like`: [size, *like.shape].
+        A view: peers overwrite it from this rank's next op on."""
+        nbytes = like.numel() * like.element_size()
+        return self._slots_of_parity[op % 2][:, offset:offset + nbytes].view(like.dtype).view(self.size, *like.shape)
+
+    def _post(self, tensors: list[torch.Tensor], timeout_s: float) -> int:
+        """One op: write `tensors` one after the other into this rank's slot (copy_ from strided
+        views: no packing copy first), publish, wait for every peer's; returns the op number."""
         op = self._begin(timeout_s)
-        self._slot(self.index, op)[:nbytes].copy_(data)
+        slot = self._slot(self.index, op)
+        start = 0
+        for x in tensors:
+            size = x.numel() * x.element_size()
+            if size:
+                slot[start:start + size].view(x.dtype).view(x.shape).copy_(x)
+            start += size
         self._publish(op)
         self._wait_for([r for r in range(self.size) if r != self.index], op, timeout_s)
-        return [self._slot(rank, op)[:nbytes] for rank in range(self.size)]
+        return op
 
     def _wait_for(self, ranks: list[int], op: int, timeout_s: float | None) -> None:
         words = self._words
