@@ -125,3 +125,13 @@ def test_decode_group_spread_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("KVSHARD_DECODE_GROUP_SPREAD", "-1")
     with pytest.raises(ValueError, match="KVSHARD_DECODE_GROUP_SPREAD='-1' is not a non-negative integer"):
         decode_group_spread_from_env()
+
+
+def test_context_rows_end_after_the_last_row_that_reads_cached_context():
+    assert build(2, 1, 0).context_rows == 7  # here the chunk after 4 cached tokens (seq 3) comes last
+    layout, cpu = DCPLayout(BLOCK, 2, 1), torch.device("cpu")
+    # in the scheduler's order (decodes, then chunks by descending context) first chunks come last
+    ordered = AttentionMetadata.build([5, 9, 4, 0], [1, 1, 2, 3], [[7, 2], [1, 5, 6], [4, 8], [3]], layout, 1, cpu)
+    assert ordered.context_rows == 4 and ordered.uses_context
+    first_chunks = AttentionMetadata.build([0, 0], [3, 2], [[3], [4]], layout, 0, cpu)
+    assert first_chunks.context_rows == 0 and not first_chunks.uses_context

@@ -87,6 +87,9 @@ class Attention:
     ) -> torch.Tensor:
         """This rank's output features [t, H/A * dv / N] (dv after value_map, with value_map).
 
+        Only the first `meta.context_rows` rows of q attend to cached context; with `chunk`, q may
+        hold those rows alone.
+
         `value_map` (linear, per head) is applied to the cached-context attention before the merge;
         `chunk` = (q, k, v) of the output heads ([t, H_o, d], [t, H_o, d], [t, H_o, value_map(dv)])
         then replaces q, k, v for the prefill chunks' attention to themselves: MLA attends to its
@@ -98,29 +101,30 @@ class Attention:
             cache.write(meta.write_slots, k, v)
         elif meta.write_index.numel():
             cache.write(meta.write_slots, k[meta.write_index], v[meta.write_index])
-        out = lse = None  # over the output heads: [t, H_o, dv], [t, H_o]
+        out = lse = None  # over the output heads, for the context rows: [c, H_o, dv], [c, H_o]
         if meta.uses_context:
             times = DCP_TIMES if DCP_TIMES.enabled and state.dcp_size > 1 else None
             start = time.perf_counter() if times else 0.0
-            q_group = q
+            q_group = q[: meta.context_rows]  # [c, Hq, dk]
             if self.heads.gathers_queries:
-                q_group = dcp_all_gather(q, state).permute(1, 0, 2, 3).flatten(1, 2)  # [t, H/A, dk]
+                q_group = dcp_all_gather(q_group, state).permute(1, 0, 2, 3).flatten(1, 2)  # [c, H/A, dk]
                 start = times.add("collective", start) if times else start
-            packed = self._attend_context(q_group, cache, meta)  # [t, H/A, dv + 1]
+            packed = self._attend_context(q_group, cache, meta)  # [c, H/A, dv + 1]
             start = times.add("attention", start) if times else start
             # a value map needs whole heads' merged latents: a share ending inside a head gathers them all
             out, lse = self._merge_over_group(packed, whole_heads=value_map is not None,
-                                              times=times, start=start)  # [t, H_o, dv], [t, H_o]
+                                              times=times, start=start)  # [c, H_o, dv], [c, H_o]
             if value_map is not None:  # in the model's dtype, as its weights; merged in float32
                 out = value_map(out.to(q.dtype)).float()
         if meta.has_prefill:
             if chunk is None:
                 chunk = (q[:, self._output_in_query], k[:, self._output_kv], v[:, self._output_kv])
-            chunk_out, chunk_lse = self._attend_chunks(*chunk, meta)
-            if out is None:
-                out = chunk_out
-            else:
-                out, _ = merge_attention_states(torch.stack([out, chunk_out]), torch.stack([lse, chunk_lse]))
+            chunk_out, chunk_lse = self._attend_chunks(*chunk, meta)  # [t, H_o, dv], [t, H_o]
+            if out is not None:  # rows past the context rows have the chunk's attention alone
+                c = out.shape[0]
+                chunk_out[:c], _ = merge_attention_states(torch.stack([out, chunk_out[:c]]),
+                                                          torch.stack([lse, chunk_lse[:c]]))
+            out = chunk_out
         if self._whole_heads:
             return out.flatten(1).to(q.dtype)
         return out.flatten(1)[:, self._share(out.shape[-1])].to(q.dtype)  # [t, H/A * dv / N]

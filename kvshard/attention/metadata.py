@@ -66,6 +66,10 @@ class AttentionMetadata:
     write_index: torch.Tensor  # [w] new tokens this rank owns ...
     write_slots: torch.Tensor  # [w] ... and the slots they go to
     uses_context: bool  # some token attends to cached context: the same answer on every rank
+    # rows [0, context_rows) hold every token that attends to cached context (the scheduler puts
+    # decodes first, then chunks by descending context): the context path and its collectives skip
+    # the rest, the first chunks of prompts. The same number on every rank (global lengths).
+    context_rows: int
     has_prefill: bool
     writes_every_token: bool  # write_index is every row, in order: the layers write k and v unindexed
 
@@ -99,6 +103,10 @@ class AttentionMetadata:
         # a decode reads its own new token from the cache (written first); a prefill chunk does not
         is_decode = qlens == 1
         local_ctx = layout.local_lens_of(ctx + is_decode.long(), dcp_rank)
+        # a row attends to context if it is a decode or continues a prompt past cached tokens
+        attends = [q == 1 or c > 0 for q, c in zip(query_lens, context_lens)]
+        last = max((i for i, a in enumerate(attends) if a), default=-1)
+        context_rows = int(starts[last] + qlens[last]) if last >= 0 else 0
         groups = []
         lens = local_ctx.tolist()
         i = 0
@@ -117,7 +125,8 @@ class AttentionMetadata:
             groups=groups,
             write_index=write_index.to(device),
             write_slots=write_slots.to(device),
-            uses_context=bool(is_decode.any()) or any(c > 0 for c in context_lens),
+            uses_context=context_rows > 0,
+            context_rows=context_rows,
             has_prefill=not bool(is_decode.all()),
             writes_every_token=write_index.numel() == positions.numel(),
         )

@@ -127,7 +127,8 @@ class DeepseekV2MLAAttention(nn.Module):
         c_kv = self.kv_a_layernorm(c_kv)  # cached normalised: the norm is part of the key and value
         q_pe = apply_rotary(q_pe, cos, sin, self.rope_interleaved)  # [t, H_q, r]
         k_pe = apply_rotary(k_pe.unsqueeze(1), cos, sin, self.rope_interleaved)  # [t, 1, r], cached rotated
-        q_latent = torch.cat([self.kv_b_proj.absorb_query(q_nope), q_pe], dim=-1)  # [t, H_q, c+r]
+        rows = meta.context_rows  # only they attend to the cached latents: the others need no absorbed query
+        q_latent = torch.cat([self.kv_b_proj.absorb_query(q_nope[:rows]), q_pe[:rows]], dim=-1)  # [rows, H_q, c+r]
         latent_kv = torch.cat([c_kv.unsqueeze(1), k_pe], dim=-1)  # [t, 1, c+r]: what the cache stores
         chunk = self._chunk_attention_inputs(q_nope, q_pe, c_kv, k_pe) if meta.has_prefill else None
         o = self.attn.forward(
