@@ -1,8 +1,9 @@
 """Disaggregated prefill/decode through `kvshard proxy`: the answers equal one colocated server's,
 whatever the two sides' layouts, and no KV block leaks when a side fails.
 
-One pair of servers (producer, consumer) and a proxy per layout pair, started together and
-shared by that pair's checks; a colocated tp=1 server per model is the reference.
+One pair of servers (producer, consumer) and a proxy per layout pair, started together (while the
+pair before it is checked) and shared by that pair's checks; a colocated tp=1 server per model is the
+reference.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import socket
 import sys
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from functools import partial
 
@@ -100,10 +102,9 @@ def references(models, tmp_path_factory):
         assert code == 0, server.log
 
 
-@pytest.fixture(scope="module", params=list(PAIRS))
-def pair(request, models, tmp_path_factory):
-    model, producer_flags, consumer_flags = PAIRS[request.param]
-    tmp = tmp_path_factory.mktemp(request.param)
+def start_pair(name: str, models: dict[str, list[str]], tmp) -> tuple[Server, Server, Server]:
+    """(producer, consumer, proxy) of a layout pair, started together."""
+    model, producer_flags, consumer_flags = PAIRS[name]
     # the proxy starts with the servers (its startup is mostly imports), on ports chosen for them here
     producer_port, consumer_port, proxy_port = free_ports(3)
     producer_url, consumer_url = f"http://127.0.0.1:{producer_port}", f"http://127.0.0.1:{consumer_port}"
@@ -115,6 +116,41 @@ def pair(request, models, tmp_path_factory):
         partial(start_proxy, proxy_port, [producer_url], [consumer_url], tmp / "proxy.log"),
     ])
     assert (producer.url, consumer.url) == (producer_url, consumer_url)
+    return producer, consumer, proxy
+
+
+@pytest.fixture(scope="module")
+def pair_starts(request, models, tmp_path_factory):
+    """pair_starts(name) -> its started (producer, consumer, proxy). Each pair starts in the background while the
+    pair before it in the run's order is checked (mostly waits on the hold and transfer timeouts); one pair
+    ahead only, so that at most two pairs' servers are up at once."""
+    order = list(dict.fromkeys(item.callspec.params["pair"] for item in request.session.items
+                               if item.module is request.module and "pair" in item.callspec.params))
+    pool = ThreadPoolExecutor(1)
+    starts: dict[str, Future] = {}
+
+    def submit(name: str) -> None:
+        if name not in starts:
+            starts[name] = pool.submit(start_pair, name, models, tmp_path_factory.mktemp(name))
+
+    def started(name: str) -> tuple[Server, Server, Server]:
+        submit(name)
+        servers = starts.pop(name).result()
+        if name in order and order.index(name) + 1 < len(order):
+            submit(order[order.index(name) + 1])
+        return servers
+
+    yield started
+    pool.shutdown()
+    for start in starts.values():  # started ahead for tests that did not run (a failure with -x)
+        if start.exception() is None:
+            stop_all(list(start.result()))
+
+
+@pytest.fixture(scope="module", params=list(PAIRS))
+def pair(request, pair_starts):
+    model = PAIRS[request.param][0]
+    producer, consumer, proxy = pair_starts(request.param)
     yield request.param, model, producer, consumer, proxy
     _, *codes = stop_all([proxy, producer, consumer])
     for server, code in zip((producer, consumer), codes):

