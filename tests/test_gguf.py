@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import os
+from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -337,25 +340,40 @@ def smollm2_prompts(smollm2_gguf) -> list[list[int]]:
     return [*(tokenizer.encode(text) for text in SMOLLM2_PROMPTS), license_text[:SMOLLM2_TEXT_TOKENS]]
 
 
-@pytest.fixture(scope="module")
-def smollm2_reference(smollm2_gguf, smollm2_prompts):
-    """transformers reading the .gguf (gguf_file=): greedy steps per prompt, and the license's perplexity.
+def transformers_reference(path: Path, prompts: list[list[int]]):
+    """transformers reading the .gguf (gguf_file=): greedy steps per prompt (logprobs as numpy [steps, V]), and the
+    last prompt's perplexity.
 
-    The license is read once: the forward pass that scores its tokens leaves its KV cache, from which
+    The last prompt is read once: the forward pass that scores its tokens leaves its KV cache, from which
     generate continues (a second prefill of the text would double the reference's cost)."""
-    model = transformers_from_gguf(smollm2_gguf)
-    *prompts, text = smollm2_prompts
+    model = transformers_from_gguf(path)
+    *prompts, text = prompts
     greedy = transformers_greedy(model, prompts, SMOLLM2_NEW_TOKENS)
     with torch.no_grad():
         scored = model(torch.tensor([text[:-1]]), use_cache=True)
     logprobs = scored.logits[0].float().log_softmax(dim=-1)  # [len - 1, V]: row i scores token i + 1
     greedy += transformers_greedy(model, [text], SMOLLM2_NEW_TOKENS, cache=scored.cache)
+    greedy = [(tokens, steps.numpy()) for tokens, steps in greedy]  # plain arrays across processes
     return greedy, perplexity(text, logprobs.gather(1, torch.tensor(text[1:]).unsqueeze(1))[:, 0].tolist())
 
 
 @pytest.fixture(scope="module")
-def smollm2_run(smollm2_gguf, smollm2_prompts):
-    """Factory: smollm2_run(layout) -> SmolLM2Run, one engine per layout."""
+def smollm2_reference_started(smollm2_gguf, smollm2_prompts) -> Iterator[Future]:
+    """transformers' reference, computed in a process of its own while the layouts' engines run: reading the
+    .gguf is mostly one busy Python thread, and the engines leave part of the machine idle."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool.submit(transformers_reference, smollm2_gguf, smollm2_prompts)
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference(smollm2_reference_started):
+    """(greedy steps per prompt, the license's perplexity) of transformers."""
+    return smollm2_reference_started.result()
+
+
+@pytest.fixture(scope="module")
+def smollm2_run(smollm2_gguf, smollm2_prompts, smollm2_reference_started):
+    """Factory: smollm2_run(layout) -> SmolLM2Run, one engine per layout (transformers' reference starts first)."""
     runs: dict[Layout, SmolLM2Run] = {}
 
     def run(layout: Layout) -> SmolLM2Run:
