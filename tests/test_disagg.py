@@ -14,6 +14,7 @@ import socket
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from functools import partial
@@ -94,12 +95,21 @@ def models(tmp_path_factory) -> dict[str, list[str]]:
 
 
 @pytest.fixture(scope="module")
-def references(models, tmp_path_factory):
+def references_started(models, tmp_path_factory) -> Iterator[Future]:
+    """The colocated reference servers by model, started in the background while the first pair starts."""
     tmp = tmp_path_factory.mktemp("reference")
-    servers = dict(zip(models, start_all([([*args, *COMMON], name) for name, args in models.items()], tmp)))
-    yield servers
-    for server, code in zip(servers.values(), stop_all(list(servers.values()))):
-        assert code == 0, server.log
+    with ThreadPoolExecutor(1) as pool:
+        start = pool.submit(start_all, [([*args, *COMMON], name) for name, args in models.items()], tmp)
+        yield start
+    if start.exception() is None:
+        servers = start.result()
+        for server, code in zip(servers, stop_all(servers)):
+            assert code == 0, server.log
+
+
+@pytest.fixture(scope="module")
+def references(models, references_started) -> dict[str, Server]:
+    return dict(zip(models, references_started.result()))
 
 
 def start_pair(name: str, models: dict[str, list[str]], tmp) -> tuple[Server, Server, Server]:
@@ -120,7 +130,7 @@ def start_pair(name: str, models: dict[str, list[str]], tmp) -> tuple[Server, Se
 
 
 @pytest.fixture(scope="module")
-def pair_starts(request, models, tmp_path_factory):
+def pair_starts(request, models, references_started, tmp_path_factory):
     """pair_starts(name) -> its started (producer, consumer, proxy). Each pair starts in the background while the
     pair before it in the run's order is checked (mostly waits on the hold and transfer timeouts); one pair
     ahead only, so that at most two pairs' servers are up at once."""
