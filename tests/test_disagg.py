@@ -14,10 +14,11 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from functools import partial
+from pathlib import Path
 
 import httpx
 import pytest
@@ -112,7 +113,7 @@ def references(models, references_started) -> dict[str, Server]:
     return dict(zip(models, references_started.result()))
 
 
-def start_pair(name: str, models: dict[str, list[str]], tmp) -> tuple[Server, Server, Server]:
+def start_pair(name: str, models: dict[str, list[str]], tmp: Path) -> tuple[Server, Server, Server]:
     """(producer, consumer, proxy) of a layout pair, started together."""
     model, producer_flags, consumer_flags = PAIRS[name]
     # the proxy starts with the servers (its startup is mostly imports), on ports chosen for them here
@@ -130,7 +131,8 @@ def start_pair(name: str, models: dict[str, list[str]], tmp) -> tuple[Server, Se
 
 
 @pytest.fixture(scope="module")
-def pair_starts(request, models, references_started, tmp_path_factory):
+def pair_starts(request, models, references_started,
+                tmp_path_factory) -> Iterator[Callable[[str], tuple[Server, Server, Server]]]:
     """pair_starts(name) -> its started (producer, consumer, proxy). Each pair starts in the background while the
     pair before it in the run's order is checked (mostly waits on the hold and transfer timeouts); one pair
     ahead only, so that at most two pairs' servers are up at once."""

@@ -274,7 +274,7 @@ def test_directory_with_two_ggufs_asks_for_one(tiny_gguf, tmp_path):
 
 # --- the real SmolLM2-135M-Instruct ------------------------------------------
 # One engine per layout runs everything at once (the chat, the greedy prompts, the perplexity text);
-# transformers reads the same .gguf once for the module.
+# transformers reads the same .gguf once for the module, in a process of its own beside those engines.
 
 SMOLLM2 = "smollm2-135m-instruct"
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
