@@ -1,8 +1,9 @@
 """Disaggregated prefill/decode through `kvshard proxy`: the answers equal one colocated server's,
 whatever the two sides' layouts, and no KV block leaks when a side fails.
 
-One pair of servers (producer, consumer) and a proxy per layout pair, started together and
-shared by that pair's checks; a colocated tp=1 server per model is the reference.
+One pair of servers (producer, consumer) and a proxy per layout pair, started together (while the
+pair before it is checked) and shared by that pair's checks; a colocated tp=1 server per model is the
+reference.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import socket
 import sys
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from functools import partial
+from pathlib import Path
 
 import httpx
 import pytest
@@ -92,18 +96,26 @@ def models(tmp_path_factory) -> dict[str, list[str]]:
 
 
 @pytest.fixture(scope="module")
-def references(models, tmp_path_factory):
+def references_started(models, tmp_path_factory) -> Iterator[Future]:
+    """The colocated reference servers by model, started in the background while the first pair starts."""
     tmp = tmp_path_factory.mktemp("reference")
-    servers = dict(zip(models, start_all([([*args, *COMMON], name) for name, args in models.items()], tmp)))
-    yield servers
-    for server, code in zip(servers.values(), stop_all(list(servers.values()))):
-        assert code == 0, server.log
+    with ThreadPoolExecutor(1) as pool:
+        start = pool.submit(start_all, [([*args, *COMMON], name) for name, args in models.items()], tmp)
+        yield start
+    if start.exception() is None:
+        servers = start.result()
+        for server, code in zip(servers, stop_all(servers)):
+            assert code == 0, server.log
 
 
-@pytest.fixture(scope="module", params=list(PAIRS))
-def pair(request, models, tmp_path_factory):
-    model, producer_flags, consumer_flags = PAIRS[request.param]
-    tmp = tmp_path_factory.mktemp(request.param)
+@pytest.fixture(scope="module")
+def references(models, references_started) -> dict[str, Server]:
+    return dict(zip(models, references_started.result()))
+
+
+def start_pair(name: str, models: dict[str, list[str]], tmp: Path) -> tuple[Server, Server, Server]:
+    """(producer, consumer, proxy) of a layout pair, started together."""
+    model, producer_flags, consumer_flags = PAIRS[name]
     # the proxy starts with the servers (its startup is mostly imports), on ports chosen for them here
     producer_port, consumer_port, proxy_port = free_ports(3)
     producer_url, consumer_url = f"http://127.0.0.1:{producer_port}", f"http://127.0.0.1:{consumer_port}"
@@ -115,6 +127,42 @@ def pair(request, models, tmp_path_factory):
         partial(start_proxy, proxy_port, [producer_url], [consumer_url], tmp / "proxy.log"),
     ])
     assert (producer.url, consumer.url) == (producer_url, consumer_url)
+    return producer, consumer, proxy
+
+
+@pytest.fixture(scope="module")
+def pair_starts(request, models, references_started,
+                tmp_path_factory) -> Iterator[Callable[[str], tuple[Server, Server, Server]]]:
+    """pair_starts(name) -> its started (producer, consumer, proxy). Each pair starts in the background while the
+    pair before it in the run's order is checked (mostly waits on the hold and transfer timeouts); one pair
+    ahead only, so that at most two pairs' servers are up at once."""
+    order = list(dict.fromkeys(item.callspec.params["pair"] for item in request.session.items
+                               if item.module is request.module and "pair" in item.callspec.params))
+    pool = ThreadPoolExecutor(1)
+    starts: dict[str, Future] = {}
+
+    def submit(name: str) -> None:
+        if name not in starts:
+            starts[name] = pool.submit(start_pair, name, models, tmp_path_factory.mktemp(name))
+
+    def started(name: str) -> tuple[Server, Server, Server]:
+        submit(name)
+        servers = starts.pop(name).result()
+        if name in order and order.index(name) + 1 < len(order):
+            submit(order[order.index(name) + 1])
+        return servers
+
+    yield started
+    pool.shutdown()
+    for start in starts.values():  # started ahead for tests that did not run (a failure with -x)
+        if start.exception() is None:
+            stop_all(list(start.result()))
+
+
+@pytest.fixture(scope="module", params=list(PAIRS))
+def pair(request, pair_starts):
+    model = PAIRS[request.param][0]
+    producer, consumer, proxy = pair_starts(request.param)
     yield request.param, model, producer, consumer, proxy
     _, *codes = stop_all([proxy, producer, consumer])
     for server, code in zip((producer, consumer), codes):

