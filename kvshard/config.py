@@ -231,9 +231,33 @@ def head_split_refusal(model: ModelConfig, tp: int, dcp: int) -> str | None:
     return None
 
 
+# `auto` replicates a DCP group's queries when that costs a rank at most this many extra bytes of
+# query-side weights per layer: below it, reading the weights costs less than the Q all-gather it saves
+# (a collective of ~0.1 ms per layer over shared memory on a 2-core CPU; tens of microseconds over
+# NCCL, against a fraction of a microsecond to read 1 MiB from HBM). Measured on the GQA demo at tp=2
+# dcp=2 (BENCHMARKS.md section 2): 12.5% more time than TP alone with head-split, 0.4% replicated.
+AUTO_REPLICATE_MAX_BYTES = 1 << 20
+
+
+def auto_replicate_max_bytes() -> int:
+    """AUTO_REPLICATE_MAX_BYTES, or KVSHARD_AUTO_REPLICATE_MAX_BYTES (0: auto always takes head-split
+    where it applies; the test suite uses it to keep its tiny models on the head-split path)."""
+    from kvshard.attention.metadata import int_from_env  # here: the attention package imports this module
+
+    return int_from_env("KVSHARD_AUTO_REPLICATE_MAX_BYTES", AUTO_REPLICATE_MAX_BYTES)
+
+
+def replicated_query_bytes_per_layer(model: ModelConfig, tp: int, dcp: int) -> int:
+    """Query-side weight bytes a rank holds per layer in the replicated layout beyond head-split's."""
+    a = tp // dcp
+    extra = model.head_projection_params(model.num_heads // a, 0) - model.head_projection_params(model.num_heads // tp, 0)
+    return extra * torch.tensor([], dtype=model.dtype).element_size()
+
+
 def choose_attention_layout(model: ModelConfig, tp: int, dcp: int, requested: str = "auto") -> str:
-    """HEAD_SPLIT where it applies (unless REPLICATED is asked for), else REPLICATED; ConfigError
-    saying what to change when no layout runs this model at this tp and dcp."""
+    """The layout asked for; with `auto`, REPLICATED where head-split does not apply or where
+    replicating the queries costs at most auto_replicate_max_bytes() per layer, else HEAD_SPLIT.
+    ConfigError saying what to change when no layout runs this model at this tp and dcp."""
     if requested not in ATTENTION_LAYOUTS:
         raise ConfigError(f"dcp_attention_layout={requested!r} is not one of {', '.join(ATTENTION_LAYOUTS)}")
     reason = attention_refusal(model, tp, dcp)
@@ -242,8 +266,12 @@ def choose_attention_layout(model: ModelConfig, tp: int, dcp: int, requested: st
     head_split = head_split_refusal(model, tp, dcp)
     if requested == HEAD_SPLIT and head_split is not None:
         raise ConfigError(f"{head_split}: use --dcp-attention-layout replicated (or auto)")
+    if dcp == 1:
+        return HEAD_SPLIT  # the same thing at dcp = 1
     if requested == REPLICATED or head_split is not None:
-        return REPLICATED if dcp > 1 else HEAD_SPLIT
+        return REPLICATED
+    if requested == "auto" and replicated_query_bytes_per_layer(model, tp, dcp) <= auto_replicate_max_bytes():
+        return REPLICATED
     return HEAD_SPLIT
 
 

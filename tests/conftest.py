@@ -15,6 +15,9 @@ os.environ.setdefault("KVSHARD_CACHE_DIR", str(Path(__file__).parent.parent / ".
 # The suite runs many engines at once on a few cores: a machine shared with other work, where OpenMP threads
 # should sleep rather than spin while they wait (engine/process_setup.py; before anything loads torch).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# `auto` would replicate every tiny model's queries (config.AUTO_REPLICATE_MAX_BYTES): keep it on the head-split
+# path, the DCP rhythm with its Q all-gather; tests ask for the replicated layout by name.
+os.environ.setdefault("KVSHARD_AUTO_REPLICATE_MAX_BYTES", "0")
 
 
 @pytest.fixture(scope="session", autouse=True)

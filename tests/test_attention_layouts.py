@@ -13,7 +13,9 @@ import multiprocessing
 import pytest
 
 from kvshard import LLM, ConfigError, SamplingParams
-from kvshard.config import HEAD_SPLIT, REPLICATED, EngineConfig
+from kvshard.config import (
+    AUTO_REPLICATE_MAX_BYTES, HEAD_SPLIT, REPLICATED, EngineConfig, replicated_query_bytes_per_layer,
+)
 from kvshard.engine.arg_utils import EngineArgs
 from kvshard.parallel import ParallelState
 from conftest import assert_same_generation, environment, hf_greedy, tiny_llama_config
@@ -169,6 +171,26 @@ def test_replicated_layout_reports_its_extra_query_weights(checkpoints):
     assert "attention layout: head-split" in chosen.layout_report()
     assert asked.parallel.attention_layout == REPLICATED and asked.query_heads_per_rank == 4
     assert "attention layout: replicated" in asked.layout_report()
+
+
+def test_auto_replicates_the_queries_where_they_cost_a_rank_little(checkpoints, monkeypatch):
+    one_kv = checkpoints("config-llama-4q1kv", tiny_llama_config())
+    # replicated at tp=4 dcp=4: each rank computes 4 query heads instead of 1 (16 x 64 weights each)
+    config = _config(one_kv, tensor_parallel_size=4, decode_context_parallel_size=4, dcp_attention_layout="head-split")
+    per_layer = (4 - 1) * 16 * 64 * config.model.dtype.itemsize
+    assert replicated_query_bytes_per_layer(config.model, 4, 4) == per_layer
+    for limit, layout in ((per_layer, REPLICATED), (per_layer - 1, HEAD_SPLIT), (0, HEAD_SPLIT)):
+        monkeypatch.setenv("KVSHARD_AUTO_REPLICATE_MAX_BYTES", str(limit))
+        assert _config(one_kv, tensor_parallel_size=4, decode_context_parallel_size=4).parallel.attention_layout \
+            == layout, limit
+    monkeypatch.delenv("KVSHARD_AUTO_REPLICATE_MAX_BYTES")  # the default: far above a tiny model's queries
+    assert per_layer < AUTO_REPLICATE_MAX_BYTES
+    assert _config(one_kv, tensor_parallel_size=4, decode_context_parallel_size=4).parallel.attention_layout \
+        == REPLICATED
+    assert _config(one_kv, tensor_parallel_size=4).parallel.attention_layout == HEAD_SPLIT  # dcp = 1
+    monkeypatch.setenv("KVSHARD_AUTO_REPLICATE_MAX_BYTES", "lots")
+    with pytest.raises(ValueError, match="KVSHARD_AUTO_REPLICATE_MAX_BYTES='lots' is not a non-negative integer"):
+        _config(one_kv, tensor_parallel_size=4, decode_context_parallel_size=4)
 
 
 @pytest.mark.parametrize("model, kwargs, message", [
