@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from kvshard.envs import int_from_env
 from kvshard.errors import ConfigError
 from kvshard.kv.cache import KVCacheSpec, head_dim_of, kv_cache_spec, resolve_kv_cache_dtype
 from kvshard.kv.layout import DCPLayout
@@ -242,8 +243,6 @@ AUTO_REPLICATE_MAX_BYTES = 1 << 20
 def auto_replicate_max_bytes() -> int:
     """AUTO_REPLICATE_MAX_BYTES, or KVSHARD_AUTO_REPLICATE_MAX_BYTES (0: auto always takes head-split
     where it applies; the test suite uses it to keep its tiny models on the head-split path)."""
-    from kvshard.attention.metadata import int_from_env  # here: the attention package imports this module
-
     return int_from_env("KVSHARD_AUTO_REPLICATE_MAX_BYTES", AUTO_REPLICATE_MAX_BYTES)
 
 

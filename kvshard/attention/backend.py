@@ -25,8 +25,9 @@ import torch
 
 from kvshard.attention.kernels import attention_with_lse
 from kvshard.attention.merge import lse_weights, merge_attention_states
-from kvshard.attention.metadata import AttentionMetadata, int_from_env
+from kvshard.attention.metadata import AttentionMetadata
 from kvshard.attention.timing import DCP_TIMES, DcpTimes
+from kvshard.envs import int_from_env
 from kvshard.kv.cache import KVCacheLayer
 from kvshard.layers.batch_invariant import batch_invariant_active
 from kvshard.parallel import AttentionHeads, ParallelState, dcp_all_gather, dcp_all_to_all, dcp_reduce_scatter

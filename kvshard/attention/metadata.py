@@ -9,11 +9,11 @@ attends to itself causally and to the context cached before it.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 
+from kvshard.envs import int_from_env
 from kvshard.kv.cache import GatherBuffers
 from kvshard.kv.layout import DCPLayout
 
@@ -23,16 +23,6 @@ from kvshard.kv.layout import DCPLayout
 # of similar lengths beat one padded to the longest when lengths differ widely (long and short
 # agentic contexts in one batch). The scheduler sorts decodes by length to make such groups.
 DECODE_GROUP_SPREAD = 1024
-
-
-def int_from_env(name: str, default: int) -> int:
-    """A non-negative integer setting from the environment, which spawned ranks inherit."""
-    value = os.environ.get(name, "").strip()
-    if not value:
-        return default
-    if not value.isdigit():
-        raise ValueError(f"{name}={value!r} is not a non-negative integer: set it to one, or unset it for {default}")
-    return int(value)
 
 
 def decode_group_spread_from_env() -> int:

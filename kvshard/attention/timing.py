@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvshard.attention.metadata import int_from_env
+from kvshard.envs import int_from_env
 from kvshard.parallel import ParallelState, tp_all_gather_last_dim
 
 TIMING_EVERY = 16
