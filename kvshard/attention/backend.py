@@ -123,8 +123,8 @@ class Attention:
             chunk_out, chunk_lse = self._attend_chunks(*chunk, meta)  # [t, H_o, dv], [t, H_o]
             if out is not None:  # rows past the context rows have the chunk's attention alone
                 c = out.shape[0]
-                chunk_out[:c], _ = merge_attention_states(torch.stack([out, chunk_out[:c]]),
-                                                          torch.stack([lse, chunk_lse[:c]]))
+                merged, _ = merge_attention_states(torch.stack([out, chunk_out[:c]]), torch.stack([lse, chunk_lse[:c]]))
+                chunk_out[:c] = merged
             out = chunk_out
         if self._whole_heads:
             return out.flatten(1).to(q.dtype)
