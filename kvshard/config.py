@@ -249,7 +249,8 @@ def auto_replicate_max_bytes() -> int:
 def replicated_query_bytes_per_layer(model: ModelConfig, tp: int, dcp: int) -> int:
     """Query-side weight bytes a rank holds per layer in the replicated layout beyond head-split's."""
     a = tp // dcp
-    extra = model.head_projection_params(model.num_heads // a, 0) - model.head_projection_params(model.num_heads // tp, 0)
+    group, own = model.num_heads // a, model.num_heads // tp
+    extra = model.head_projection_params(group, 0) - model.head_projection_params(own, 0)
     return extra * torch.tensor([], dtype=model.dtype).element_size()
 
 
