@@ -113,11 +113,17 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8" (or "fp8_e4m3"): float8 e4m3
 
 
+FCFS = "fcfs"  # waiting requests are admitted in arrival order
+LPM = "lpm"  # longest cached prefix first (SGLang's name): a session's next turn while its prefix is cached
+SCHEDULING_POLICIES = (FCFS, LPM)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    policy: str = FCFS  # one of SCHEDULING_POLICIES
 
 
 def plain_hf_config(hf_config: Any) -> SimpleNamespace:
@@ -390,7 +396,9 @@ class EngineConfig:
         unit = (f"whole virtual blocks of {self.tokens_per_virtual_block} tokens "
                 f"(block size {self.cache.block_size} x dcp {dcp})" if dcp > 1
                 else f"whole blocks of {self.cache.block_size} tokens")
-        return f"Prefix caching: on, a shared prompt prefix is reused in {unit}"
+        order = ("waiting requests with the longest cached prefix first (--scheduling-policy lpm)"
+                 if self.scheduler.policy == LPM else "waiting requests in arrival order")
+        return f"Prefix caching: on, a shared prompt prefix is reused in {unit}; {order}"
 
     def layout_report(self) -> str:
         p = self.parallel

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import event, given, settings, strategies as st
 
-from kvshard.config import SchedulerConfig
+from kvshard.config import FCFS, LPM, SCHEDULING_POLICIES, ConfigError, SchedulerConfig
 from kvshard.engine.arg_utils import EngineArgs
 from kvshard.engine.llm_engine import LLMEngine
 from kvshard.engine.scheduler import Scheduler
@@ -18,8 +18,8 @@ from kvshard.sampling_params import SamplingParams
 
 
 def make_scheduler(num_blocks: int, block_size: int = 4, dcp: int = 1, budget: int = 64,
-                   enable_prefix_caching: bool = True) -> Scheduler:
-    return Scheduler(SchedulerConfig(8, budget, 4096), BlockPool(num_blocks), DCPLayout(block_size, dcp, 1),
+                   enable_prefix_caching: bool = True, policy: str = FCFS) -> Scheduler:
+    return Scheduler(SchedulerConfig(8, budget, 4096, policy), BlockPool(num_blocks), DCPLayout(block_size, dcp, 1),
                      enable_prefix_caching)
 
 
@@ -83,12 +83,12 @@ EVENTS = st.lists(st.one_of(
 
 @settings(max_examples=150, deadline=None)
 @given(events=EVENTS, shape=st.sampled_from([(2, 1), (2, 2), (1, 4), (4, 1)]), spare=st.integers(0, 3),
-       budget=st.sampled_from([3, 8, 64]))
-def test_any_sequence_of_events_keeps_accounting_exact_and_hits_right(events, shape, spare, budget):
+       budget=st.sampled_from([3, 8, 64]), policy=st.sampled_from(SCHEDULING_POLICIES))
+def test_any_sequence_of_events_keeps_accounting_exact_and_hits_right(events, shape, spare, budget, policy):
     block_size, dcp = shape
     per_block = block_size * dcp
     longest = 16  # prompts are cut at 12 tokens, then 4 outputs: the pool holds one or two requests
-    scheduler = make_scheduler(-(-longest // per_block) + spare, block_size, dcp, budget)
+    scheduler = make_scheduler(-(-longest // per_block) + spare, block_size, dcp, budget, policy=policy)
     kv = KVModel(scheduler)
     seqs: list[Sequence] = []
     for op in events:
@@ -213,6 +213,30 @@ def test_a_preempted_request_resumes_from_its_own_cached_blocks():
     batch = scheduler.schedule()
     assert batch.context_lens == [8] and batch.query_lens == [2]
     assert seq.num_cached_tokens == 0  # reported for the first admission only
+
+
+def test_lpm_admits_the_longest_cached_prefix_first_and_ties_in_arrival_order():
+    for policy, admitted in ((FCFS, ["new"]), (LPM, ["turn", "new"])):
+        scheduler = make_scheduler(num_blocks=10, block_size=4, budget=8, policy=policy)
+        run(scheduler, make_seq(list(range(10)), max_tokens=3))  # 12 tokens computed: 3 named blocks
+        names = {}
+        for name, prompt in (("new", [50] * 9), ("turn", list(range(10)) + [7, 7]), ("later", [60] * 9)):
+            names[name] = make_seq(prompt)
+            scheduler.add(names[name])
+        scheduler.schedule()  # 8 tokens: fcfs gives them all to "new"; lpm lets "turn" take 4 past its 8 cached
+        assert [next(n for n, s in names.items() if s is seq) for seq in scheduler.running] == admitted, policy
+        assert names["turn"].num_computed_tokens == (8 if policy == LPM else 0)
+
+
+def test_lpm_needs_prefix_caching():
+    with pytest.raises(ConfigError, match=r"--scheduling-policy lpm orders requests by their cached prefix, but "
+                                          r"prefix caching is off \(--no-enable-prefix-caching\): use "
+                                          r"--scheduling-policy fcfs"):
+        EngineArgs("kvshard-demo-gqa", scheduling_policy=LPM, enable_prefix_caching=False).create_engine_config()
+    config = EngineArgs("kvshard-demo-gqa", scheduling_policy=LPM).create_engine_config()
+    assert config.scheduler.policy == LPM
+    assert "longest cached prefix first (--scheduling-policy lpm)" in config.layout_report()
+    assert "in arrival order" in EngineArgs("kvshard-demo-gqa").create_engine_config().layout_report()
 
 
 # --- greedy outputs with and without the cache, on real ranks ------------------------------------

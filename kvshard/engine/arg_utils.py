@@ -23,6 +23,8 @@ from kvshard.config import (
     REPLICATED,
     CacheConfig,
     ConfigError,
+    LPM,
+    SCHEDULING_POLICIES,
     EngineConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -88,6 +90,10 @@ class EngineArgs:
                 "bytes of bfloat16; per-layer k_scale/v_scale from the checkpoint, else 1.0)")
     seed: int = _setting(0, "seed of requests that give none")
     enable_prefix_caching: bool = _setting(True, "reuse the KV blocks of a shared prompt prefix")
+    scheduling_policy: str = _setting(
+        "fcfs", "the order waiting requests are admitted in: fcfs (arrival) or lpm (longest cached prefix first, "
+                "ties by arrival: agentic sessions find their previous turn still cached; a request with no "
+                "cached prefix may wait longer under load)", choices=SCHEDULING_POLICIES)
     speculative_config: str | dict | None = _setting(
         None, 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
               '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'', cli_type=str)
@@ -232,7 +238,12 @@ class EngineArgs:
                 f"max_num_batched_tokens={max_num_batched_tokens} is below max_num_seqs={self.max_num_seqs}: "
                 "every running request needs one token per decode step"
             )
-        scheduler = SchedulerConfig(self.max_num_seqs, max_num_batched_tokens, max_model_len)
+        if self.scheduling_policy == LPM and not cache.enable_prefix_caching:
+            off = ("--batch-invariant turns it off" if self.batch_invariant else
+                   "MTP speculation turns it off" if mtp else "--no-enable-prefix-caching")
+            raise ConfigError(f"--scheduling-policy lpm orders requests by their cached prefix, but prefix caching "
+                              f"is off ({off}): use --scheduling-policy fcfs")
+        scheduler = SchedulerConfig(self.max_num_seqs, max_num_batched_tokens, max_model_len, self.scheduling_policy)
         config = EngineConfig(model_config, parallel, cache, scheduler, self.seed, self.batch_invariant, speculative)
         if config.kv_capacity_tokens < max_model_len:
             raise ConfigError(

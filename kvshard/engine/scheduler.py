@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from kvshard.config import SchedulerConfig
+from kvshard.config import LPM, SchedulerConfig
 from kvshard.engine.sequence import Sequence, SequenceStatus
 from kvshard.kv.block_pool import BlockPool
 from kvshard.kv.layout import DCPLayout
@@ -107,6 +107,12 @@ class Scheduler:
         if pending := seq.pending_prompt_logprobs(0, reusable):
             reusable = pending.start  # a position whose prompt logprobs are still missing must be computed
         return self.pool.lookup(seq.block_hashes[: reusable // per_block])
+
+    def _longest_prefix_first(self) -> None:
+        """Order the waiting requests by the length of their cached prefix, longest first (a stable
+        sort: ties keep arrival order, a preempted request stays ahead of the ones behind it)."""
+        cached = {seq.seq_id: len(self._cached_prefix(seq)) for seq in self.waiting}
+        self.waiting = deque(sorted(self.waiting, key=lambda seq: -cached[seq.seq_id]))
 
     def _name_full_blocks(self, seq: Sequence) -> None:
         """Name the blocks whose K/V are now complete, so that later requests can find them."""
@@ -186,6 +192,8 @@ class Scheduler:
         #    every running request (the new one too) to grow by block_size tokens: a request admitted
         #    into the last free blocks would be preempted within a few steps and recomputed. Cached
         #    blocks that are free cost free blocks too.
+        if self.config.policy == LPM and self.enable_prefix_caching and len(self.waiting) > 1:
+            self._longest_prefix_first()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]  # holds no block: new, or preempted and released
             cached = self._cached_prefix(seq)
