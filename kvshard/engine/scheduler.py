@@ -13,7 +13,10 @@ With prefix caching, a request admitted from the queue first takes the longest
 cached prefix of its tokens in whole virtual blocks (never its last token: the
 model must compute at least one to give logits, nor a prompt position whose
 prompt logprobs the request still needs) and prefills only the rest, the way a
-chunked prefill continues against cached context. Each virtual block is
+chunked prefill continues against cached context. Waiting requests are taken in
+arrival order (`fcfs`), or with `lpm` the longest cached prefix first, ties in
+arrival order, so that a session's next turn is admitted while its blocks are
+still cached. Each virtual block is
 named once its K/V are all computed, so a block is shared only when it is full
 and no request writes into it again.
 
