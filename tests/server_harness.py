@@ -60,7 +60,7 @@ class Server:
                 return match.group(1)
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log}")
-            time.sleep(0.2)
+            time.sleep(0.05)
         raise TimeoutError(f"server printed no URL within {timeout}s:\n{self.log}")
 
     def _wait_healthy(self, timeout: float) -> None:
@@ -73,7 +73,7 @@ class Server:
                 pass
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log}")
-            time.sleep(0.2)
+            time.sleep(0.05)
         raise TimeoutError(f"server not healthy within {timeout}s:\n{self.log}")
 
     @property

@@ -12,6 +12,8 @@ import asyncio
 import random
 import sys
 import tempfile
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -153,39 +155,55 @@ def server_prompts(count: int) -> list[str]:
     return [f"Client {i}: " + " ".join(rng.choice(words) for _ in range(rng.randrange(1, 60))) for i in range(count)]
 
 
-def concurrent_vs_one_at_a_time(clients: int, runs: int, log_dir: Path, max_tokens: int = 32) -> list[int]:
-    """Serve with --batch-invariant at tp=2, dcp=2; for each run, how many of `clients` concurrent greedy
-    completions (text and logprobs) differ from the same prompts sent one at a time."""
-    from server_harness import MODEL, SERVE_ARGS, Server
+def start_server(log_path: Path):
+    """`kvshard serve --batch-invariant` at tp=2, dcp=2."""
+    from server_harness import SERVE_ARGS, Server
+
+    return Server([*SERVE_ARGS, "--batch-invariant", "--max-num-seqs", "64"], log_path)
+
+
+def concurrent_vs_one_at_a_time(server, clients: int, runs: int, max_tokens: int = 32) -> list[int]:
+    """For each run, how many of `clients` concurrent greedy completions (text and logprobs) from a
+    --batch-invariant server differ from the same prompts sent one at a time."""
+    from server_harness import MODEL
 
     prompts = server_prompts(clients)
     request = dict(model=MODEL, max_tokens=max_tokens, temperature=0, logprobs=1, extra_body={"ignore_eos": True})
-    server = Server([*SERVE_ARGS, "--batch-invariant", "--max-num-seqs", "64"], log_dir / "serve.log")
-    try:
-        def result(choice) -> tuple[str, list[float]]:
-            return choice.text, choice.logprobs.token_logprobs
 
-        client = server.client()
-        one_at_a_time = [result(client.completions.create(prompt=p, **request).choices[0]) for p in prompts]
+    def result(choice) -> tuple[str, list[float]]:
+        return choice.text, choice.logprobs.token_logprobs
 
-        async def all_at_once():
-            async with server.async_client() as aclient:
-                answers = await asyncio.gather(*(aclient.completions.create(prompt=p, **request) for p in prompts))
-            return [result(a.choices[0]) for a in answers]
+    client = server.client()
+    one_at_a_time = [result(client.completions.create(prompt=p, **request).choices[0]) for p in prompts]
 
-        differing = []
-        for _ in range(runs):
-            concurrent = asyncio.run(all_at_once())
-            differing.append(sum(c != o for c, o in zip(concurrent, one_at_a_time)))
-        return differing
-    finally:
+    async def all_at_once():
+        async with server.async_client() as aclient:
+            answers = await asyncio.gather(*(aclient.completions.create(prompt=p, **request) for p in prompts))
+        return [result(a.choices[0]) for a in answers]
+
+    differing = []
+    for _ in range(runs):
+        concurrent = asyncio.run(all_at_once())
+        differing.append(sum(c != o for c, o in zip(concurrent, one_at_a_time)))
+    return differing
+
+
+@pytest.fixture(scope="module", autouse=True)
+def server_started(tmp_path_factory) -> Iterator[Future]:
+    """The server test's server, started in the background as the module begins, while the engine tests run."""
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with ThreadPoolExecutor(1) as pool:
+        start = pool.submit(start_server, log)
+        yield start
+    if start.exception() is None:
+        server = start.result()
         assert server.stop() == 0, server.log
 
 
-def test_32_concurrent_greedy_clients_equal_one_at_a_time_in_every_run(tmp_path):
+def test_32_concurrent_greedy_clients_equal_one_at_a_time_in_every_run(server_started):
     # 16 new tokens each: the one-at-a-time pass (32 x 16 steps) is most of the cost; every one of the
     # 512 greedy positions is still compared, computed in batches of requests of different lengths
-    assert concurrent_vs_one_at_a_time(clients=32, runs=2, log_dir=tmp_path, max_tokens=16) == [0, 0]
+    assert concurrent_vs_one_at_a_time(server_started.result(), clients=32, runs=2, max_tokens=16) == [0, 0]
 
 
 if __name__ == "__main__":
@@ -195,7 +213,11 @@ if __name__ == "__main__":
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
     with tempfile.TemporaryDirectory() as log_dir:
-        differing = concurrent_vs_one_at_a_time(args.clients, args.runs, Path(log_dir))
+        server = start_server(Path(log_dir) / "serve.log")
+        try:
+            differing = concurrent_vs_one_at_a_time(server, args.clients, args.runs)
+        finally:
+            assert server.stop() == 0, server.log
     print(f"{args.clients} concurrent greedy clients, tp=2, dcp=2, --batch-invariant: "
           f"outputs different from one at a time, per run: {differing}")
     sys.exit(1 if any(differing) else 0)

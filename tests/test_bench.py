@@ -325,9 +325,12 @@ def test_ctrl_c_in_the_middle_of_bench_dcp_stops_its_server_and_ranks(tmp_path):
     deadline = time.monotonic() + 120
     while "Application startup complete" not in (log.read_text() if log.exists() else ""):
         assert bench.poll() is None and time.monotonic() < deadline, bench.stdout.read()
-        time.sleep(0.2)
+        time.sleep(0.05)
     server_pid = int(re.search(r"Started server process \[(\d+)\]", log.read_text()).group(1))
-    time.sleep(1.0)  # requests in flight
+    url = re.search(r"serving .* at (http://\S+)/v1 ", log.read_text()).group(1)
+    while parse_metrics(httpx.get(f"{url}/metrics", timeout=10).text).generation_tokens == 0:  # until requests run
+        assert bench.poll() is None and time.monotonic() < deadline, bench.stdout.read()
+        time.sleep(0.05)
     bench.send_signal(signal.SIGINT)
     out, _ = bench.communicate(timeout=60)
     assert bench.returncode == 130 and "interrupted" in out, out

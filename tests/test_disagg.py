@@ -133,9 +133,10 @@ def start_pair(name: str, models: dict[str, list[str]], tmp: Path) -> tuple[Serv
 @pytest.fixture(scope="module")
 def pair_starts(request, models, references_started,
                 tmp_path_factory) -> Iterator[Callable[[str], tuple[Server, Server, Server]]]:
-    """pair_starts(name) -> its started (producer, consumer, proxy). Each pair starts in the background while the
-    pair before it in the run's order is checked (mostly waits on the hold and transfer timeouts); one pair
-    ahead only, so that at most two pairs' servers are up at once."""
+    """pair_starts(name) -> its started (producer, consumer, proxy). The next two pairs in the run's order start
+    in the background, one after the other, while a pair is checked: the fault checks mostly wait on the hold
+    and transfer timeouts, time enough for two pairs' startups, and a pair without them is checked in less
+    time than one pair takes to start. At most three pairs' servers are up at once."""
     order = list(dict.fromkeys(item.callspec.params["pair"] for item in request.session.items
                                if item.module is request.module and "pair" in item.callspec.params))
     pool = ThreadPoolExecutor(1)
@@ -148,8 +149,9 @@ def pair_starts(request, models, references_started,
     def started(name: str) -> tuple[Server, Server, Server]:
         submit(name)
         servers = starts.pop(name).result()
-        if name in order and order.index(name) + 1 < len(order):
-            submit(order[order.index(name) + 1])
+        if name in order:
+            for ahead in order[order.index(name) + 1 : order.index(name) + 3]:
+                submit(ahead)
         return servers
 
     yield started

@@ -7,6 +7,8 @@ import multiprocessing
 import os
 import signal
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import openai
 import pytest
@@ -16,7 +18,7 @@ from kvshard.config import ConfigError
 from kvshard.engine.executor import EngineDeadError, step_timeout_s
 from server_harness import MODEL, SERVE_ARGS, Server
 
-STEP_TIMEOUT_S = 4
+STEP_TIMEOUT_S = 2  # far above a tiny model's step, short enough for the tests' waits
 MARGIN_S = 8  # a loaded shared machine: the kill, the unwinding and the reply take a moment
 HUNG = f"rank 1 did not finish a step within {STEP_TIMEOUT_S} s"
 
@@ -26,6 +28,18 @@ def resume(pid: int) -> None:
         os.kill(pid, signal.SIGCONT)
     except ProcessLookupError:  # the executor ended the hung rank
         pass
+
+
+@pytest.fixture(scope="module", autouse=True)
+def server_started(tmp_path_factory) -> Iterator[Future]:
+    """The server test's server, started in the background as the module begins: most of the LLM test is a wait
+    on the step timeout."""
+    log = tmp_path_factory.mktemp("serve") / "log"
+    with ThreadPoolExecutor(1) as pool:
+        start = pool.submit(Server, SERVE_ARGS, log, env={"KVSHARD_STEP_TIMEOUT": str(STEP_TIMEOUT_S)})
+        yield start
+    if start.exception() is None:
+        start.result().stop()
 
 
 def test_a_stopped_rank_fails_the_llm_request_within_the_step_timeout(monkeypatch):
@@ -54,9 +68,8 @@ def test_a_stopped_rank_fails_the_llm_request_within_the_step_timeout(monkeypatc
     assert multiprocessing.active_children() == []
 
 
-def test_a_stopped_rank_makes_the_server_answer_503_within_the_step_timeout(monkeypatch, tmp_path):
-    monkeypatch.setenv("KVSHARD_STEP_TIMEOUT", str(STEP_TIMEOUT_S))
-    server = Server(SERVE_ARGS, tmp_path / "log")
+def test_a_stopped_rank_makes_the_server_answer_503_within_the_step_timeout(server_started):
+    server = server_started.result()
     try:
         client = server.client(timeout=60)
         stream = client.completions.create(model=MODEL, prompt="Hello", max_tokens=400, stream=True,
