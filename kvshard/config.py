@@ -257,7 +257,7 @@ def replicated_query_bytes_per_layer(model: ModelConfig, tp: int, dcp: int) -> i
     a = tp // dcp
     group, own = model.num_heads // a, model.num_heads // tp
     extra = model.head_projection_params(group, 0) - model.head_projection_params(own, 0)
-    return extra * torch.tensor([], dtype=model.dtype).element_size()
+    return extra * model.dtype.itemsize
 
 
 def choose_attention_layout(model: ModelConfig, tp: int, dcp: int, requested: str = "auto") -> str:
@@ -339,7 +339,7 @@ class EngineConfig:
         model, tp = self.model, self.parallel.tensor_parallel_size
         plain_tp = model.head_projection_params(model.num_heads // tp, max(1, model.num_kv_heads // tp))
         extra = model.head_projection_params(self.query_heads_per_rank, self.kv_heads_per_rank) - plain_tp
-        return model.num_layers * extra * torch.tensor([], dtype=model.dtype).element_size()
+        return model.num_layers * extra * model.dtype.itemsize
 
     @property
     def kv_bytes_per_token_per_rank(self) -> float:

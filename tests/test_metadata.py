@@ -11,13 +11,18 @@ a chunk's own tokens do not (0 and 4).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from kvshard.attention.metadata import (
     DECODE_GROUP_SPREAD, AttentionGroup, AttentionMetadata, decode_group_spread_from_env,
 )
+from kvshard.attention.backend import Attention
+from kvshard.kv.cache import KVCacheSpec, allocate_kv_cache
 from kvshard.kv.layout import DCPLayout
+from kvshard.parallel import single_rank_state
 
 BLOCK = 4
 CONTEXT_LENS = [5, 9, 0, 4]
@@ -135,3 +140,23 @@ def test_context_rows_end_after_the_last_row_that_reads_cached_context():
     assert ordered.context_rows == 4 and ordered.uses_context
     first_chunks = AttentionMetadata.build([0, 0], [3, 2], [[3], [4]], layout, 0, cpu)
     assert first_chunks.context_rows == 0 and not first_chunks.uses_context
+
+
+def test_attention_reads_cached_context_for_the_context_rows_only(monkeypatch):
+    torch.manual_seed(0)
+    cpu, state = torch.device("cpu"), single_rank_state()
+    # scheduler order: two decodes, a chunk after 4 cached tokens, a first chunk (rows 4-6)
+    meta = AttentionMetadata.build([5, 9, 4, 0], [1, 1, 2, 3], [[7, 2], [1, 5, 6], [4, 8], [3]],
+                                   DCPLayout(BLOCK, 1, 1), 0, cpu)
+    attention = Attention(state.attention_heads(4, 1), 0.25, state)
+    (cache,) = allocate_kv_cache(KVCacheSpec(1, 1, 8, 8, False), 10, BLOCK, torch.float32, cpu)
+    cache.key.normal_(), cache.value.normal_()
+    q, k, v = torch.randn(7, 4, 8), torch.randn(7, 1, 8), torch.randn(7, 1, 8)
+    rows_read = []
+    attend = Attention._attend_context
+    monkeypatch.setattr(Attention, "_attend_context",
+                        lambda self, queries, *rest: rows_read.append(len(queries)) or attend(self, queries, *rest))
+    out = attention.forward(q, k, v, cache, meta)
+    every_row = attention.forward(q, k, v, cache, dataclasses.replace(meta, context_rows=7))
+    assert rows_read == [4, 7]
+    assert torch.equal(out, every_row)  # the first chunk's rows: its own attention, the same bits

@@ -113,7 +113,7 @@ class Scheduler:
 
     def _longest_prefix_first(self) -> None:
         """Order the waiting requests by the length of their cached prefix, longest first (a stable
-        sort: ties keep arrival order, a preempted request stays ahead of the ones behind it)."""
+        sort: ties keep their order, arrival or, for a preempted request, its place at the front)."""
         cached = {seq.seq_id: len(self._cached_prefix(seq)) for seq in self.waiting}
         self.waiting = deque(sorted(self.waiting, key=lambda seq: -cached[seq.seq_id]))
 
@@ -195,7 +195,8 @@ class Scheduler:
         #    every running request (the new one too) to grow by block_size tokens: a request admitted
         #    into the last free blocks would be preempted within a few steps and recomputed. Cached
         #    blocks that are free cost free blocks too.
-        if self.config.policy == LPM and self.enable_prefix_caching and len(self.waiting) > 1:
+        room = budget > 0 and len(self.running) < self.config.max_num_seqs  # else nobody is admitted: no lookups
+        if room and self.config.policy == LPM and self.enable_prefix_caching and len(self.waiting) > 1:
             self._longest_prefix_first()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]  # holds no block: new, or preempted and released

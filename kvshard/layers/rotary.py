@@ -29,23 +29,23 @@ class RotaryEmbedding:
         self.attention_scaling = float(scaling)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Computed once per step, shared by every layer: [t] -> ([t, rotary_dim], [t, rotary_dim])."""
+        """Computed once per step, shared by every layer: [t] -> ([t, rotary_dim / 2], [t, rotary_dim / 2]),
+        the angle of each pair of channels (apply_rotary uses them for both halves)."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+        return freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """x [t, h, d] rotated by position. `interleaved` pairs (0,1), (2,3), ... as some checkpoints do.
 
-    The reference's x * cos + cat(-x2, x1) * sin, half by half (cos and sin repeat over the two halves):
-    x1 * c - x2 * s and x2 * c + x1 * s give the same bits without building the rotated copy."""
+    cos, sin: [t, d/2] from RotaryEmbedding.cos_sin. The reference's x * cat(cos, cos) + cat(-x2, x1) *
+    cat(sin, sin), half by half: x1 * c - x2 * s and x2 * c + x1 * s give the same bits without building
+    the rotated copy."""
     if interleaved:
         x = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
-    half = x1.shape[-1]
-    c, s = cos[..., :half].unsqueeze(1), sin[..., :half].unsqueeze(1)  # [t, 1, d/2]
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # [t, 1, d/2]
     out = torch.empty_like(xf)
     out1, out2 = out.chunk(2, dim=-1)
     torch.mul(x1, c, out=out1).sub_(x2 * s)
