@@ -340,8 +340,9 @@ def test_ctrl_c_in_the_middle_of_bench_dcp_stops_its_server_and_ranks(tmp_path):
 def test_tiny_dcp_run_of_agentic_sessions_prints_the_table_and_writes_json_and_png(tmp_path, capsys):
     workload = ["--workload", "sessions", "--num-turns", "2", "--context-scale", "1/1024", "--output-scale", "1/32"]
     code = bench_main([
-        "dcp", MODEL, "-tp", "2", "--dcp", "2", "--kv-cache-memory", "2MiB", *workload, "--concurrency", "1,2",
-        "--prompts-per-concurrency", "1", "--metrics-interval", "0.05", "--output-dir", str(tmp_path), "--no-progress",
+        "dcp", MODEL, "-tp", "2", "--dcp", "2", "--kv-cache-memory", "2MiB", *workload, "--concurrency", "1",
+        "--sweep-limit", "2", "--prompts-per-concurrency", "1", "--metrics-interval", "0.05",
+        "--output-dir", str(tmp_path), "--no-progress",
     ])
     out = capsys.readouterr().out
     assert code == 0, out
@@ -353,7 +354,10 @@ def test_tiny_dcp_run_of_agentic_sessions_prints_the_table_and_writes_json_and_p
     tp_only, with_dcp = result["configs"]
     assert (tp_only["label"], with_dcp["label"]) == ("TP=2", "TP=2 + DCP=2")
     for config in result["configs"]:
+        # one point shows no saturation: the sweep doubles to 2, then stops at its limit unless saturated there
         assert [p["concurrency"] for p in config["points"]] == [1, 2]
+        assert config["sweep_end"] in ("saturated at c=2", "not saturated: the sweep stopped at c=2 (--sweep-limit 2)")
+        assert config["saturated"] == config["sweep_end"].startswith("saturated")
         for point, num_sessions in zip(config["points"], (1, 2)):
             assert (point["num_sessions"], point["num_prompts"]) == (num_sessions, 2 * num_sessions)
             assert point["completed"] == point["num_prompts"] and point["failed"] == 0

@@ -15,7 +15,10 @@ from datetime import datetime
 from pathlib import Path
 
 from kvshard.bench.text_workload import REPEAT, describe_repeat, repeat_requests
+from kvshard.bench.traces import TIMINGS, TraceError, TraceReplay, TraceSpec
 from kvshard.bench.workloads import SESSIONS, WORKLOADS, BenchRequest, WorkloadSpec
+
+TRACE = "trace"
 from kvshard.config import ConfigError, resolve_model_path
 from kvshard.engine.arg_utils import EngineArgs
 
@@ -49,10 +52,11 @@ def _reporting_errors(run):
 
 def _add_workload_args(parser: argparse.ArgumentParser, workload: str, input_len: int, output_len: int,
                        range_ratio: float, context_scale: str = "1", output_scale: str | None = None,
-                       sessions: bool = True, text: bool = False) -> None:
+                       sessions: bool = True, text: bool = False, trace_timing: bool = False) -> None:
     """`sessions`: whether the command can send a session's turns one after another (a server benchmark);
-    `text`: whether it offers the `repeat` workload (real text through the model's tokenizer)."""
-    choices = tuple(w for w in WORKLOADS if sessions or w != SESSIONS) + ((REPEAT,) if text else ())
+    `text`: whether it offers the `repeat` workload (real text through the model's tokenizer);
+    `trace_timing`: whether a trace can be replayed at its recorded arrival times (an online benchmark)."""
+    choices = tuple(w for w in WORKLOADS if sessions or w != SESSIONS) + ((REPEAT,) if text else ()) + (TRACE,)
     group = parser.add_argument_group("workload")
     group.add_argument("--workload", choices=choices, default=workload,
                        help=f"random lengths around --input-len/--output-len; agentic: the seed's bimodal "
@@ -61,6 +65,7 @@ def _add_workload_args(parser: argparse.ArgumentParser, workload: str, input_len
                                "previous prompt + its answer + new input" if sessions else "")
                             + ("; repeat: chat requests asking the model to repeat or lightly edit a passage of "
                                "English (where n-gram speculation pays; needs a chat model)" if text else "")
+                            + "; trace: replay the requests of a Mooncake-format trace (--trace)"
                             + f" (default {workload})")
     group.add_argument("--input-len", type=int, default=input_len, help=f"random: prompt tokens (default {input_len})")
     group.add_argument("--output-len", type=int, default=output_len,
@@ -77,6 +82,27 @@ def _add_workload_args(parser: argparse.ArgumentParser, workload: str, input_len
         group.add_argument("--num-turns", type=int, default=4,
                            help="sessions: requests per session, each sent once the previous answer is back "
                                 "(default 4)")
+    trace = parser.add_argument_group("trace workload (Mooncake format: timestamp, input_length, output_length, "
+                                      "hash_ids of 512-token blocks)")
+    trace.add_argument("--trace", default=None, metavar="PATH",
+                       help="the trace file; each hash id becomes a fixed block of token ids, so requests that "
+                            "share ids share prompt tokens; --context-scale scales lengths and the block size, "
+                            "--output-scale the outputs")
+    trace.add_argument("--trace-skip", type=int, default=0,
+                       help="start after this many requests of the file (default 0)")
+    if sessions:
+        trace.add_argument("--trace-conversations", type=int, default=None, metavar="K",
+                           help="replay K multi-turn conversations (requests whose hash ids extend an earlier "
+                                "request's) as sessions, each turn sent once the previous answer is back "
+                                "(default: the window's requests one by one)")
+        trace.add_argument("--trace-max-turns", type=int, default=None,
+                           help="with --trace-conversations: at most this many turns of each (default: all)")
+    if trace_timing:
+        trace.add_argument("--trace-timing", choices=TIMINGS, default="timestamps",
+                           help="timestamps: send at the recorded arrival times (of the conversations' first "
+                                "turns); closed: a closed loop at --max-concurrency (default timestamps)")
+        trace.add_argument("--time-scale", type=float, default=1.0,
+                           help="timestamps: divide the recorded gaps by this, e.g. 10 to replay 10x faster")
     group.add_argument("--vocab-size", type=int, default=None,
                        help="token ids are drawn from [0, V) (default: the model's, when MODEL is local)")
 
@@ -87,6 +113,42 @@ def _workload_spec(args: argparse.Namespace, vocab_size: int) -> WorkloadSpec:
         range_ratio=args.range_ratio, context_scale=args.context_scale, output_scale=args.output_scale,
         num_turns=getattr(args, "num_turns", WorkloadSpec.num_turns),
     )
+
+
+def _trace_spec(args: argparse.Namespace, vocab_size: int, max_model_len: int | None,
+                num_requests: int | None) -> TraceSpec:
+    if not args.trace:
+        raise ConfigError("--workload trace needs --trace PATH (a Mooncake-format JSON-lines file)")
+    conversations = getattr(args, "trace_conversations", None)
+    return TraceSpec(
+        path=args.trace, vocab_size=vocab_size, seed=args.seed, context_scale=args.context_scale,
+        output_scale=args.output_scale, skip=args.trace_skip, num_requests=None if conversations else num_requests,
+        conversations=conversations, max_turns=getattr(args, "trace_max_turns", None), max_model_len=max_model_len,
+        timing=getattr(args, "trace_timing", "closed"), time_scale=getattr(args, "time_scale", 1.0))
+
+
+def _build_trace(spec: TraceSpec) -> TraceReplay:
+    """The replay, with one line saying what it is and what had to be cut to fit."""
+    try:
+        replay = spec.build()
+    except TraceError as error:
+        raise ConfigError(str(error)) from None
+    info = replay.info
+    cut = ""
+    if info["cut_prompts"] or info["cut_outputs"]:
+        cut = (f"; cut to fit --max-model-len {spec.max_model_len:,}: {info['cut_prompts']} prompts, "
+               f"{info['cut_outputs']} outputs")
+    print(f"workload: {spec.describe()}; {info['num_requests']:,} requests"
+          + (f" in {info['num_sessions']} conversations" if spec.conversations else "")
+          + f" (lines {info['first_line']}-{info['last_line']} of {info['file_requests']:,}), "
+            f"{info['input_tokens']:,} prompt and {info['output_tokens']:,} output tokens{cut}")
+    return replay
+
+
+def _trace_result(replay: TraceReplay, requests: list[BenchRequest]) -> dict:
+    from kvshard.bench.serve import request_list_digest
+
+    return {**replay.info, "requests_digest": request_list_digest(requests)}
 
 
 def _repeat_workload(model: str | None, num: int) -> tuple[list[BenchRequest], str]:
@@ -169,7 +231,11 @@ def _add_serve(commands) -> None:
     parser.add_argument("--metrics-interval", type=float, default=0.25, help="seconds between /metrics scrapes")
     parser.add_argument("--result-file", default=None, help="write the result as JSON here")
     parser.add_argument("--no-progress", action="store_true")
-    _add_workload_args(parser, "random", input_len=1024, output_len=128, range_ratio=0.0, text=True)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="trace: cut prompts so that prompt + output fit this (default: the server's "
+                             "max_model_len from /v1/models)")
+    _add_workload_args(parser, "random", input_len=1024, output_len=128, range_ratio=0.0, text=True,
+                       trace_timing=True)
     parser.set_defaults(func=_reporting_errors(_run_serve))
 
 
@@ -177,9 +243,21 @@ def _run_serve(args: argparse.Namespace) -> int:
     from kvshard.bench.report import format_serve_result, write_json
     from kvshard.bench.serve import run_serve_benchmark
 
-    from kvshard.bench.serve import served_model_root
+    from kvshard.bench.serve import served_model_entry, served_model_root
 
-    if args.workload == REPEAT:
+    arrival_times, trace = None, None
+    if args.workload == TRACE:
+        entry = served_model_entry(args.base_url, args.model, args.api_key)
+        vocab = _vocab_size(args, args.model, *([] if args.vocab_size is not None else [entry.get("root")]))
+        spec = _trace_spec(args, vocab, args.max_model_len or entry.get("max_model_len"), args.num_prompts)
+        if spec.timing == "closed" and not args.max_concurrency:
+            raise ConfigError("--trace-timing closed needs --max-concurrency (the requests in flight)")
+        replay = _build_trace(spec)
+        sessions, described = replay.sessions, spec.describe()
+        if spec.timing == "timestamps":
+            arrival_times = [t / spec.time_scale for t in replay.arrivals_s]
+        trace = _trace_result(replay, replay.requests)
+    elif args.workload == REPEAT:
         root = args.model if args.model else served_model_root(args.base_url, None, args.api_key)
         requests, described = _repeat_workload(root, args.num_prompts)
         sessions = [[request] for request in requests]
@@ -194,9 +272,11 @@ def _run_serve(args: argparse.Namespace) -> int:
     result = run_serve_benchmark(
         args.base_url, sessions, model=args.model, max_concurrency=args.max_concurrency,
         request_rate=args.request_rate, seed=args.seed, num_ranks=args.num_ranks, api_key=args.api_key,
-        metrics_interval=args.metrics_interval, progress=not args.no_progress,
+        metrics_interval=args.metrics_interval, progress=not args.no_progress, arrival_times=arrival_times,
     )
     result["workload"] = described
+    if trace is not None:
+        result["trace"] = trace
     print(format_serve_result(result))
     if args.result_file:
         print(f"result: {write_json(args.result_file, result)}")
@@ -218,7 +298,12 @@ def _add_dcp(commands) -> None:
                                               "max_num_seqs": 256}, exclude=("decode_context_parallel_size",))
     parser.add_argument("--dcp", type=int, nargs="+", default=[2], help="DCP sizes to compare with tp alone")
     parser.add_argument("--concurrency", type=_positive_ints, default=[1, 2, 4, 8, 16],
-                        help="client concurrencies to sweep (default 1,2,4,8,16)")
+                        help="client concurrencies to sweep (default 1,2,4,8,16); after the last, each layout's "
+                             "sweep goes on doubling until it saturates (see --sweep-limit)")
+    parser.add_argument("--sweep-limit", type=int, default=256,
+                        help="double the concurrency past the last --concurrency until the layout's KV cache "
+                             "reached its cap and its throughput stopped rising, or up to this concurrency "
+                             "(default %(default)s; 0: only the --concurrency points)")
     parser.add_argument("--prompts-per-concurrency", type=int, default=2,
                         help="each point sends concurrency x this many requests (sessions, with --workload "
                              "sessions) (default 2)")
@@ -239,20 +324,32 @@ def _run_dcp(args: argparse.Namespace) -> int:
 
     if args.prompts_per_concurrency < 1:
         raise ConfigError("--prompts-per-concurrency must be at least 1")
-    spec = _workload_spec(args, _vocab_size(args, args.model))
+    if args.sweep_limit < 0:
+        raise ConfigError("--sweep-limit must be at least 0")
     engine_args = EngineArgs.from_cli_args(args)
-    max_model_len = engine_args.max_model_len or spec.max_request_len()
+    vocab_size = _vocab_size(args, args.model)
+    if args.workload == TRACE:  # the sweep sends the first concurrency x prompts-per-concurrency of them
+        replay = _build_trace(_trace_spec(args, vocab_size, engine_args.max_model_len, None))
+        spec, sessions = replay, replay.sessions
+        max_model_len = engine_args.max_model_len or max(r.input_len + r.output_len for r in replay.requests)
+    else:
+        spec = _workload_spec(args, vocab_size)
+        top = max(max(args.concurrency), args.sweep_limit)
+        sessions = spec.sessions(top * args.prompts_per_concurrency)
+        max_model_len = engine_args.max_model_len or spec.max_request_len()
     # tp, dcp, KV budget and max-num-seqs are set per layout by the experiment
     flags = replace(engine_args, max_model_len=max_model_len).to_cli_args(
         exclude=("tensor_parallel_size", "decode_context_parallel_size", "kv_cache_memory", "max_num_seqs"))
     output_dir = Path(args.output_dir or f"bench-results/dcp-{_timestamp()}")
     experiment = DCPExperiment(
         model=args.model, tp=args.tensor_parallel_size, dcps=args.dcp, concurrencies=sorted(set(args.concurrency)),
-        workload=spec, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs, server_flags=flags,
-        prompts_per_concurrency=args.prompts_per_concurrency, output_dir=output_dir,
+        workload=spec, sessions=sessions, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+        server_flags=flags, prompts_per_concurrency=args.prompts_per_concurrency, output_dir=output_dir,
         startup_timeout=args.startup_timeout, metrics_interval=args.metrics_interval, progress=not args.no_progress,
+        sweep_limit=args.sweep_limit,
     )
-    print(f"workload: {spec.describe()}; max-model-len {max_model_len:,}; KV {args.kv_cache_memory} per rank")
+    print(f"workload: {experiment.workload_description}; max-model-len {max_model_len:,}; "
+          f"KV {args.kv_cache_memory} per rank")
     result = run_dcp_experiment(experiment)
     print()
     print(format_points_table(result))
@@ -282,6 +379,8 @@ def _add_throughput(commands) -> None:
     parser.add_argument("--result-file", default=None)
     parser.add_argument("--no-progress", action="store_true")
     _add_workload_args(parser, "random", input_len=512, output_len=128, range_ratio=0.5, sessions=False, text=True)
+    # a trace offline: its window's requests all at once; they may share prefixes, so the prefix cache is emptied
+    # before every timed pass as for any workload
     parser.set_defaults(func=_reporting_errors(_run_throughput))
 
 
@@ -290,16 +389,24 @@ def _run_throughput(args: argparse.Namespace) -> int:
     from kvshard.bench.throughput import format_throughput, run_kvshard, run_vllm, throughput_result
     if args.repeats < 1:
         raise ConfigError("--repeats must be at least 1")
+    engine_args = EngineArgs.from_cli_args(args)
+    trace = None
     if args.workload == REPEAT:
         requests, described = _repeat_workload(args.model, args.num_prompts)
         longest = max(r.input_len + r.output_len for r in requests)
+    elif args.workload == TRACE:
+        spec = _trace_spec(args, _vocab_size(args, args.model), engine_args.max_model_len, args.num_prompts)
+        replay = _build_trace(spec)
+        requests, described = replay.requests, spec.describe()
+        longest = max(r.input_len + r.output_len for r in requests)
+        trace = _trace_result(replay, requests)
     else:
         spec = _workload_spec(args, _vocab_size(args, args.model))
         requests, described, longest = spec.requests(args.num_prompts), spec.describe(), spec.max_request_len()
-    engine_args = EngineArgs.from_cli_args(args)
     if engine_args.max_model_len is None:
         engine_args = replace(engine_args, max_model_len=longest)
-    print(f"workload: {described}; {len(requests)} requests")
+    if trace is None:
+        print(f"workload: {described}; {len(requests)} requests")
     if args.engine == "kvshard":
         times, output_tokens, config = run_kvshard(engine_args, requests, args.repeats, not args.no_progress)
     else:
@@ -321,6 +428,9 @@ def _run_throughput(args: argparse.Namespace) -> int:
         times, output_tokens, config = run_vllm(str(resolve_model_path(args.model)), vllm_kwargs, requests,
                                                 args.repeats, not args.no_progress)
     result = throughput_result(args.engine, args.model, requests, times, output_tokens, config)
+    result["workload"] = described
+    if trace is not None:
+        result["trace"] = trace
     print(format_throughput(result))
     if args.result_file:
         print(f"result: {write_json(args.result_file, result)}")

@@ -21,9 +21,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from kvshard.bench.report import format_number, format_percent, format_table
-from kvshard.bench.serve import request_list_digest, reset_prefix_cache, run_serve_benchmark
+from kvshard.bench.serve import BenchmarkError, request_list_digest, reset_prefix_cache, run_serve_benchmark
 from kvshard.bench.server import ServerProcess
-from kvshard.bench.workloads import WorkloadSpec
+from kvshard.bench.traces import TraceReplay
+from kvshard.bench.workloads import BenchRequest, WorkloadSpec, _fraction
 
 KV_FULL = 0.9  # peak KV usage from which a held-back request counts as KV-limited
 _POINT_FIELDS = ("duration_s", "completed", "failed", "total_input_tokens", "total_output_tokens",
@@ -40,7 +41,7 @@ class DCPExperiment:
     tp: int
     dcps: list[int]
     concurrencies: list[int]
-    workload: WorkloadSpec
+    workload: WorkloadSpec | TraceReplay
     kv_cache_memory: str
     max_num_seqs: int
     server_flags: list[str] = field(default_factory=list)  # engine flags besides tp, dcp, KV and max-num-seqs
@@ -49,9 +50,41 @@ class DCPExperiment:
     startup_timeout: float = 300.0
     metrics_interval: float = 0.25
     progress: bool = True
+    # the sessions the points send from (each point its first concurrency x prompts_per_concurrency);
+    # None: drawn from the workload spec
+    sessions: list[list[BenchRequest]] | None = None
+    sweep_limit: int = 0  # past the last concurrency, double up to this until the layout saturates
 
     def layouts(self) -> list[tuple[int, int]]:
         return [(self.tp, 1)] + [(self.tp, d) for d in self.dcps if d != 1]
+
+    @property
+    def workload_description(self) -> str:
+        if isinstance(self.workload, TraceReplay):
+            info = self.workload.info
+            return (f"trace {Path(info['path']).name} (sha256 {info['sha256'][:12]}), "
+                    f"{info['num_sessions']:,} {'conversations' if info['conversations'] else 'requests'} "
+                    f"from request {info['skip'] + 1}, lengths x{_fraction(info['context_scale'])} "
+                    f"(blocks of {info['block_tokens']}), outputs x{_fraction(info['output_scale'])}, closed loop")
+        return self.workload.describe()
+
+    def all_sessions(self) -> list[list[BenchRequest]]:
+        if self.sessions is not None:
+            return self.sessions
+        top = max(max(self.concurrencies), self.sweep_limit)
+        return self.workload.sessions(top * self.prompts_per_concurrency)
+
+
+def saturated(points: list[dict]) -> bool:
+    """The layout's KV cache reached its cap at the last point (preemptions, or a peak at KV_FULL) and its
+    throughput per rank stopped rising (the last point at most 5% above the best before it)."""
+    if len(points) < 2:
+        return False
+    last = points[-1]
+    server = last["server"]
+    kv_capped = server["preemptions"] > 0 or server["peak_kv_usage"] >= KV_FULL
+    best_before = max(p["output_throughput_per_rank"] or 0.0 for p in points[:-1])
+    return kv_capped and (last["output_throughput_per_rank"] or 0.0) <= 1.05 * best_before
 
 
 def layout_label(tp: int, dcp: int) -> str:
@@ -76,8 +109,10 @@ def limit_of(point: dict, max_num_seqs: int) -> str:
 def summarize_config(points: list[dict]) -> dict:
     best = max(points, key=lambda p: p["output_throughput_per_rank"] or 0.0)
     top = points[-1]
+    busiest = max(points, key=lambda p: p["server"]["peak_running"])
     return {
-        "max_concurrency_reached": max(p["server"]["peak_running"] for p in points),
+        "max_concurrency_reached": busiest["server"]["peak_running"],
+        "max_concurrency_at": busiest["concurrency"],
         "max_mean_running": max(p["server"]["mean_running"] for p in points),
         "best_output_throughput_per_rank": best["output_throughput_per_rank"],
         "best_at_concurrency": best["concurrency"],
@@ -100,7 +135,7 @@ def _sigterm_as_interrupt():
 
 def run_dcp_experiment(experiment: DCPExperiment, log=print) -> dict:
     # with the sessions workload, concurrency and prompts per concurrency count sessions
-    sessions = experiment.workload.sessions(max(experiment.concurrencies) * experiment.prompts_per_concurrency)
+    sessions = experiment.all_sessions()
     configs = []
     with _sigterm_as_interrupt():
         for tp, dcp in experiment.layouts():
@@ -113,8 +148,16 @@ def run_dcp_experiment(experiment: DCPExperiment, log=print) -> dict:
             log(f"== {label}: kvshard serve {experiment.model} {' '.join(flags)}")
             points = []
             with server:
-                for concurrency in experiment.concurrencies:
-                    batch = sessions[: concurrency * experiment.prompts_per_concurrency]
+                concurrencies, sweep_end = list(experiment.concurrencies), None
+                while concurrencies:
+                    concurrency = concurrencies.pop(0)
+                    wanted = concurrency * experiment.prompts_per_concurrency
+                    if wanted > len(sessions):
+                        sweep_end = (f"the workload has {len(sessions)} sessions, fewer than c={concurrency} "
+                                     f"needs ({wanted})")
+                        log(f"   c={concurrency}: skipped, {sweep_end}")
+                        break
+                    batch = sessions[:wanted]
                     # each point replays the first sessions of the last: it must not find them cached
                     reset_prefix_cache(server.base_url)
                     result = run_serve_benchmark(server.base_url, batch, max_concurrency=concurrency, num_ranks=tp,
@@ -133,10 +176,24 @@ def run_dcp_experiment(experiment: DCPExperiment, log=print) -> dict:
                         f"cached {format_percent(point['cached_fraction'], 0)} of prompt tokens, "
                         f"{point['output_throughput_per_rank']:.1f} out tok/s/rank"
                         + (f", {point['failed']} FAILED: {point['errors'][0]}" if point["failed"] else ""))
+                    if concurrencies:
+                        continue
+                    if saturated(points):
+                        sweep_end = f"saturated at c={concurrency}"
+                    elif concurrency * 2 > experiment.sweep_limit:
+                        sweep_end = (f"not saturated: the sweep stopped at c={concurrency} (--sweep-limit "
+                                     f"{experiment.sweep_limit})")
+                    else:
+                        concurrencies.append(concurrency * 2)
+                if not points:
+                    raise BenchmarkError(f"{label}: no point of the sweep could run: {sweep_end}")
+                if sweep_end is None:
+                    sweep_end = f"the sweep ended at c={points[-1]['concurrency']}"
+                log(f"   {label}: {sweep_end}")
                 layout_info = points[0]["server"]["layout"]
             configs.append({"label": label, "tp": tp, "dcp": dcp, "base_url": server.base_url, "layout": layout_info,
-                            "server_log": str(server.log_path), "points": points,
-                            **summarize_config(points)})
+                            "server_log": str(server.log_path), "points": points, "sweep_end": sweep_end,
+                            "saturated": saturated(points), **summarize_config(points)})
     baseline = configs[0]
     for config in configs[1:]:
         config["vs_tp_only"] = {
@@ -151,9 +208,11 @@ def run_dcp_experiment(experiment: DCPExperiment, log=print) -> dict:
         "kv_cache_memory": experiment.kv_cache_memory,
         "max_num_seqs": experiment.max_num_seqs,
         "server_flags": experiment.server_flags,
-        "workload": experiment.workload.describe(),
-        "workload_spec": asdict(experiment.workload),
-        "concurrencies": experiment.concurrencies,
+        "workload": experiment.workload_description,
+        **({"trace": {k: v for k, v in experiment.workload.info.items()}}
+           if isinstance(experiment.workload, TraceReplay) else {"workload_spec": asdict(experiment.workload)}),
+        "concurrencies": sorted({p["concurrency"] for c in configs for p in c["points"]}),
+        "sweep_limit": experiment.sweep_limit,
         "prompts_per_concurrency": experiment.prompts_per_concurrency,
         "requests_digest": request_list_digest([turn for session in sessions for turn in session]),
         "configs": configs,
@@ -173,13 +232,16 @@ def format_dcp_table(result: dict) -> str:
         limit = c["limited_by"]
         if limit == "KV memory":
             limit += f" (waiting {c['peak_waiting_at_top']}, {c['preemptions_at_top']} preemptions)"
-        rows.append([c["label"], capacity, str(c["max_concurrency_reached"]), f"{c['max_mean_running']:.1f}",
+        rows.append([c["label"], capacity,
+                     f"{c['max_concurrency_reached']} (c={c.get('max_concurrency_at', '?')})",
+                     f"{c['max_mean_running']:.1f}",
                      f"{c['best_output_throughput_per_rank']:.1f} (c={c['best_at_concurrency']})",
-                     f"{c['kv_usage_at_best']:.0%}", limit])
+                     f"{c['kv_usage_at_best']:.0%}", limit, c.get("sweep_end", "")])
     lines = [format_table(["configuration", "KV capacity (tokens)", "max concurrency", "mean running",
-                           "out tok/s per rank", "KV usage", "limited by"], rows),
+                           "out tok/s per rank", "KV usage", "limited by", "sweep"], rows),
              "max concurrency: peak of kvshard:num_requests_running over the sweep; mean running: its time "
-             "average at the busiest point; out tok/s per rank: the best point (its concurrency in brackets)"]
+             "average at the busiest point; out tok/s per rank: the best point; (c=...): the point each figure "
+             "comes from; limited by: at the last point; sweep: why the sweep stopped there"]
     for c in result["configs"][1:]:
         ratio = c["vs_tp_only"]
         lines.append(f"{c['label']} vs {result['configs'][0]['label']}: max concurrency "

@@ -45,7 +45,7 @@ def format_serve_result(result: dict) -> str:
     for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
                         ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
         rows.append((f"---{title}---", ""))
-        for stat in ("mean", "median", "p99"):
+        for stat in ("mean", "median", "p90", "p99"):
             rows.append((f"{stat.capitalize()} {name.upper()} (ms)", format_number(result[f"{stat}_{name}_ms"])))
     rows += [
         ("---Server (/metrics)---", ""),
@@ -63,9 +63,9 @@ def format_serve_result(result: dict) -> str:
              ("Cached share of prompt tokens", format_percent(result["cached_fraction"]))]
     if len(result["turns"]) > 1:
         for turn in result["turns"]:
-            rows.append((f"Turn {turn['turn'] + 1}: mean prompt/cached, TTFT p50 ms",
+            rows.append((f"Turn {turn['turn'] + 1} ({turn['completed']}): prompt/cached, TTFT p50/p90 ms",
                          f"{turn['mean_input_len']:,.0f}/{format_number(turn['mean_cached_tokens'], 0)}, "
-                         f"{turn['median_ttft_ms']:,.0f}"))
+                         f"{turn['median_ttft_ms']:,.0f}/{turn['p90_ttft_ms']:,.0f}"))
     lines = [" Serving Benchmark Result ".center(60, "=")]
     for key, value in rows:
         lines.append(key.strip("-").center(60, "-") if key.startswith("---") else f"{key:<48}{value:>12}")
@@ -99,9 +99,9 @@ def plot_dcp_sweep(result: dict, path: str | Path) -> Path:
                      label=f"{config['label']}: peak")
         running.plot(x, [p["server"]["mean_running"] for p in points], marker="x", linestyle="--",
                      color=line.get_color(), label=f"{config['label']}: time average")
-    top = max(result["concurrencies"])
+    top = max(p["concurrency"] for c in result["configs"] for p in c["points"])
     running.plot([1, top], [1, top], linestyle=":", color="grey", label="all offered requests running")
-    concurrencies = result["concurrencies"]
+    concurrencies = sorted({p["concurrency"] for c in result["configs"] for p in c["points"]})
     for axis, title in ((throughput, "output tok/s per rank"), (running, "running requests (/metrics)")):
         axis.set_xscale("log", base=2)
         axis.set_xticks(concurrencies, [str(c) for c in concurrencies])

@@ -24,6 +24,7 @@ import json
 import math
 import random
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -66,6 +67,20 @@ def completion_payload(model: str, request: BenchRequest) -> dict:
     }
 
 
+async def sse_lines(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The lines of an event stream, split at line feeds only. (httpx's `aiter_lines` also splits at U+2028,
+    U+0085 and the other separators of `str.splitlines`, which a server may send unescaped inside a JSON
+    string: vLLM does.)"""
+    pending = ""
+    async for chunk in chunks:
+        pending += chunk
+        *lines, pending = pending.split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if pending:
+        yield pending.removesuffix("\r")
+
+
 async def send_request(client: httpx.AsyncClient, url: str, model: str, request: BenchRequest,
                        headers: dict[str, str]) -> RequestOutcome:
     outcome = RequestOutcome(request.input_len)
@@ -78,7 +93,7 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, request:
                 body = (await response.aread()).decode(errors="replace")
                 outcome.error = f"HTTP {response.status_code}: {body[:300]}"
                 return outcome
-            async for line in response.aiter_lines():
+            async for line in sse_lines(response.aiter_text()):
                 if not line.startswith("data:"):
                     continue
                 data = line[len("data:"):].strip()
@@ -111,18 +126,26 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, request:
     return outcome
 
 
-async def _arrivals(sessions: list[list[BenchRequest]], request_rate: float, seed: int):
-    """Yield sessions at Poisson arrival times (exponential gaps), or all at once for inf."""
+async def _arrivals(sessions: list[list[BenchRequest]], request_rate: float, seed: int,
+                    arrival_times: list[float] | None = None):
+    """Yield sessions at the given arrival times (seconds from the start: a trace's recorded ones), else at
+    Poisson arrival times (exponential gaps), or all at once for inf."""
     rng = random.Random(seed)
+    start = time.perf_counter()
     for i, session in enumerate(sessions):
-        if i and math.isfinite(request_rate):
+        if arrival_times is not None:
+            delay = arrival_times[i] - (time.perf_counter() - start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+        elif i and math.isfinite(request_rate):
             await asyncio.sleep(rng.expovariate(request_rate))
         yield session
 
 
 async def _run(base_url: str, model: str, sessions: list[list[BenchRequest]], max_concurrency: int | None,
                request_rate: float, seed: int, headers: dict[str, str], poller: MetricsPoller,
-               progress: bool, label: str) -> tuple[list[RequestOutcome], float]:
+               progress: bool, label: str, arrival_times: list[float] | None = None,
+               ) -> tuple[list[RequestOutcome], float]:
     url = f"{base_url}/v1/completions"
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = tqdm(total=sum(len(s) for s in sessions), desc=label, unit="req", disable=not progress,
@@ -155,7 +178,7 @@ async def _run(base_url: str, model: str, sessions: list[list[BenchRequest]], ma
     try:
         async with httpx.AsyncClient(timeout=timeout, limits=connections) as client:
             start = time.perf_counter()
-            tasks = [asyncio.create_task(one(client, s)) async for s in _arrivals(sessions, request_rate, seed)]
+            tasks = [asyncio.create_task(one(client, s)) async for s in _arrivals(sessions, request_rate, seed, arrival_times)]
             outcomes = await asyncio.gather(*tasks)
             return [o for session in outcomes for o in session], time.perf_counter() - start
     finally:
@@ -176,10 +199,15 @@ def list_models(base_url: str, api_key: str | None = None) -> list[dict]:
         raise BenchmarkError(f"cannot list the models of the server at {base_url}: {error}") from None
 
 
+def served_model_entry(base_url: str, model: str | None, api_key: str | None = None) -> dict:
+    """The /v1/models entry of `model` (or the server's first model); {} if the server has none of that name.
+    kvshard and vLLM give the checkpoint path as `root` and the context limit as `max_model_len`."""
+    return next((m for m in list_models(base_url, api_key) if model is None or m.get("id") == model), {})
+
+
 def served_model_root(base_url: str, model: str | None, api_key: str | None = None) -> str | None:
     """The checkpoint path a server reports for `model` (or its first model), if it reports one."""
-    entry = next((m for m in list_models(base_url, api_key) if model is None or m.get("id") == model), None)
-    return entry.get("root") if entry else None
+    return served_model_entry(base_url, model, api_key).get("root")
 
 
 def probe(base_url: str, model: str | None, api_key: str | None) -> str:
@@ -221,10 +249,16 @@ def run_serve_benchmark(
     metrics_interval: float = 0.25,
     progress: bool = True,
     label: str = "bench serve",
+    arrival_times: list[float] | None = None,
 ) -> dict:
-    """Send every session (its turns one after another), wait for all, and return the result (see `summarize`)."""
+    """Send every session (its turns one after another), wait for all, and return the result (see `summarize`).
+
+    `arrival_times`: when each session starts, in seconds from the first (a trace's recorded arrivals);
+    otherwise Poisson arrivals at `request_rate`. `max_concurrency` caps the sessions in flight either way."""
     if not sessions or not all(sessions):
         raise BenchmarkError("no requests to send: --num-prompts must be at least 1")
+    if arrival_times is not None and len(arrival_times) != len(sessions):
+        raise BenchmarkError(f"{len(arrival_times)} arrival times for {len(sessions)} sessions")
     if max_concurrency is not None and max_concurrency < 1:
         raise BenchmarkError(f"--max-concurrency must be at least 1, got {max_concurrency}")
     if not request_rate > 0:
@@ -233,13 +267,15 @@ def run_serve_benchmark(
     model = probe(base_url, model, api_key)
     with MetricsPoller(base_url, metrics_interval) as poller:
         outcomes, duration = asyncio.run(_run(base_url, model, sessions, max_concurrency, request_rate, seed,
-                                              _auth(api_key), poller, progress, label))
+                                              _auth(api_key), poller, progress, label, arrival_times))
     first = poller.trace.snapshots[0] if poller.trace.snapshots else ServerSnapshot()
     result = summarize(outcomes, duration, num_ranks or first.num_ranks)
     result.update({
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "base_url": base_url, "model": model, "num_prompts": len(outcomes), "num_sessions": len(sessions),
-        "max_concurrency": max_concurrency, "request_rate": request_rate if math.isfinite(request_rate) else "inf",
+        "max_concurrency": max_concurrency,
+        "request_rate": ("trace" if arrival_times is not None else
+                         request_rate if math.isfinite(request_rate) else "inf"),
         "requests_digest": request_list_digest([turn for session in sessions for turn in session]),
         "server": {**poller.trace.summary(), "scrape_failures": poller.failures, "layout": first.layout},
     })
@@ -262,6 +298,7 @@ def _stats(name: str, seconds: list[float]) -> dict:
     return {
         f"mean_{name}_ms": sum(ms) / len(ms) if ms else 0.0,
         f"median_{name}_ms": _percentile(ms, 50),
+        f"p90_{name}_ms": _percentile(ms, 90),
         f"p99_{name}_ms": _percentile(ms, 99),
     }
 
