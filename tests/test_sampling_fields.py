@@ -234,16 +234,40 @@ def test_the_fields_match_transformers_generate(llm):
         assert out[0, ids.shape[1]:].tolist() == tokens
 
 
-def test_ngram_speculation_stays_exact_with_the_fields(llm):
-    fields = dict(repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.2, min_tokens=6,
-                  logit_bias={EOS: 50.0, 137: 1.0}, bad_words=["xyz"])
-    want = greedy(llm, **fields)
-    speculative = LLM(MODEL, speculative_config=NGRAM, **ENGINE)
+SPEC_FIELDS = dict(repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.2, min_tokens=6,
+                   logit_bias={EOS: 50.0})
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft model", "mtp"])
+def test_speculation_stays_exact_with_the_fields(llm, checkpoints, drafter):
+    """Greedy with penalties, min_tokens, logit_bias (and bad_words where the model has a tokenizer): the tokens
+    of plain decoding, with drafts verified; sampled, min_tokens still holds EOS back."""
+    fields = dict(SPEC_FIELDS)
+    if drafter == "mtp":  # DeepSeek-V3 attention with one MTP layer (tests/test_spec_decode.py), no tokenizer
+        from test_spec_decode import MTP, MTP_FILE, add_mtp_layer, tiny_mla_config
+
+        model = checkpoints("spec-mla", tiny_mla_config())
+        if not (model / MTP_FILE).exists():
+            add_mtp_layer(model, tiny_mla_config())
+        model, speculative_config = str(model), MTP
+        plain = LLM(model, **ENGINE)
+        try:
+            want = greedy(plain, prompts=[[0, 5, 9, 5, 9], [0, 7, 7, 7]], **fields)
+        finally:
+            plain.engine.shutdown()
+    else:
+        fields["bad_words"] = ["back"]  # two tokens; " back" is one, a different length: left alone, as vLLM
+        fields["logit_bias"] = {EOS: 50.0, 137: 1.0}  # "The cat" goes on repeating 137: n-gram drafts
+        model = MODEL
+        speculative_config = NGRAM if drafter == "ngram" else {"model": MODEL, "num_speculative_tokens": 3}
+        want = greedy(llm, **fields)
+    speculative = LLM(model, speculative_config=speculative_config, **ENGINE)
     try:
-        assert greedy(speculative, **fields) == want
+        prompts = PROMPTS if drafter != "mtp" else [[0, 5, 9, 5, 9], [0, 7, 7, 7]]
+        assert greedy(speculative, prompts=prompts, **fields) == want
         assert speculative.engine.spec_num_draft_tokens > 0  # drafts were verified, not just skipped
         params = SamplingParams(temperature=0.8, seed=7, max_tokens=24, **fields)
-        sampled = speculative.generate(PROMPTS, params, use_tqdm=False)
+        sampled = speculative.generate(prompts, params, use_tqdm=False)
         assert all(EOS not in o.outputs[0].token_ids[:6] for o in sampled)
     finally:
         speculative.engine.shutdown()
