@@ -94,7 +94,11 @@ class SamplingParams:
             check(_is_finite(value) and -MAX_PENALTY <= value <= MAX_PENALTY,
                   f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
         check(_is_int(self.min_tokens, 0), f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
-        check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+        # (a producer's one-token prefill, which `kvshard proxy` sends with the client's other fields, is exempt:
+        # its consumer checks the client's max_tokens)
+        remote_decode = (isinstance(self.kv_transfer_params, dict)
+                         and bool(self.kv_transfer_params.get("do_remote_decode")))
+        check(self.max_tokens is None or self.min_tokens <= self.max_tokens or remote_decode,
               f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
         check(self.logit_bias is None or isinstance(self.logit_bias, dict),
               f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")

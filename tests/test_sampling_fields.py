@@ -166,6 +166,13 @@ def test_invalid_values_are_refused_naming_the_field(field, value, message):
     assert str(error.value).startswith(message)
 
 
+def test_a_producers_one_token_prefill_takes_the_clients_min_tokens():
+    """`kvshard proxy` sends the client's fields with max_tokens=1 to the producer; the consumer checks them."""
+    SamplingParams(max_tokens=1, min_tokens=5, kv_transfer_params={"do_remote_decode": True, "transfer_id": "t"})
+    with pytest.raises(ValueError, match="min_tokens must be at most max_tokens"):
+        SamplingParams(max_tokens=1, min_tokens=5, kv_transfer_params={"do_remote_prefill": True})
+
+
 # --- end to end on a small engine ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
