@@ -10,6 +10,9 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20  # OpenAI's limit on alternatives per token
 MAX_STOP_STRINGS = 64  # every stop string is searched for at every step
 MAX_STOP_LENGTH = 1024  # characters; a stream holds back the longest stop string minus one
+MAX_BAD_WORDS = 256  # every bad word is matched against the tail of every sampled row
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit bias: [-100, 100]
+MAX_PENALTY = 2.0  # presence and frequency penalties: [-2, 2], as OpenAI and vLLM
 
 
 @dataclass
@@ -27,12 +30,29 @@ class SamplingParams:
     # disaggregated prefill/decode (kvshard/disagg): do_remote_decode on a producer, do_remote_prefill on a consumer
     kv_transfer_params: dict | None = None
     prompt_logprobs: int | None = None  # top-k log-probabilities to return per prompt token after the first
+    # Logits processors, applied on rank 0 to each sampled row (kvshard/engine/sampler.py), as vLLM does:
+    min_p: float = 0.0  # drop tokens whose probability is below min_p times the top one's (after temperature)
+    repetition_penalty: float = 1.0  # tokens of the prompt or output: logit / p if positive, else * p
+    presence_penalty: float = 0.0  # logit -= presence_penalty for each token the output holds
+    frequency_penalty: float = 0.0  # logit -= frequency_penalty * times the output holds the token
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    bad_words: list[str] | None = None  # words never generated (tokenized with and without a leading space)
+
+    # Filled by `prepare` from the engine's tokenizer and model. Never taken from the caller: a copy made with
+    # SamplingParams(**vars(params)) starts unprepared (its words may differ) and is prepared again.
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
+    _eos_token_ids: frozenset[int] = field(default=frozenset(), repr=False, compare=False)
+    _prepared_for: object = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        self._bad_words_token_ids, self._eos_token_ids, self._prepared_for = None, frozenset(), None
         self.validate()
 
     @property
@@ -66,6 +86,69 @@ class SamplingParams:
               f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs, 0) and self.prompt_logprobs <= MAX_LOGPROBS),
               f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
+        check(_is_finite(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+        check(_is_finite(self.repetition_penalty) and self.repetition_penalty > 0,
+              f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            check(_is_finite(value) and -MAX_PENALTY <= value <= MAX_PENALTY,
+                  f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+        check(_is_int(self.min_tokens, 0), f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        # (a producer's one-token prefill, which `kvshard proxy` sends with the client's other fields, is exempt:
+        # its consumer checks the client's max_tokens)
+        remote_decode = (isinstance(self.kv_transfer_params, dict)
+                         and bool(self.kv_transfer_params.get("do_remote_decode")))
+        check(self.max_tokens is None or self.min_tokens <= self.max_tokens or remote_decode,
+              f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        check(self.logit_bias is None or isinstance(self.logit_bias, dict),
+              f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+        for token, bias in (self.logit_bias or {}).items():
+            check(_is_int(token, 0), f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+            check(_is_finite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS,
+                  f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r} "
+                  f"for token {token}")
+        check(self.bad_words is None or (isinstance(self.bad_words, list)
+                                         and all(isinstance(w, str) and w.strip() for w in self.bad_words)),
+              "bad_words must be a list of strings that are not blank")
+        check(len(self.bad_words or []) <= MAX_BAD_WORDS,
+              f"bad_words takes at most {MAX_BAD_WORDS} words, got {len(self.bad_words or [])}")
+        check(all(len(w) <= MAX_STOP_LENGTH for w in self.bad_words or []),
+              f"bad_words must be at most {MAX_STOP_LENGTH} characters long")
+
+    @property
+    def uses_logits_processors(self) -> bool:
+        """Whether the sampler must change this request's logits before it chooses (greedy or not)."""
+        return bool(self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
+                    or self.min_tokens or self.logit_bias or self.bad_words)
+
+    def prepare(self, tokenizer, eos_token_ids, vocab_size: int) -> None:
+        """Resolve what needs the model: the tokens of `bad_words` (as vLLM: each word with and without a
+        leading space, the latter only where the space makes a new first token of the same length), the EOS
+        tokens `min_tokens` holds back, and `logit_bias` ids checked against the vocabulary. ValueError
+        names the field."""
+        key = (id(tokenizer), vocab_size, tuple(self.bad_words or ()), max(self.logit_bias or (), default=-1))
+        if self._prepared_for == key:
+            return
+        for token in self.logit_bias or {}:
+            if token >= vocab_size:
+                raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {token}")
+        self._eos_token_ids = frozenset(eos_token_ids)
+        self._bad_words_token_ids = None
+        if self.bad_words:
+            if tokenizer is None:
+                raise ValueError("bad_words needs the model's tokenizer, and this model has none")
+            words: list[list[int]] = []
+            for word in self.bad_words:
+                plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+                spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+                if plain:
+                    words.append(plain)
+                if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+                    words.append(spaced)
+            if any(not 0 <= t < vocab_size for ids in words for t in ids):
+                raise ValueError(f"bad_words tokenize to token ids outside the vocabulary [0, {vocab_size})")
+            self._bad_words_token_ids = words
+        self._prepared_for = key
 
 
 def _is_int(value, minimum: int) -> bool:

@@ -1,26 +1,39 @@
-"""The executor's watch over the ranks: a rank that is alive but stops answering ends the engine within
-the step timeout, naming the rank, instead of leaving requests hanging for the collective timeout."""
+"""The executor's watch over the ranks: a rank that stops (SIGSTOP), busy or idle, ends the engine within
+seconds through its heartbeat, naming the rank, and /health answers 503 at once; a rank that is alive but makes
+no progress in a step ends it within the step timeout, instead of leaving requests hanging for the collective
+timeout."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import openai
 import pytest
 
 from kvshard import LLM, SamplingParams
 from kvshard.config import ConfigError
-from kvshard.engine.executor import EngineDeadError, step_timeout_s
+from kvshard.engine.executor import EngineDeadError, Executor, step_timeout_s
+from kvshard.envs import (
+    DEFAULT_HEARTBEAT_INTERVAL_S,
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    heartbeat_interval_s,
+    heartbeat_timeout_s,
+)
 from server_harness import MODEL, SERVE_ARGS, Server
 
 STEP_TIMEOUT_S = 2  # far above a tiny model's step, short enough for the tests' waits
 MARGIN_S = 8  # a loaded shared machine: the kill, the unwinding and the reply take a moment
 HUNG = f"rank 1 did not finish a step within {STEP_TIMEOUT_S} s"
+DETECTION_S = 5  # a stopped rank, busy or idle, is noticed within this, at the default settings
+# the heartbeat's tick (idle or busy) or, idle, the engine's round trip through the ranks: whichever is first
+STOPPED = re.compile(rf"rank 1 (stopped answering: no heartbeat for|did not answer the heartbeat within) "
+                     rf"{DEFAULT_HEARTBEAT_TIMEOUT_S:g} s")
+LLM_ARGS = dict(tensor_parallel_size=2, decode_context_parallel_size=2, max_model_len=256, kv_cache_memory="16MiB")
 
 
 def resume(pid: int) -> None:
@@ -32,20 +45,25 @@ def resume(pid: int) -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def server_started(tmp_path_factory) -> Iterator[Future]:
-    """The server test's server, started in the background as the module begins: most of the LLM test is a wait
-    on the step timeout."""
+    """The server test's server (default timeouts), started in the background as the module begins: the LLM
+    tests run meanwhile."""
     log = tmp_path_factory.mktemp("serve") / "log"
     with ThreadPoolExecutor(1) as pool:
-        start = pool.submit(Server, SERVE_ARGS, log, env={"KVSHARD_STEP_TIMEOUT": str(STEP_TIMEOUT_S)})
+        # the defaults, named: the LLM tests meanwhile set other values in this process's environment
+        defaults = {"KVSHARD_STEP_TIMEOUT": "30", "KVSHARD_HEARTBEAT_TIMEOUT": f"{DEFAULT_HEARTBEAT_TIMEOUT_S:g}",
+                    "KVSHARD_HEARTBEAT_INTERVAL": f"{DEFAULT_HEARTBEAT_INTERVAL_S:g}"}
+        start = pool.submit(Server, SERVE_ARGS, log, env=defaults)
         yield start
     if start.exception() is None:
         start.result().stop()
 
 
-def test_a_stopped_rank_fails_the_llm_request_within_the_step_timeout(monkeypatch):
+def test_a_stuck_rank_fails_the_llm_request_within_the_step_timeout(monkeypatch):
+    """A rank whose heartbeat goes on but whose step does not (here: a stopped one, with the heartbeat's
+    deadline out of reach) is caught by the step timeout."""
     monkeypatch.setenv("KVSHARD_STEP_TIMEOUT", str(STEP_TIMEOUT_S))
-    llm = LLM(MODEL, tensor_parallel_size=2, decode_context_parallel_size=2, max_model_len=256,
-              kv_cache_memory="16MiB")
+    monkeypatch.setenv("KVSHARD_HEARTBEAT_TIMEOUT", "600")
+    llm = LLM(MODEL, **LLM_ARGS)
     try:
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         assert llm.generate(["Hello"], params, use_tqdm=False)[0].outputs[0].finish_reason == "length"
@@ -68,32 +86,80 @@ def test_a_stopped_rank_fails_the_llm_request_within_the_step_timeout(monkeypatc
     assert multiprocessing.active_children() == []
 
 
-def test_a_stopped_rank_makes_the_server_answer_503_within_the_step_timeout(server_started):
+def test_a_rank_stopped_mid_generation_fails_the_llm_request_within_5_s(monkeypatch):
+    """Busy: the step in flight waits on the stopped rank; its heartbeat, not the 30 s step timeout, ends it."""
+    for name in ("KVSHARD_STEP_TIMEOUT", "KVSHARD_HEARTBEAT_TIMEOUT", "KVSHARD_HEARTBEAT_INTERVAL"):
+        monkeypatch.delenv(name, raising=False)
+    llm = LLM(MODEL, **LLM_ARGS)
+    try:
+        assert llm.engine.executor.step_timeout == 30
+        params = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)
+        rank1 = llm.engine.executor.local_ranks.processes[1].pid
+        with ThreadPoolExecutor(1) as pool:
+            first = llm.engine.steps
+            running = pool.submit(llm.generate, ["Hello"] * 8, params, use_tqdm=False)
+            deadline = time.monotonic() + 60
+            while llm.engine.steps < first + 3 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert not running.done(), "the generation ended before its rank could be stopped"
+            os.kill(rank1, signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            try:
+                with pytest.raises(EngineDeadError, match=STOPPED):
+                    running.result(timeout=60)
+                detected = time.monotonic() - stopped_at
+            finally:
+                resume(rank1)
+        print(f"stopped rank, busy: the request failed after {detected:.2f} s")
+        assert detected < DETECTION_S
+        assert STOPPED.fullmatch(llm.engine.dead_reason)
+    finally:
+        closing = time.monotonic()
+        llm.close()
+        assert time.monotonic() - closing < 15, "shutting down after a stopped rank hung itself"
+    assert multiprocessing.active_children() == []
+
+
+def test_a_rank_stopped_while_the_server_idles_makes_health_503_within_5_s(server_started):
     server = server_started.result()
     try:
         client = server.client(timeout=60)
-        stream = client.completions.create(model=MODEL, prompt="Hello", max_tokens=400, stream=True,
-                                           extra_body={"ignore_eos": True})
-        next(iter(stream))
+        assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=4).choices[0].finish_reason
         (rank1,) = server.rank_pids()
+        time.sleep(1.5)  # idle: no request in flight, the engine's round trip through the ranks due
         os.kill(rank1, signal.SIGSTOP)
         stopped_at = time.monotonic()
         try:
-            with pytest.raises(openai.APIError, match=HUNG):
-                for _ in stream:
-                    pass
+            deadline = stopped_at + DETECTION_S + MARGIN_S
             health = server.http.get("/health")
-            assert health.status_code == 503 and HUNG in health.json()["error"]["message"]
-            assert time.monotonic() - stopped_at < STEP_TIMEOUT_S + MARGIN_S
+            while health.status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
+                health = server.http.get("/health")
+            detected = time.monotonic() - stopped_at
+            print(f"stopped rank, idle: /health 503 after {detected:.2f} s")
+            assert health.status_code == 503 and STOPPED.search(health.json()["error"]["message"]), health.text
+            assert detected < DETECTION_S
+            refused = server.http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+            assert refused.status_code == 503 and STOPPED.search(refused.json()["error"]["message"])
         finally:
             resume(rank1)
     finally:
         code = server.stop()
-    assert code == 1 and f"the engine died: {HUNG}" in server.log
+    assert code == 1 and re.search(rf"the engine died: {STOPPED.pattern}", server.log)
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "soon", "inf"])
-def test_a_step_timeout_that_is_not_a_positive_number_is_refused(monkeypatch, value):
-    monkeypatch.setenv("KVSHARD_STEP_TIMEOUT", value)
-    with pytest.raises(ConfigError, match="KVSHARD_STEP_TIMEOUT"):
-        step_timeout_s()
+@pytest.mark.parametrize("name, read", [("KVSHARD_STEP_TIMEOUT", step_timeout_s),
+                                        ("KVSHARD_HEARTBEAT_TIMEOUT", heartbeat_timeout_s),
+                                        ("KVSHARD_HEARTBEAT_INTERVAL", heartbeat_interval_s)])
+def test_a_timeout_that_is_not_a_positive_number_is_refused(monkeypatch, value, name, read):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=name):
+        read()
+
+
+def test_a_heartbeat_deadline_within_two_ticks_is_refused(monkeypatch):
+    monkeypatch.setenv("KVSHARD_HEARTBEAT_INTERVAL", "1")
+    monkeypatch.setenv("KVSHARD_HEARTBEAT_TIMEOUT", "1.5")
+    with pytest.raises(ConfigError, match="KVSHARD_HEARTBEAT_TIMEOUT .* at least twice KVSHARD_HEARTBEAT_INTERVAL"):
+        Executor(None)

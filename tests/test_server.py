@@ -331,8 +331,9 @@ BAD_REQUESTS = {
     "best_of other than n": ("POST", "/v1/completions", {**OK, "best_of": 2}, {}, 400, "best_of"),
     "stream_options without stream": ("POST", "/v1/completions", {**OK, "stream_options": {"include_usage": True}},
                                       {}, 400, "stream_options"),
-    "unsupported penalty": ("POST", "/v1/completions", {**OK, "frequency_penalty": 0.5}, {}, 400,
-                            "frequency_penalty"),
+    "penalty out of range": ("POST", "/v1/completions", {**OK, "frequency_penalty": 2.5}, {}, 400,
+                             "frequency_penalty"),
+    "beam search": ("POST", "/v1/completions", {**OK, "use_beam_search": True}, {}, 400, "use_beam_search"),
     "echo": ("POST", "/v1/completions", {**OK, "echo": True}, {}, 400, "echo"),
     "unknown model": ("POST", "/v1/completions", {**OK, "model": "gpt-9"}, {}, 404, "model"),
     "wrong API key": ("POST", "/v1/completions", OK, {"Authorization": "Bearer wrong"}, 401, None),
@@ -454,11 +455,12 @@ def _values() -> st.SearchStrategy:
 
 COMPLETION_FIELDS = ["model", "prompt", "max_tokens", "n", "best_of", "temperature", "top_p", "top_k", "seed", "stop",
                      "stop_token_ids", "ignore_eos", "logprobs", "echo", "suffix", "stream", "stream_options",
-                     "frequency_penalty", "presence_penalty", "logit_bias", "user"]
+                     "frequency_penalty", "presence_penalty", "logit_bias", "user", "min_p", "repetition_penalty",
+                     "min_tokens", "bad_words", "use_beam_search", "length_penalty"]
 CHAT_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "n", "temperature", "top_p", "top_k",
                "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "top_logprobs", "stream", "stream_options",
                "frequency_penalty", "presence_penalty", "logit_bias", "add_generation_prompt", "tools",
-               "response_format", "user"]
+               "response_format", "user", "min_p", "repetition_penalty", "min_tokens", "bad_words", "best_of"]
 NON_FINITE = [b"NaN", b"Infinity", b"-Infinity"]
 _short_text = st.text(max_size=6)
 # values of each field's own type, at and beyond the edges of its range; short answers only (n, max_tokens small)
@@ -483,7 +485,11 @@ WELL_TYPED = {
     "top_logprobs": st.integers(-1, 21),
     "frequency_penalty": st.one_of(st.just(0.0), st.floats(-2, 2)),
     "presence_penalty": st.one_of(st.just(0), st.floats(-2, 2)),
-    "logit_bias": st.dictionaries(st.sampled_from(["1", "50", "x"]), st.floats(-100, 100), max_size=2),
+    "logit_bias": st.dictionaries(st.sampled_from(["1", "50", "x", "512", "-1"]), st.floats(-101, 101), max_size=2),
+    "min_p": st.floats(-0.5, 1.5),
+    "repetition_penalty": st.one_of(st.floats(-1, 3), st.just(0.0)),
+    "min_tokens": st.integers(-1, 4),
+    "bad_words": st.lists(st.one_of(_short_text, st.just("Hi")), max_size=2),
     "stream_options": st.one_of(st.none(), st.fixed_dictionaries({"include_usage": st.booleans()})),
     "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}),
     "tools": st.lists(st.just({"type": "function"}), max_size=1),

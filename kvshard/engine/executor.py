@@ -5,10 +5,17 @@ Locally, rank 0 lives in the caller's process and spawns ranks 1..N-1. Under
 `workers.run_worker`. Rank 0 broadcasts each step's plan and runs its own
 share of the model; the others do the same on their shard.
 
-A watchdog thread looks at the ranks while the engine runs: a rank process that
-exited, or a step (or heartbeat) that makes no progress for `step_timeout`
-seconds (a rank alive but stopped, or stuck), ends the engine with a reason
-that names the rank. The first reason is the one kept: `dead_reason`.
+A watchdog thread looks at the ranks while the engine runs, busy or idle, and
+ends the engine with a reason that names the rank when
+- a rank process exited;
+- a rank's heartbeat (a counter its own thread ticks in shared memory every
+  $KVSHARD_HEARTBEAT_INTERVAL s, ranks spawned here) has not moved for
+  $KVSHARD_HEARTBEAT_TIMEOUT s: the process is stopped (SIGSTOP, a frozen VM);
+- the idle engine's round trip through every rank (`heartbeat`) takes longer
+  than that same deadline (the way to see ranks another launcher started);
+- a step makes no progress for `step_timeout` seconds (a rank alive but stuck;
+  long, since a long prefill may rightly take that long).
+The first reason is the one kept: `dead_reason`.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from kvshard.engine.model_runner import ModelRunner
 from kvshard.engine.process_setup import configure_process, rank_environment
 from kvshard.engine.step_plan import HEARTBEAT, StepPlan
 from kvshard.engine.workers import spawned_worker
+from kvshard.envs import heartbeat_interval_s, heartbeat_timeout_s
 from kvshard.parallel import (
     broadcast_from_driver,
     exchange_heartbeat,
@@ -77,9 +85,12 @@ class LocalRanks:
             )
         self.master = ("127.0.0.1", free_port())
         context = multiprocessing.get_context("spawn")
+        # each rank's heartbeat counter, ticked by its own thread (workers.run_worker), read by the watchdog
+        self.beats = context.RawArray("Q", config.parallel.world_size)
         self.processes = {
             rank: context.Process(
-                target=spawned_worker, args=(config, rank, self.master), name=f"kvshard-rank{rank}", daemon=True
+                target=spawned_worker, args=(config, rank, self.master, self.beats), name=f"kvshard-rank{rank}",
+                daemon=True,
             )
             for rank in range(1, config.parallel.world_size)
         }
@@ -91,6 +102,9 @@ class LocalRanks:
         dead = {rank: p.exitcode for rank, p in self.processes.items() if not p.is_alive()}
         if dead:
             raise RankDiedError(", ".join(f"rank {r} exited with code {c}" for r, c in sorted(dead.items())))
+
+    def heartbeats(self) -> dict[int, int]:
+        return {rank: self.beats[rank] for rank in self.processes}
 
     def kill(self) -> None:
         for process in self.processes.values():
@@ -110,6 +124,10 @@ class Executor:
         """Start every rank. `master` (host, port) is given when a launcher (torchrun) started the other ranks."""
         self.config = config
         self.step_timeout = step_timeout_s()
+        self.heartbeat_timeout = heartbeat_timeout_s()
+        if self.heartbeat_timeout < 2 * heartbeat_interval_s():
+            raise ConfigError(f"KVSHARD_HEARTBEAT_TIMEOUT ({self.heartbeat_timeout:g} s) must be at least twice "
+                              f"KVSHARD_HEARTBEAT_INTERVAL ({heartbeat_interval_s():g} s)")
         world = config.parallel.world_size
         self._dead_reason: str | None = None
         self._reason_lock = threading.Lock()
@@ -135,6 +153,7 @@ class Executor:
             raise
         self._last_contact = time.monotonic()  # of the last plan every rank received
         self._busy_since: float | None = None  # start of the step (or heartbeat) in flight
+        self._in_heartbeat = False  # whether what is in flight is the idle round trip (heartbeat_timeout)
         try:
             self.runner = ModelRunner(config, self.parallel, self.device)
         except BaseException:
@@ -165,9 +184,10 @@ class Executor:
             broadcast_from_driver(HEARTBEAT, self.parallel)
             exchange_heartbeat(self.parallel)
 
-        self._on_every_rank(round_trip, "a rank stopped answering")
+        self._on_every_rank(round_trip, "a rank stopped answering", heartbeat=True)
 
-    def _on_every_rank(self, work, failure: str):
+    def _on_every_rank(self, work, failure: str, heartbeat: bool = False):
+        self._in_heartbeat = heartbeat
         self._last_contact = self._busy_since = time.monotonic()
         try:
             return work()
@@ -175,6 +195,7 @@ class Executor:
             raise EngineDeadError(self.record_death(self._name_dead_rank() or f"{failure}: {error}")) from error
         finally:
             self._busy_since = None
+            self._in_heartbeat = False
 
     # --- health -------------------------------------------------------------------------
     def record_death(self, reason: str) -> str:
@@ -199,24 +220,43 @@ class Executor:
             raise EngineDeadError(self._dead_reason)
 
     def _watch(self) -> None:
-        """Name a rank that exited, or one that makes no progress in a step for step_timeout."""
+        """Name a rank that exited, one whose heartbeat stopped, or one that makes no progress in a step for
+        step_timeout (in the idle round trip: for heartbeat_timeout)."""
         progress, progress_time = None, 0.0
+        beats: dict[int, int] = {}
+        beat_times: dict[int, float] = {}
         while not self._closed.wait(WATCH_INTERVAL_S) and self.dead_reason is None:
+            now = time.monotonic()
+            if self.local_ranks is not None:
+                for rank, beat in self.local_ranks.heartbeats().items():
+                    if beats.get(rank) != beat:
+                        beats[rank], beat_times[rank] = beat, now
+                stopped = [rank for rank, seen in sorted(beat_times.items()) if now - seen >= self.heartbeat_timeout]
+                if stopped:
+                    who = ", ".join(f"rank {r}" for r in stopped)
+                    self._end(f"{who} stopped answering: no heartbeat for {self.heartbeat_timeout:g} s")
+                    continue
             busy_since = self._busy_since
             if busy_since is None:
                 continue
             counters = shm_op_counters(self.parallel)
-            now = time.monotonic()
             if counters != progress:  # a shared-memory collective moved on: the ranks are not hung
                 progress, progress_time = counters, now
-            if now - max(progress_time, busy_since) < self.step_timeout or self._busy_since is None:
+            timeout = self.heartbeat_timeout if self._in_heartbeat else self.step_timeout
+            if now - max(progress_time, busy_since) < timeout or self._busy_since is None:
                 continue
             behind = sorted({rank for ops in counters for rank, op in enumerate(ops) if op < max(ops)})
             who = ", ".join(f"rank {r}" for r in behind) or "a rank"
-            self.record_death(f"{who} did not finish a step within {self.step_timeout:g} s")
-            if self.local_ranks is not None:
-                # the engine cannot continue: ending the ranks unblocks rank 0's collective at once
-                self.local_ranks.kill()
+            if self._in_heartbeat:
+                self._end(f"{who} did not answer the heartbeat within {timeout:g} s")
+            else:
+                self._end(f"{who} did not finish a step within {timeout:g} s")
+
+    def _end(self, reason: str) -> None:
+        self.record_death(reason)
+        if self.local_ranks is not None:
+            # the engine cannot continue: ending the ranks unblocks rank 0's collective at once
+            self.local_ranks.kill()
 
     def _name_dead_rank(self, wait_s: float = 1.0) -> str | None:
         """A peer's death breaks the collective a moment before its process can be reaped: wait briefly to name it."""

@@ -88,6 +88,8 @@ class LLMEngine:
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if not token_ids:
             raise ValueError("prompt is empty")
+        # bad_words' tokens, the EOS that min_tokens holds back, logit_bias ids within the vocabulary
+        params.prepare(self.tokenizer, self.output_processor.eos_token_ids, self.config.model.hf_config.vocab_size)
         limit = self.config.scheduler.max_model_len
         wanted = len(token_ids) + (params.max_tokens or 1)
         if len(token_ids) >= limit or (params.max_tokens is not None and wanted > limit):

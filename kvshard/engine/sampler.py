@@ -1,8 +1,12 @@
 """Turn the last-position logits of a batch into next tokens, on rank 0.
 
-Greedy rows take the argmax; the others are tempered, cut by top-k and top-p
-(per-row values, vectorised) and drawn with the request's own generator, so a
-seeded request gives the same tokens whatever else is in the batch.
+First the logits processors of the requests that ask for them (`process_logits`:
+bad_words, min_tokens, logit_bias, then the repetition, presence and frequency
+penalties, in vLLM's order); then greedy rows take the argmax, and the others are
+tempered, cut by min-p, top-k and top-p (per-row values, vectorised) and drawn with
+the request's own generator, so a seeded request gives the same tokens whatever
+else is in the batch. Log-probabilities are reported from the raw logits, as vLLM's
+default does.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.
 
     A row that fails (a distribution with NaN, say) must fail alone: the other rows still get their token.
     """
+    logits = process_logits(logits, seqs)
     outcomes: list[int | Exception] = logits.argmax(dim=-1).tolist()
     random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if not random_rows:
@@ -35,6 +40,83 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.
     return outcomes
 
 
+def process_logits(logits: torch.Tensor, seqs: list[Sequence],
+                   drafts_before: list[list[int]] | None = None) -> torch.Tensor:
+    """logits [b, V], row i the next token's for seqs[i] after its output and `drafts_before[i]` (the drafts
+    a verification row follows) -> the logits its request's processors leave. Rows that use none are
+    untouched; when no row uses one, the very same tensor comes back (no cost).
+
+    As vLLM: the last token of each bad word (tokenized by SamplingParams.prepare) whose other tokens end the
+    output, and, while the output is shorter than min_tokens, the EOS and stop tokens, become -inf; logit_bias
+    is added; a token of the prompt or the output has its logit divided by repetition_penalty if positive,
+    else multiplied; then frequency_penalty times its count in the output and presence_penalty if it is there
+    are subtracted (OpenAI's formula).
+    """
+    rows = [i for i, seq in enumerate(seqs) if seq.params.uses_logits_processors]
+    if not rows:
+        return logits
+    vocab = logits.shape[1]
+    outputs = [seqs[i].output_token_ids + (drafts_before[i] if drafts_before else []) for i in rows]
+    params = [seqs[i].params for i in rows]
+    banned_rows: list[int] = []
+    banned_tokens: list[int] = []
+    bias_rows: list[int] = []
+    bias_tokens: list[int] = []
+    biases: list[float] = []
+    for j, (p, output) in enumerate(zip(params, outputs)):
+        banned: set[int] = set()
+        for word in p._bad_words_token_ids or ():
+            prefix = len(word) - 1
+            if len(output) >= prefix and output[len(output) - prefix:] == word[:-1]:
+                banned.add(word[-1])
+        if len(output) < p.min_tokens:
+            banned.update(p.stop_token_ids)
+            if not p.ignore_eos:
+                banned.update(p._eos_token_ids)
+        banned = {t for t in banned if 0 <= t < vocab}
+        banned_rows.extend([j] * len(banned))
+        banned_tokens.extend(banned)
+        for token, bias in (p.logit_bias or {}).items():
+            bias_rows.append(j)
+            bias_tokens.append(token)
+            biases.append(float(bias))
+    block = logits[rows].clone()  # [r, V]
+    if banned_tokens:
+        block[banned_rows, banned_tokens] = float("-inf")
+    if bias_tokens:
+        block.index_put_((torch.tensor(bias_rows), torch.tensor(bias_tokens)),
+                         torch.tensor(biases, dtype=block.dtype), accumulate=True)
+    penalised = [j for j, p in enumerate(params)
+                 if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty]
+    if penalised:
+        sub = block[penalised]
+        output_counts = _token_counts([outputs[j] for j in penalised], vocab)  # [r', V]
+        repetition = torch.tensor([params[j].repetition_penalty for j in penalised], dtype=sub.dtype).unsqueeze(1)
+        if bool((repetition != 1.0).any()):
+            seen = (_token_counts([seqs[rows[j]].prompt_token_ids for j in penalised], vocab) > 0) | (output_counts > 0)
+            factor = torch.where(seen, repetition, torch.ones_like(repetition))
+            sub = torch.where(sub > 0, sub / factor, sub * factor)
+        frequency = torch.tensor([params[j].frequency_penalty for j in penalised], dtype=sub.dtype).unsqueeze(1)
+        presence = torch.tensor([params[j].presence_penalty for j in penalised], dtype=sub.dtype).unsqueeze(1)
+        sub = sub - frequency * output_counts - presence * (output_counts > 0).to(sub.dtype)
+        block[penalised] = sub
+    processed = logits.clone()
+    processed[rows] = block
+    return processed
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int) -> torch.Tensor:
+    """[len(token_lists), vocab] float32: how often each token occurs in each list."""
+    width = max((len(t) for t in token_lists), default=0)
+    padded = torch.full((len(token_lists), width + 1), vocab, dtype=torch.long)  # column `vocab` takes the padding
+    for i, tokens in enumerate(token_lists):
+        if tokens:
+            padded[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+    counts = torch.zeros(len(token_lists), vocab + 1)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
+    return counts[:, :vocab]
+
+
 def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     """One token id from a distribution [V]."""
     return int(torch.multinomial(probs, 1, generator=generator)[0])
@@ -51,6 +133,11 @@ def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
     sorted_logits, order = (shifted / temperature).sort(dim=-1, descending=True)
     rank = torch.arange(logits.shape[1]).unsqueeze(0)
     sorted_probs = sorted_logits.softmax(dim=-1)
+    min_p = [p.min_p for p in params]
+    if any(min_p):  # as vLLM, before top-k and top-p: below min_p times the top token's probability goes
+        threshold = torch.tensor(min_p, dtype=sorted_probs.dtype).unsqueeze(1) * sorted_probs[:, :1]
+        sorted_logits = sorted_logits.masked_fill(sorted_probs < threshold, float("-inf"))
+        sorted_probs = sorted_logits.softmax(dim=-1)
     # keep a token if it is within top-k and the mass before it is below top-p; the first always stays
     # (a top_p below float32's range is 0 here, which would otherwise keep nothing)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
@@ -80,6 +167,8 @@ def verify_drafts(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[
     """logits [sum(k_i + 1), V]: per request, the rows of its last known token and its k_i drafts ->
     per request the accepted drafts and the token after them (1..k_i + 1 tokens), or its error.
 
+    Each row's logits first go through its request's processors as if its drafts so far were output
+    (`process_logits`), so penalties, min_tokens and bad_words see what plain decoding would have seen.
     Greedy: the drafts that equal the argmax, then the argmax: exactly the tokens of plain decoding.
     Otherwise rejection sampling against the distribution plain sampling draws from (temperature,
     top-k, top-p, filtered for all rows at once), so the tokens follow it whatever the drafts.
@@ -89,6 +178,10 @@ def verify_drafts(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[
     starts = [0]
     for request_drafts in drafts:
         starts.append(starts[-1] + len(request_drafts) + 1)
+    if any(seq.params.uses_logits_processors for seq in seqs):
+        row_seqs = [seq for seq, request_drafts in zip(seqs, drafts) for _ in range(len(request_drafts) + 1)]
+        before = [request_drafts[:j] for request_drafts in drafts for j in range(len(request_drafts) + 1)]
+        logits = process_logits(logits, row_seqs, before)
     best = logits.argmax(dim=-1).tolist()
     outcomes: list[list[int] | Exception] = []
     for i, (seq, request_drafts) in enumerate(zip(seqs, drafts)):

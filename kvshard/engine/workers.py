@@ -6,6 +6,8 @@ Spawned by the executor on one machine (`spawned_worker`), or started by
 
 from __future__ import annotations
 
+import threading
+import time
 import traceback
 
 from kvshard.config import EngineConfig
@@ -13,11 +15,20 @@ from kvshard.disagg.transfer import KVTransferPlan, PairGroups, transfer_on_rank
 from kvshard.engine.model_runner import ModelRunner
 from kvshard.engine.process_setup import configure_process
 from kvshard.engine.step_plan import HEARTBEAT
+from kvshard.envs import heartbeat_interval_s
 from kvshard.parallel import broadcast_from_driver, exchange_heartbeat, init_parallel, shutdown_parallel
 
 
-def run_worker(config: EngineConfig, rank: int, master: tuple[str, int]) -> None:
-    """Body of every rank > 0: build the model shard, then run plans until told to stop."""
+def run_worker(config: EngineConfig, rank: int, master: tuple[str, int], beats=None) -> None:
+    """Body of every rank > 0: build the model shard, then run plans until told to stop.
+
+    `beats` (shared memory, one counter per rank; given by the executor that spawned this rank): this rank
+    ticks its counter from a thread of its own, so rank 0 sees within a short deadline that the process
+    stopped (SIGSTOP), whatever the step it is in, and however long that step may rightly take.
+    """
+    if beats is not None:
+        threading.Thread(target=_beat, args=(beats, rank, heartbeat_interval_s()), name="kvshard-heartbeat",
+                         daemon=True).start()
     device = configure_process(rank, config.parallel.world_size)
     state = init_parallel(config.parallel, rank, master, device)
     try:
@@ -37,9 +48,15 @@ def run_worker(config: EngineConfig, rank: int, master: tuple[str, int]) -> None
         shutdown_parallel(state)
 
 
-def spawned_worker(config: EngineConfig, rank: int, master: tuple[str, int]) -> None:
+def _beat(beats, rank: int, interval_s: float) -> None:
+    while True:
+        beats[rank] += 1  # only this rank writes its counter
+        time.sleep(interval_s)
+
+
+def spawned_worker(config: EngineConfig, rank: int, master: tuple[str, int], beats=None) -> None:
     try:
-        run_worker(config, rank, master)
+        run_worker(config, rank, master, beats)
     except Exception:
         traceback.print_exc()
         raise SystemExit(1)

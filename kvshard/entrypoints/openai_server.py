@@ -24,7 +24,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -109,29 +109,77 @@ class _GenerationRequest(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # Accepted only at their no-op values, so a client never gets silently different sampling.
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token ids as strings, as OpenAI's
+    min_p: float = 0.0  # vLLM's extensions, as top_k
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    bad_words: list[str] | None = None
     kv_transfer_params: dict[str, Any] | None = None  # disaggregated prefill/decode, set by `kvshard proxy`
+    # vLLM fields kvshard does not implement: declared so that a value other than their no-op one is
+    # refused (check_supported) rather than silently ignored
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    early_stopping: Any = None
+    prompt_logprobs: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    truncate_prompt_tokens: Any = None
+    allowed_token_ids: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: Any = None
+
+    # field -> the values that change nothing (None: absent)
+    _NO_OP_VALUES: ClassVar[dict[str, tuple]] = {
+        "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0), "early_stopping": (None, False),
+        "prompt_logprobs": (None,), "include_stop_str_in_output": (None, False),
+        "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+        "truncate_prompt_tokens": (None,), "allowed_token_ids": (None,), "guided_json": (None,),
+        "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
+        "logits_processors": (None,), "return_tokens_as_token_ids": (None, False),
+    }
 
     def check_supported(self) -> None:
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) != 0:
-                raise APIError(400, f"{name} is not supported by kvshard; leave it at 0", name)
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported by kvshard", "logit_bias")
+        for name, no_op in self._NO_OP_VALUES.items():
+            value = getattr(self, name)
+            # (a bool is an int in Python: True must not pass for 1)
+            if not any(value is v or (type(value) is type(v) and value == v) for v in no_op):
+                default = "leave it out" if no_op == (None,) else f"leave it at {no_op[-1]!r} or out"
+                raise APIError(400, f"{name} is not supported by kvshard; {default}", name)
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
         if self.n > MAX_N:
             raise APIError(400, f"n must be at most {MAX_N}, got {self.n}", "n")
 
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's string keys -> token ids."""
+        if self.logit_bias is None:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not (key.isascii() and key.isdigit()) or len(key) > 19:
+                raise APIError(400, f"logit_bias keys must be token ids written as decimal strings, got {key!r}",
+                               "logit_bias")
+            bias[int(key)] = value
+        return bias
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        logit_bias = self._logit_bias()
         try:
             return SamplingParams(
                 n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
                 max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
                 ignore_eos=self.ignore_eos, logprobs=logprobs, kv_transfer_params=self.kv_transfer_params,
+                min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                min_tokens=self.min_tokens, logit_bias=logit_bias, bad_words=self.bad_words,
             )
         except ValueError as error:
             message = str(error)
@@ -186,6 +234,7 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    best_of: int | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -196,6 +245,8 @@ class ChatCompletionRequest(_GenerationRequest):
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise APIError(400, "response_format other than {'type': 'text'} is not supported by kvshard",
                            "response_format")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, "best_of other than n is not supported by kvshard", "best_of")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
@@ -525,7 +576,8 @@ class OpenAIServer:
         try:
             return self.validate_prompt(prompt, params)
         except ValueError as error:
-            raise APIError(400, str(error), param) from None
+            field = str(error).split()[0]  # the sampling fields checked against the model name themselves
+            raise APIError(400, str(error), field if field in ("logit_bias", "bad_words") else param) from None
 
     def _check_alive(self) -> None:
         if self.engine.refusal is not None:
