@@ -122,3 +122,26 @@ def test_unknown_routes_and_methods_answer_in_openai_s_shape(backends):
         missing, wrong = client.get("/v1/nothing"), client.get("/v1/completions")
     assert missing.status_code == 404 and "error" in missing.json()
     assert wrong.status_code == 405 and "error" in wrong.json()
+
+
+def test_a_consumer_that_forgot_the_producer_is_told_again(backends):
+    """A consumer restarted since the proxy registered the producer: its check names remote_engine_id."""
+    forgot = {"error": {"message": "not a producer this consumer may pull from", "type": "invalid_request_error",
+                        "param": "kv_transfer_params.remote_engine_id", "code": None}}
+    def consumer_answer(body):
+        if "engine_id" in body:
+            return 200, {}
+        checks = consumer.paths.count("/kv_transfer/check/v1/completions")
+        if consumer.paths[-1].startswith("/kv_transfer/check") and checks == 2:
+            return 400, forgot  # the 2nd request's first check: it restarted and forgot
+        return ok(body)
+
+    producer, consumer = backends(ok, "p0"), backends(consumer_answer)
+    with TestClient(Proxy([producer.url], [consumer.url], secret=SECRET).app) as client:
+        first = client.post("/v1/completions", json={"model": "m", "prompt": "a"})
+        second = client.post("/v1/completions", json={"model": "m", "prompt": "b"})
+    assert first.status_code == second.status_code == 200
+    assert consumer.paths == ["/kv_transfer/register", "/kv_transfer/check/v1/completions", "/v1/completions",
+                              "/kv_transfer/check/v1/completions", "/kv_transfer/register",
+                              "/kv_transfer/check/v1/completions", "/v1/completions"]
+    assert [p for p in producer.paths if p.startswith("/v1")] == ["/v1/completions"] * 2

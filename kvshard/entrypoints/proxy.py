@@ -1,10 +1,17 @@
 """`kvshard proxy --prefill URL... --decode URL...`: one OpenAI front door over producers and consumers.
 
-Each request goes to a producer (round robin) as a one-token prefill that keeps its
-KV under a fresh transfer id, then to a consumer (round robin) with where to fetch
-that KV; the consumer's answer, streamed or not, is the client's. An error from
-either side reaches the client in OpenAI's shape, with the status it came with
-(502 when a server cannot be reached).
+Each request is first checked by a consumer (round robin), which answers what it would
+answer the request itself; then it goes to a producer (round robin) as a one-token
+prefill that keeps its KV under a fresh transfer id, then to the consumer with the
+producer's engine id (the consumer learned where that producer is from the proxy's
+registration, never from the request); the consumer's answer, streamed or not, is the
+client's. Every request upstream carries the deployment's shared secret
+(disagg/secret.py). An error from either side reaches the client in OpenAI's shape,
+with the status it came with (502 when a server cannot be reached), and so do the
+proxy's own (400 for a body kvshard servers refuse). A client that hangs up, streamed
+or not, closes both upstream requests (which aborts them), and the producer is told
+to free the KV it holds for that request. docs/disaggregation.md has the whole
+exchange.
 """
 
 from __future__ import annotations
@@ -176,10 +183,14 @@ class Proxy:
         decode = {**body, "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": transfer_id,
                                                  "remote_engine_id": engine_id}}
         # the consumer checks the request first: what it would refuse costs the producer nothing
-        try:
-            check = await self.client.post(f"{decode_url}/kv_transfer/check{path}", json=decode, headers=headers)
-        except httpx.HTTPError as error:
-            raise _unreachable("decode", decode_url, error) from None
+        check = await self._check(decode_url, path, decode, headers)
+        if check.status_code != 200 and _error_param(check) == "kv_transfer_params.remote_engine_id":
+            # the consumer restarted and forgot the producer: tell it again, once
+            self._registered.discard((prefill_url, decode_url))
+            registered = await self._register(prefill_url, decode_url, engine_id, headers)
+            if registered is not None:
+                return registered
+            check = await self._check(decode_url, path, decode, headers)
         if check.status_code != 200:
             return _relay(check)
 
@@ -210,6 +221,12 @@ class Proxy:
             return _relay(response)
         state["fetched"] = True  # a stream that started has its KV
         return StreamingResponse(_events(response, decode_url), media_type="text/event-stream")
+
+    async def _check(self, decode_url: str, path: str, decode: dict, headers: dict) -> httpx.Response:
+        try:
+            return await self.client.post(f"{decode_url}/kv_transfer/check{path}", json=decode, headers=headers)
+        except httpx.HTTPError as error:
+            raise _unreachable("decode", decode_url, error) from None
 
     async def _producer_id(self, url: str, headers: dict) -> str | Response:
         if url not in self._engine_ids:
@@ -255,6 +272,13 @@ class Proxy:
         task = asyncio.ensure_future(release())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+def _error_param(response: httpx.Response) -> str | None:
+    try:
+        return response.json()["error"]["param"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 async def _disconnected(request: Request) -> None:
