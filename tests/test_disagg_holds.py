@@ -67,11 +67,11 @@ class Producer(KVConnector):
         return self.transfer_ok
 
 
-def pull_body(connector: Producer, transfer_id: str, num_tokens: int, **change) -> dict:
+def pull_body(connector: Producer, transfer_id: str, num_tokens: int, change: dict | None = None) -> dict:
     blocks = list(range(100, 100 + max(1, -(-num_tokens // BLOCK))))
     body = {"transfer_id": transfer_id, "consumer_id": "c0", "generation": 0, "num_tokens": num_tokens,
             "layout": LAYOUT, "blocks": blocks, "signature": connector.signature}
-    body.update(change)
+    body.update(change or {})
     return {k: v for k, v in body.items() if v is not None}
 
 
@@ -122,7 +122,7 @@ def test_no_sequence_of_events_leaks_a_held_block(ops):
             if kind == "pull":
                 body = pull_body(connector, transfer_id, hold.num_tokens - 1 if hold else 3)
             else:
-                body = pull_body(connector, transfer_id, hold.num_tokens - 1 if hold else 3, **BAD_PULLS[op[2]])
+                body = pull_body(connector, transfer_id, hold.num_tokens - 1 if hold else 3, BAD_PULLS[op[2]])
             try:
                 answer = connector.serve_pull(body)
             except PullRefused as refusal:
@@ -186,7 +186,7 @@ def test_a_malformed_pull_leaves_the_hold_to_its_timeout(bad):
         "do_remote_decode": True, "transfer_id": "x"}), request_id="r", block_table=blocks, num_computed_tokens=12))
     engine.pool.free(blocks)
     with pytest.raises(PullRefused):
-        connector.serve_pull(pull_body(connector, "x", 11, **bad))
+        connector.serve_pull(pull_body(connector, "x", 11, bad))
     connector.clock_.now += HOLD_S + 1
     assert connector.has_pending()
     connector.before_schedule()

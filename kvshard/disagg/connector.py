@@ -8,8 +8,8 @@ passes, or the producer shuts down. A consumer's pull arrives over HTTP
 (`serve_pull`), is checked whole before the hold is claimed, and is answered at
 once with the producer's layout, blocks and a ticket; a thread then waits (at
 most `transfer_timeout_s`) until the consumer says, in the producer's store under
-that ticket, that it is there, and only then does the engine thread run the
-send, between two steps. A consumer that never comes costs its hold, never the
+that ticket, that it is there (as long as an unclaimed hold would wait), and
+only then does the engine thread run the send, between two steps. A consumer that never comes costs its hold, never the
 engine's time.
 
 Consumer: a request with `kv_transfer_params.do_remote_prefill` leaves the
@@ -19,8 +19,9 @@ the proxy) and meets it in the store, and between two steps the engine thread
 has every rank receive its share into the reserved blocks; the request then joins
 the running batch with all prompt tokens but the last computed, so its first step
 computes that token and samples the first output token as a colocated engine
-would. One fetch per producer is in flight at a time, so both sides run their
-transfers in the same order. If anything fails, the blocks go back to the pool
+would. Pulls run side by side (each claims its hold at once), but a fetch meets
+its producer only once the fetch from that producer before it is over, so both
+sides run a pair's transfers in the same order. If anything fails, the blocks go back to the pool
 and that request alone ends with an error. A preempted request recomputes its
 prompt: the producer no longer holds the KV.
 
@@ -90,6 +91,7 @@ class _Fetch:
     plan: KVTransferPlan | None = None  # set by the thread once the producer is there
     error: str | None = None
     abandoned: bool = False  # its request ended (aborted) while the thread ran
+    turn: threading.Event = field(default_factory=threading.Event)  # set: it may meet its producer now
 
 
 class _PullReply(BaseModel):
@@ -164,7 +166,9 @@ class KVConnector:
         self.producers: dict[str, str] = dict(config.producers)  # engine id -> URL: whom this one may pull from
         self._owned: dict[int, _Fetch] = {}  # by seq_id: requests in no scheduler queue while their KV comes
         self._queue: deque[_Fetch] = deque()  # not started yet, in arrival order
-        self._busy: set[str] = set()  # producers with a fetch in flight
+        # per producer, fetches in the order they started: each meets its producer (and so transfers) only
+        # once the one before it is over, so that both sides run a pair's transfers in the same order
+        self._order: dict[str, deque[_Fetch]] = {}
         self._done: deque[_Fetch] = deque()  # fetches whose thread finished
         self._generation: dict[str, int] = {}  # per producer, bumped after a failed transfer
         self.fetches: Counter[str] = Counter({"ok": 0, "failed": 0})
@@ -258,13 +262,24 @@ class KVConnector:
                 if not self._done:
                     break
                 fetch = self._done.popleft()
-            output = self._finish_fetch(fetch)
+            try:
+                output = self._finish_fetch(fetch)
+            except EngineDeadError:
+                raise
+            except Exception as error:  # a bug in one fetch ends that request, not the engine
+                logger.exception("finishing the fetch of %s failed", fetch.seq.request_id)
+                output = next(iter(self._fail(fetch, f"{error!r}")), None)
             if output is not None:
                 failed.append(output)
         self._take_new_requests()
         for fetch in [f for f in self._queue if self._startable(f)]:
             if self._startable(fetch):  # an earlier start this round may have taken the producer or blocks
-                failed.extend(self._start_fetch(fetch))
+                try:
+                    failed.extend(self._start_fetch(fetch))
+                except Exception as error:
+                    logger.exception("starting the fetch of %s failed", fetch.seq.request_id)
+                    self._next_turn(fetch)
+                    failed.extend(self._fail(fetch, f"{error!r}"))
         return failed
 
     def close(self) -> None:
@@ -362,7 +377,8 @@ class KVConnector:
     def _meet_consumer(self, plan: KVTransferPlan, transfer_id: str, ticket: str) -> None:
         """Thread: wait for the consumer in the store; then the engine thread sends."""
         try:
-            self._meet(plan.store, ticket, "producer", "consumer", plan.timeout_s)
+            # as long as an unclaimed hold waits: the consumer may have transfers from here queued before it
+            self._meet(plan.store, ticket, "producer", "consumer", max(self.config.hold_timeout_s, plan.timeout_s))
         except Exception as error:
             logger.warning("the consumer of %s never came to the transfer: %s", transfer_id, error)
             with self._lock:
@@ -386,8 +402,6 @@ class KVConnector:
 
     def _startable(self, fetch: _Fetch) -> bool:
         engine = self.engine
-        if fetch.producer_id in self._busy:
-            return False
         in_flight = sum(1 for f in self._owned.values() if f.blocks)
         if len(engine.scheduler.running) + in_flight >= engine.config.scheduler.max_num_seqs:
             return False
@@ -400,7 +414,10 @@ class KVConnector:
         if url is None:  # the door checks this; a registration cannot be taken back, but be sure
             return self._fail(fetch, f"producer {fetch.producer_id!r} is not one this consumer may pull from")
         fetch.blocks = self.engine.pool.allocate(self.engine.layout.num_virtual_blocks(fetch.seq.num_tokens))
-        self._busy.add(fetch.producer_id)
+        order = self._order.setdefault(fetch.producer_id, deque())
+        order.append(fetch)
+        if order[0] is fetch:
+            fetch.turn.set()
         generation = self._generation.setdefault(fetch.producer_id, 0)
         self._spawn(self._pull, fetch, url, generation)
         return []
@@ -435,6 +452,9 @@ class KVConnector:
                 plan.transfers()
             except Exception as error:
                 raise _FetchFailed(f"the producer at {url} answered what is not a transfer: {error}") from None
+            wait_s = max(self.config.hold_timeout_s, plan.timeout_s)
+            if not fetch.turn.wait(wait_s):  # the fetches before it are still transferring
+                raise _FetchFailed(f"the transfers from {url} before this one took over {wait_s:g} s")
             try:
                 self._meet(plan.store, reply.ticket, "consumer", "producer", plan.timeout_s)
             except Exception as error:
@@ -450,13 +470,15 @@ class KVConnector:
 
     def _finish_fetch(self, fetch: _Fetch) -> RequestOutput | None:
         """Engine thread: a fetch's thread is done; receive, then run the request (or fail it)."""
-        self._busy.discard(fetch.producer_id)
         ok = fetch.error is None
-        if ok:
-            ok = self._transfer(fetch.plan)
-            if not ok:
-                self._generation[fetch.producer_id] = self._generation.get(fetch.producer_id, 0) + 1
-                fetch.error = "receiving the KV from the producer failed (it died or timed out)"
+        try:
+            if ok:
+                ok = self._transfer(fetch.plan)
+                if not ok:
+                    self._generation[fetch.producer_id] = self._generation.get(fetch.producer_id, 0) + 1
+                    fetch.error = "receiving the KV from the producer failed (it died or timed out)"
+        finally:
+            self._next_turn(fetch)
         self.fetches["ok" if ok else "failed"] += 1
         if fetch.abandoned:
             self.engine.pool.free(fetch.blocks)
@@ -470,17 +492,35 @@ class KVConnector:
         self.engine.scheduler.running.append(seq)
         return None
 
+    def _next_turn(self, fetch: _Fetch) -> None:
+        """`fetch` is over: the next fetch from its producer may meet it."""
+        order = self._order.get(fetch.producer_id)
+        if order is None or fetch not in order:
+            return
+        order.remove(fetch)
+        if order:
+            order[0].turn.set()
+        else:
+            del self._order[fetch.producer_id]
+
     def _fail(self, fetch: _Fetch, reason: str) -> list[RequestOutput]:
         logger.warning("request %s: %s", fetch.seq.request_id, reason)
         if fetch.blocks:
             self.engine.pool.free(fetch.blocks)
             fetch.blocks = []
-        request = self.engine.requests.pop(fetch.seq.request_id, None)
+        seq, scheduler = fetch.seq, self.engine.scheduler
+        self._owned.pop(seq.seq_id, None)
+        if fetch in self._queue:
+            self._queue.remove(fetch)
+        if seq.status is SequenceStatus.WAITING and seq not in scheduler.waiting:
+            scheduler.waiting.append(seq)  # back in the scheduler's queue, so that it ends as any request
+        request = self.engine.requests.pop(seq.request_id, None)
         if request is None:
-            self.forget(fetch.seq)
+            if not seq.is_finished:
+                scheduler.finish(seq, "abort")
             return []
         request.error = f"fetching the prompt's KV failed: {reason}"
-        self.engine._finish_all(request, "error")  # through `forget`, back to the scheduler, which ends it
+        self.engine._finish_all(request, "error")
         return [self.engine.output_processor.output(request)]
 
     # --- both ---------------------------------------------------------------------------

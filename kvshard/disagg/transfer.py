@@ -50,6 +50,10 @@ class KVTransferPlan:
         return plan_relayout(self.producer, self.producer_blocks, self.consumer, self.consumer_blocks,
                              self.num_tokens)
 
+    def run_on_rank(self, parallel: ParallelState, runner, device: torch.device) -> bool:
+        """A rank > 0 runs the plan rank 0 broadcast (engine/workers.py knows only this method)."""
+        return transfer_on_rank(self, parallel, runner.kv_caches, WORKER_GROUPS, device)
+
 
 class PairGroups:
     """This rank's process groups with other instances, by name, made on first use."""
@@ -87,6 +91,9 @@ class PairGroups:
         the next transfer with that instance makes new ones."""
         self._groups.pop(plan.group_name, None)
         self._stores.pop(plan.store, None)
+
+
+WORKER_GROUPS = PairGroups()  # a rank > 0's groups with the instances this one exchanges KV with
 
 
 def bound_store(host: str, port: int) -> dist.TCPStore:
