@@ -30,6 +30,7 @@ from server_harness import Server, start_together, stop_all
 
 MODEL = "kvshard-demo-gqa"
 SECRET = "security-test-secret-" + uuid.uuid4().hex
+API_KEY = "security-test-key"  # the deployment's: both servers, and the proxy's clients
 HOLD_TIMEOUT_S, TRANSFER_TIMEOUT_S = 4, 3
 COMMON = [MODEL, "--max-model-len", "512", "--kv-cache-memory", "16MiB"]
 ENV = {"KVSHARD_KV_TRANSFER_SECRET": SECRET}
@@ -55,9 +56,11 @@ def servers(tmp_path_factory):
     proxy_command = [sys.executable, "-m", "kvshard.entrypoints.cli", "proxy", "--port", str(proxy_port),
                      "--prefill", f"http://127.0.0.1:{producer_port}", "--decode", f"http://127.0.0.1:{consumer_port}"]
     started = start_together([
-        partial(Server, [*COMMON, *role("kv_producer")], tmp / "producer.log", port=producer_port, env=ENV),
-        partial(Server, [*COMMON, *role("kv_consumer")], tmp / "consumer.log", port=consumer_port, env=ENV),
-        partial(Server, [], tmp / "proxy.log", command=proxy_command, env=ENV),
+        partial(Server, [*COMMON, *role("kv_producer")], tmp / "producer.log", port=producer_port, env=ENV,
+                api_key=API_KEY),
+        partial(Server, [*COMMON, *role("kv_consumer")], tmp / "consumer.log", port=consumer_port, env=ENV,
+                api_key=API_KEY),
+        partial(Server, [], tmp / "proxy.log", command=proxy_command, env=ENV, api_key=API_KEY),
     ])
     yield started
     _, *codes = stop_all([started[2], started[0], started[1]])
@@ -117,11 +120,19 @@ def test_the_consumer_calls_no_address_a_client_names(servers):
             assert answer.status_code == 400, answer.text
         with pytest.raises(TimeoutError):
             listener.accept()  # nobody came
-    # the routes that let peers in need the secret
+    # the routes that let peers in need the secret, and the API key the servers have
     assert consumer.http.post("/kv_transfer/register", json={"engine_id": "x", "url": f"http://127.0.0.1:{port}"}
                               ).status_code == 403
     assert producer.http.get("/kv_transfer/info").status_code == 403
     assert producer.http.get("/kv_transfer/info", headers=WITH_SECRET).json()["kv_role"] == "kv_producer"
+    for server in (producer, consumer):
+        with httpx.Client(base_url=server.url, headers=WITH_SECRET) as keyless:
+            for method, path in [("GET", "/kv_transfer/info"), ("POST", "/kv_transfer/pull"),
+                                 ("POST", "/kv_transfer/release"), ("POST", "/kv_transfer/register"),
+                                 ("POST", "/kv_transfer/check/v1/completions")]:
+                answer = keyless.request(method, path, json={})
+                assert answer.status_code == 401, (path, answer.text)
+                assert answer.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_a_malformed_pull_is_refused_and_the_hold_still_ends_and_a_release_ends_it_at_once(servers):
@@ -172,6 +183,7 @@ def test_a_client_that_hangs_up_aborts_the_consumer_request(servers, stream):
     host, port = proxy.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as client:
         client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Authorization: Bearer " + API_KEY.encode() + b"\r\n"
                        b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
         assert consumer.wait_for_metric("kvshard:num_requests_running", lambda v: v == 1, timeout=20) == 1
     # the client hung up mid-generation
