@@ -309,7 +309,9 @@ def add_proxy_parser(subparsers) -> None:
         "proxy", help="OpenAI front door for disaggregated prefill (producers) and decode (consumers)",
         description="Send each request to a prefill server (started with --kv-transfer-config "
                     "'{\"kv_role\": \"kv_producer\"}'), hand its KV to a decode server (kv_consumer), and "
-                    "return the decode server's answer. Round robin over several of each.")
+                    "return the decode server's answer. Round robin over several of each. The proxy and the "
+                    "servers share the deployment's secret: $KVSHARD_KV_TRANSFER_SECRET, or one generated per "
+                    "user and machine (docs/disaggregation.md).")
     parser.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="producer base URLs")
     parser.add_argument("--decode", nargs="+", required=True, metavar="URL", help="consumer base URLs")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
