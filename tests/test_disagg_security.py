@@ -232,6 +232,29 @@ def test_a_producer_that_never_answers_delays_only_its_own_request(servers):
     assert consumer.http.get("/health").status_code == 200
 
 
+def test_a_consumer_that_pulls_and_never_comes_delays_no_stream_on_the_producer(servers):
+    producer, consumer, proxy = servers
+    transfer_id = uuid.uuid4().hex
+    hold(producer, transfer_id)
+    info = consumer.http.get("/kv_transfer/info", headers=WITH_SECRET).json()
+    answer = producer.http.post("/kv_transfer/pull", headers=WITH_SECRET, json={
+        "transfer_id": transfer_id, "consumer_id": "gone", "generation": 0, "num_tokens": 3, "blocks": [0],
+        "layout": info["layout"], "signature": info["signature"]})
+    assert answer.status_code == 200, answer.text  # claimed: the producer now waits for this consumer
+    arrivals, started = [], time.monotonic()
+    with producer.http.stream("POST", "/v1/completions", json=body(max_tokens=48, ignore_eos=True,
+                                                                   stream=True)) as streamed:
+        for line in streamed.iter_lines():
+            if line.startswith("data: {"):
+                arrivals.append(time.monotonic())
+    assert len(arrivals) >= 10
+    assert arrivals[0] - started < 1.0
+    assert max(b - a for a, b in zip(arrivals, arrivals[1:])) < 1.0  # its engine never waited for the consumer
+    # and the claimed hold ends once the consumer has not come within the hold timeout
+    assert producer.wait_for_metric(BLOCKS_USED, lambda v: v == 0, timeout=HOLD_TIMEOUT_S + 5) == 0
+    assert counter(producer, "kvshard:kv_transfer_holds_freed", reason="failed") >= 1
+
+
 def listening_addresses(pid: int) -> list[tuple[str, int]]:
     """(address, port) of every TCP socket process `pid` (and its children) listens on, from /proc."""
     pids = [pid] + [int(p.parent.name) for p in Path("/proc").glob("[0-9]*/stat")
