@@ -24,6 +24,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvshard.disagg.secret import HEADER
 from server_harness import Server, start_together, stop_all
@@ -253,6 +255,41 @@ def test_a_consumer_that_pulls_and_never_comes_delays_no_stream_on_the_producer(
     # and the claimed hold ends once the consumer has not come within the hold timeout
     assert producer.wait_for_metric(BLOCKS_USED, lambda v: v == 0, timeout=HOLD_TIMEOUT_S + 5) == 0
     assert counter(producer, "kvshard:kv_transfer_holds_freed", reason="failed") >= 1
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False,
+                    allow_infinity=False) | st.text(max_size=12), lambda inner: st.lists(inner, max_size=3)
+                    | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=8)
+TRANSFER_KEYS = ["do_remote_decode", "do_remote_prefill", "transfer_id", "remote_engine_id", "remote_host",
+                 "remote_port", "x"]
+TRANSFER_PARAMS = JSON | st.dictionaries(st.sampled_from(TRANSFER_KEYS), JSON | st.booleans() | st.text(
+    alphabet="abc-_:.", min_size=1, max_size=8), max_size=5)
+FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stop", "seed", "messages", "logprobs"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(params=TRANSFER_PARAMS, fields=st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=3),
+       chat=st.booleans(), through_proxy=st.booleans())
+def test_fuzzed_requests_never_get_a_5xx_nor_hurt_either_side(servers, params, fields, chat, through_proxy):
+    producer, consumer, proxy = servers
+    request = {"model": MODEL, "max_tokens": 2, **({"messages": [{"role": "user", "content": "hi"}]} if chat
+                                                    else {"prompt": "hi"}), **fields}
+    if not through_proxy:
+        request["kv_transfer_params"] = params
+    target = proxy if through_proxy else consumer
+    answer = target.http.post("/v1/chat/completions" if chat else "/v1/completions", json=request,
+                              headers=WITH_SECRET)
+    assert answer.status_code < 500, answer.text
+    assert "error" in answer.json() or answer.status_code == 200
+
+
+def test_after_the_fuzz_both_sides_are_healthy_and_hold_nothing(servers):
+    producer, consumer, proxy = servers
+    for server in servers:
+        assert server.http.get("/health").status_code == 200
+    assert proxy.http.post("/v1/completions", json=body()).status_code == 200
+    for server in (producer, consumer):
+        assert server.wait_for_metric(BLOCKS_USED, lambda v: v == 0, timeout=HOLD_TIMEOUT_S + 5) == 0
 
 
 def listening_addresses(pid: int) -> list[tuple[str, int]]:
