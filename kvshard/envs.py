@@ -48,3 +48,8 @@ def heartbeat_timeout_s() -> float:
     """$KVSHARD_HEARTBEAT_TIMEOUT: seconds without a tick after which a rank counts as stopped (also the
     deadline of the idle engine's round trip through every rank)."""
     return seconds_from_env("KVSHARD_HEARTBEAT_TIMEOUT", DEFAULT_HEARTBEAT_TIMEOUT_S)
+
+
+# The shared secret of a disaggregated deployment (proxy, producers, consumers; docs/disaggregation.md).
+# Unset: `kv_connector_extra_config.shared_secret`, else a secret generated once per user and machine.
+KV_TRANSFER_SECRET = "KVSHARD_KV_TRANSFER_SECRET"

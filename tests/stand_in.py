@@ -15,14 +15,25 @@ class Backend:
     """A stand-in server on a free port: answers every POST under `prefix` with `answer(body)` and keeps
     the bodies."""
 
-    def __init__(self, answer, prefix: str = "/v1") -> None:
+    def __init__(self, answer, prefix: str = "/v1", info: dict | None = None) -> None:
         self.bodies: list[dict] = []
+        self.paths: list[str] = []  # of every request, GET or POST, in order
+        self.headers: list[dict] = []
         app = FastAPI()
+
+        if info is not None:  # a stand-in producer or consumer: GET /kv_transfer/info
+            @app.get("/kv_transfer/info")
+            async def kv_info(request: Request):
+                self.paths.append(request.url.path)
+                self.headers.append(dict(request.headers))
+                return JSONResponse(info)
 
         @app.post(prefix + "/{path:path}")
         async def generate(request: Request):
             body = await request.json()
             self.bodies.append(body)
+            self.paths.append(request.url.path)
+            self.headers.append(dict(request.headers))
             status, payload = answer(body)
             return JSONResponse(payload, status_code=status)
 

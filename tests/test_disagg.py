@@ -25,6 +25,7 @@ import pytest
 import torch.distributed
 from fastapi.testclient import TestClient
 
+from kvshard.disagg.secret import HEADER, deployment_secret
 from kvshard.entrypoints.proxy import Proxy
 from kvshard.models.demo import DEMO_CONFIGS, build_demo_model
 from server_harness import Server, start_together, stop_all
@@ -52,6 +53,8 @@ PAIRS = {
     "gqa2_tp2_to_tp1": ("gqa2", ["-tp", "2", "--block-size", "8"], ["--block-size", "4"]),
 }
 FIRST_PAIR = next(iter(PAIRS))
+# the deployment's secret: servers and proxies started here read the same per-user file (disagg/secret.py)
+WITH_SECRET = {HEADER: deployment_secret()}
 # What a producer does when its KV is never fetched, or the transfer never starts, depends on its own
 # ranks, not on the consumer's layout nor the head count: one pair per producer layout (tp=2; tp=2,
 # dcp=2; tp=1 with MLA) runs those faults. The gqa2 pairs' producers (tp=1, tp=2) are layouts of these.
@@ -174,7 +177,7 @@ def pair(request, pair_starts):
 def complete(server: Server, model: str, prompt: str, **kwargs) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
             "logprobs": 1, **kwargs}
-    answer = server.http.post("/v1/completions", json=body)
+    answer = server.http.post("/v1/completions", json=body, headers=WITH_SECRET)
     assert answer.status_code == 200, answer.text
     return answer.json()["choices"][0]
 
@@ -190,6 +193,12 @@ def stream(server: Server, model: str, path: str, body: dict) -> str:
     assert all("error" not in e for e in events), events
     choices = [e["choices"][0] for e in events if e["choices"]]
     return "".join(c.get("text") or c.get("delta", {}).get("content") or "" for c in choices)
+
+
+def register(consumer: Server, engine_id: str, url: str) -> None:
+    """What the proxy does: tell the consumer where producer `engine_id` answers pulls."""
+    answer = consumer.http.post("/kv_transfer/register", headers=WITH_SECRET, json={"engine_id": engine_id, "url": url})
+    assert answer.status_code == 200, answer.text
 
 
 def blocks_back_to_zero(*servers: Server, timeout: float = 15) -> list[float]:
@@ -262,8 +271,8 @@ def test_a_consumer_that_dies_mid_transfer_lets_the_producer_free_the_kv(pair, r
     transfer_id = uuid.uuid4().hex
     prefill_and_hold(producer, model, transfer_id)
     # a consumer asks for the KV, then never joins the transfer (as if it died right after asking)
-    signature = consumer.http.get("/kv_transfer/info").json()["signature"]
-    answer = producer.http.post("/kv_transfer/pull", json={
+    signature = consumer.http.get("/kv_transfer/info", headers=WITH_SECRET).json()["signature"]
+    answer = producer.http.post("/kv_transfer/pull", headers=WITH_SECRET, json={
         "transfer_id": transfer_id, "consumer_id": "gone", "generation": 0, "num_tokens": 3,
         "layout": {"block_size": 4, "dcp": 1, "interleave": 1, "rank_heads": [[0, 1]]}, "blocks": [0],
         "signature": signature})
@@ -280,11 +289,12 @@ def test_a_producer_that_dies_fails_the_request_and_frees_the_consumer_blocks(pa
     transfer_id = uuid.uuid4().hex
     prefill_and_hold(doomed, model, transfer_id)
     port = int(doomed.url.rsplit(":", 1)[1])
+    register(consumer, "doomed", doomed.url)
     doomed.process.kill()
     doomed.stop()
-    answer = consumer.http.post("/v1/completions", json={
+    answer = consumer.http.post("/v1/completions", headers=WITH_SECRET, json={
         "model": model, "prompt": PROMPTS[3], "max_tokens": 4, "temperature": 0, "kv_transfer_params": {
-            "do_remote_prefill": True, "transfer_id": transfer_id, "remote_host": "127.0.0.1", "remote_port": port}})
+            "do_remote_prefill": True, "transfer_id": transfer_id, "remote_engine_id": "doomed"}})
     assert answer.status_code == 500
     assert "cannot be reached" in answer.json()["error"]["message"]
     assert blocks_back_to_zero(consumer) == [0]
@@ -302,16 +312,17 @@ def test_a_producer_that_vanishes_mid_transfer_fails_the_request_and_frees_the_c
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     vanishing = Backend(lambda body: (200, {
         "group_name": f"vanishing/{uuid.uuid4().hex}", "store": ["127.0.0.1", store.port], "blocks": list(range(16)),
-        "layout": {"block_size": 4, "dcp": 1, "interleave": 1, "rank_heads": [[0, 1]]}}), prefix="/kv_transfer")
+        "layout": {"block_size": 4, "dcp": 1, "interleave": 1, "rank_heads": [[0, 1]]}, "ticket": "t"}),
+        prefix="/kv_transfer")
     try:
-        answer = consumer.http.post("/v1/completions", json={
+        register(consumer, "vanishing", vanishing.url)
+        answer = consumer.http.post("/v1/completions", headers=WITH_SECRET, json={
             "model": model, "prompt": PROMPTS[3], "max_tokens": 4, "temperature": 0, "kv_transfer_params": {
-                "do_remote_prefill": True, "transfer_id": "t", "remote_host": "127.0.0.1",
-                "remote_port": vanishing.port}})
+                "do_remote_prefill": True, "transfer_id": "t", "remote_engine_id": "vanishing"}})
     finally:
         vanishing.stop()
     assert answer.status_code == 500
-    assert "receiving the KV from the producer" in answer.json()["error"]["message"]
+    assert "never came to the transfer" in answer.json()["error"]["message"]
     assert len(vanishing.bodies) == 1
     assert blocks_back_to_zero(consumer) == [0]
     # the consumer's ranks all came back from the failed transfer: the pair still serves

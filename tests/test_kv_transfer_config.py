@@ -24,10 +24,37 @@ def test_a_producer_config_reads_vllm_s_field_names():
     ('{"kv_role": "kv_consumer", "kv_connector": "NixlConnector"}', "is not available"),
     ('{"kv_role": "kv_consumer", "kv_connector_extra_config": {"transfer_timeout_s": 0}}', "seconds > 0"),
     ('{"kv_role": "kv_producer", "kv_port": 70000}', "not a TCP port"),
+    ('{"kv_role": "kv_consumer", "kv_connector_extra_config": {"producers": ["http://127.0.0.1:8100"]}}',
+     "producers must map producer engine ids"),
+    ('{"kv_role": "kv_consumer", "kv_connector_extra_config": {"producers": {"p": "127.0.0.1:8100"}}}',
+     "producers must map producer engine ids"),
+    ('{"kv_role": "kv_consumer", "kv_connector_extra_config": {"shared_secret": "short"}}', "at least 16"),
+    ('{"kv_role": "kv_consumer", "kv_connector_extra_config": {"hold_timeout": 5}}', "unknown kv_connector_extra"),
+    ('{"kv_role": "kv_consumer", "engine_id": "a b/c"}', "engine_id must be"),
 ])
 def test_a_bad_config_says_what_to_change(text: str, says: str):
     with pytest.raises(ConfigError, match=says):
         KVTransferConfig.from_json(text)
+
+
+def test_a_consumer_lists_the_producers_it_may_pull_from_and_the_secret():
+    config = KVTransferConfig.from_json('{"kv_role": "kv_consumer", "kv_connector_extra_config": {"producers": '
+                                        '{"prefill-0": "http://127.0.0.1:8100/"}, "shared_secret": "0123456789abcdef"}}')
+    assert config.producers == {"prefill-0": "http://127.0.0.1:8100"}
+    assert config.shared_secret == "0123456789abcdef"
+
+
+def test_the_deployment_secret_comes_from_the_environment_or_one_generated_file(tmp_path, monkeypatch):
+    from kvshard.disagg.secret import deployment_secret, secret_file
+
+    monkeypatch.setenv("KVSHARD_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("KVSHARD_KV_TRANSFER_SECRET", raising=False)
+    generated = deployment_secret()
+    assert len(generated) == 64 and deployment_secret() == generated  # made once, then read by everyone
+    assert secret_file().stat().st_mode & 0o077 == 0  # readable by its owner only
+    assert deployment_secret("configured-secret-123") == "configured-secret-123"
+    monkeypatch.setenv("KVSHARD_KV_TRANSFER_SECRET", "from-the-environment")
+    assert deployment_secret() == "from-the-environment"
 
 
 def test_serve_refuses_a_bad_role_before_starting(capsys):

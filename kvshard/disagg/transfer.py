@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -43,10 +44,15 @@ class KVTransferPlan:
     consumer_blocks: list[int]
     num_tokens: int
     timeout_s: float
+    host: str = "127.0.0.1"  # where this side's transfer sockets listen (its kv_ip)
 
     def transfers(self) -> list[RankTransfer]:
         return plan_relayout(self.producer, self.producer_blocks, self.consumer, self.consumer_blocks,
                              self.num_tokens)
+
+    def run_on_rank(self, parallel: ParallelState, runner, device: torch.device) -> bool:
+        """A rank > 0 runs the plan rank 0 broadcast (engine/workers.py knows only this method)."""
+        return transfer_on_rank(self, parallel, runner.kv_caches, WORKER_GROUPS, device)
 
 
 class PairGroups:
@@ -73,7 +79,10 @@ class PairGroups:
             options._timeout = timeout
             group = dist.ProcessGroupNCCL(prefixed, member, size, options)
         else:
-            group = dist.ProcessGroupGloo(prefixed, member, size, timeout)
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = timeout
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=plan.host)]  # not every interface
+            group = dist.ProcessGroupGloo(prefixed, member, size, options)
         self._groups[plan.group_name] = group
         return group
 
@@ -82,6 +91,25 @@ class PairGroups:
         the next transfer with that instance makes new ones."""
         self._groups.pop(plan.group_name, None)
         self._stores.pop(plan.store, None)
+
+
+WORKER_GROUPS = PairGroups()  # a rank > 0's groups with the instances this one exchanges KV with
+
+
+def bound_store(host: str, port: int) -> dist.TCPStore:
+    """A master `TCPStore` that listens on `host` only (TCPStore alone listens on every interface)."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(128)
+    except OSError:
+        listener.close()
+        raise
+    # the store owns the socket from here: detached, Python never closes it under the store
+    return dist.TCPStore(host, listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                         master_listen_fd=listener.detach(), use_libuv=False)
 
 
 def run_transfer(plan: KVTransferPlan, rank: int, kv_caches: list[KVCacheLayer], groups: PairGroups,

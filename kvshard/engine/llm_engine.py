@@ -134,6 +134,8 @@ class LLMEngine:
     def _finish_all(self, request: Request, reason: str) -> None:
         for seq in request.seqs:
             if not seq.is_finished:
+                if self.kv_connector is not None:
+                    self.kv_connector.forget(seq)  # a request whose KV is on its way: back in the queue to end
                 self.scheduler.finish(seq, reason)
 
     def has_unfinished_requests(self) -> bool:
@@ -327,6 +329,8 @@ class LLMEngine:
             self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.close()  # held and reserved KV blocks go back
         self.executor.shutdown()
 
 

@@ -11,7 +11,6 @@ import time
 import traceback
 
 from kvshard.config import EngineConfig
-from kvshard.disagg.transfer import KVTransferPlan, PairGroups, transfer_on_rank
 from kvshard.engine.model_runner import ModelRunner
 from kvshard.engine.process_setup import configure_process
 from kvshard.engine.step_plan import HEARTBEAT
@@ -33,15 +32,14 @@ def run_worker(config: EngineConfig, rank: int, master: tuple[str, int], beats=N
     state = init_parallel(config.parallel, rank, master, device)
     try:
         runner = ModelRunner(config, state, device)
-        pair_groups = PairGroups()  # process groups with the instances this one exchanges KV with
         while True:
             plan = broadcast_from_driver(None, state)
             if plan is None:
                 break
             if plan == HEARTBEAT:
                 exchange_heartbeat(state)
-            elif isinstance(plan, KVTransferPlan):
-                transfer_on_rank(plan, state, runner.kv_caches, pair_groups, device)
+            elif callable(getattr(plan, "run_on_rank", None)):  # e.g. a KV transfer (disagg/transfer.py)
+                plan.run_on_rank(state, runner, device)
             else:
                 runner.execute(plan)
     finally:

@@ -498,6 +498,8 @@ class OpenAIServer:
         self._reset_engine_prefix_cache = engine.reset_prefix_cache
         self._engine_stats = engine.stats
         self.api_key = api_key
+        # disagg/routes.py: checks `kv_transfer_params` (and the peer's secret) on servers that transfer KV
+        self.check_kv_transfer: Callable[[dict, Any], dict] | None = None
         self.app = self._build_app()
 
     def _build_app(self) -> FastAPI:
@@ -563,10 +565,16 @@ class OpenAIServer:
         ]}
 
     # --- generation routes --------------------------------------------------------------
-    def _check_request(self, request: _GenerationRequest) -> None:
+    def _check_request(self, request: _GenerationRequest, http: Request | None = None) -> None:
         if request.model not in self.model_names:
             raise APIError(404, f"The model `{request.model}` does not exist.", "model", "model_not_found")
         request.check_supported()
+        if request.kv_transfer_params is not None:
+            if self.check_kv_transfer is None:
+                raise APIError(400, "kv_transfer_params needs a server started with --kv-transfer-config",
+                               "kv_transfer_params")
+            request.kv_transfer_params = self.check_kv_transfer(request.kv_transfer_params,
+                                                                http.headers if http is not None else {})
         if any(not 0 <= t < self.vocab_size for t in request.stop_token_ids or []):
             raise APIError(400, f"stop_token_ids must be token ids in [0, {self.vocab_size})", "stop_token_ids")
 
@@ -585,7 +593,7 @@ class OpenAIServer:
 
     async def completions(self, request: Request) -> Response:
         body = _parse(CompletionRequest, await request.body())
-        self._check_request(body)
+        self._check_request(body, request)
         params = body.sampling_params(body.max_tokens, body.logprobs)
         raw = body.prompt
         raw_prompts = [raw] if isinstance(raw, str) or not raw or isinstance(raw[0], int) else raw
@@ -616,7 +624,7 @@ class OpenAIServer:
 
     async def chat_completions(self, request: Request) -> Response:
         body = _parse(ChatCompletionRequest, await request.body())
-        self._check_request(body)
+        self._check_request(body, request)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
         prompts = [self._tokenize(self._render_chat(body), params, "messages")]

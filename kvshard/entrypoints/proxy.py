@@ -1,17 +1,26 @@
 """`kvshard proxy --prefill URL... --decode URL...`: one OpenAI front door over producers and consumers.
 
-Each request goes to a producer (round robin) as a one-token prefill that keeps its
-KV under a fresh transfer id, then to a consumer (round robin) with where to fetch
-that KV; the consumer's answer, streamed or not, is the client's. An error from
-either side reaches the client in OpenAI's shape, with the status it came with
-(502 when a server cannot be reached).
+Each request is first checked by a consumer (round robin), which answers what it would
+answer the request itself; then it goes to a producer (round robin) as a one-token
+prefill that keeps its KV under a fresh transfer id, then to the consumer with the
+producer's engine id (the consumer learned where that producer is from the proxy's
+registration, never from the request); the consumer's answer, streamed or not, is the
+client's. Every request upstream carries the deployment's shared secret
+(disagg/secret.py). An error from either side reaches the client in OpenAI's shape,
+with the status it came with (502 when a server cannot be reached), and so do the
+proxy's own (400 for a body kvshard servers refuse). A client that hangs up, streamed
+or not, closes both upstream requests (which aborts them), and the producer is told
+to free the KV it holds for that request. docs/disaggregation.md has the whole
+exchange.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
@@ -19,9 +28,13 @@ from urllib.parse import urlsplit
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvshard.config import ConfigError
-from kvshard.entrypoints.openai_server import APIError
+from kvshard.disagg.secret import HEADER, deployment_secret
+from kvshard.entrypoints.openai_server import APIError, _http_error, _internal_error
+
+logger = logging.getLogger("kvshard.proxy")
 
 
 def _unreachable(role: str, url: str, error: Exception) -> APIError:
@@ -38,8 +51,36 @@ def _relay(response: httpx.Response) -> Response:
                         type="server_error").response()
 
 
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text[:20]} is too large for a number")
+    return value
+
+
+def parse_body(raw: bytes) -> dict:
+    """The client's JSON object, refused with 400 as kvshard servers refuse it: not JSON, NaN, Infinity,
+    numbers out of range, nesting too deep to parse, lone surrogates."""
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
+        json.dumps(body).encode("utf-8")  # a lone surrogate cannot be sent on
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except (ValueError, UnicodeError, RecursionError) as error:
+        raise APIError(400, f"the request body is not valid JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
+
+
 class Proxy:
-    def __init__(self, prefill: list[str], decode: list[str]) -> None:
+    """`secret`: the deployment's shared secret (disagg/secret.py); read from the environment or the
+    per-user file when not given."""
+
+    def __init__(self, prefill: list[str], decode: list[str], secret: str | None = None) -> None:
         if not prefill or not decode:
             raise ConfigError("kvshard proxy needs at least one --prefill URL and one --decode URL")
         for url in prefill + decode:
@@ -47,8 +88,12 @@ class Proxy:
                 raise ConfigError(f"{url!r} is not a server URL: give e.g. http://127.0.0.1:8100")
         self.prefill = [u.rstrip("/") for u in prefill]
         self.decode = [u.rstrip("/") for u in decode]
+        self.secret = secret or deployment_secret()
         self._next_prefill = itertools.cycle(self.prefill)
         self._next_decode = itertools.cycle(self.decode)
+        self._engine_ids: dict[str, str] = {}  # producer URL -> its engine id
+        self._registered: set[tuple[str, str]] = set()  # (producer, consumer) pairs the consumer knows
+        self._background: set[asyncio.Task] = set()
         self.client: httpx.AsyncClient | None = None
         self.app = self._build_app()
 
@@ -58,10 +103,13 @@ class Proxy:
             try:
                 yield
             finally:
+                await asyncio.gather(*self._background, return_exceptions=True)
                 await self.client.aclose()
 
         app = FastAPI(title="kvshard proxy", lifespan=lifespan)
         app.add_exception_handler(APIError, lambda request, error: error.response())
+        app.add_exception_handler(StarletteHTTPException, _http_error)
+        app.add_exception_handler(Exception, _internal_error)
         app.get("/health")(self.health)
         app.get("/v1/models")(self.models)
         app.post("/v1/completions")(self.completions)
@@ -92,26 +140,66 @@ class Proxy:
         return await self._generate(request, "/v1/chat/completions")
 
     async def _generate(self, request: Request, path: str) -> Response:
-        try:
-            body = json.loads(await request.body())
-        except ValueError as error:
-            raise APIError(400, f"the request body is not valid JSON: {error}") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object")
+        body = parse_body(await request.body())
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) > 1:
             raise APIError(400, "the disaggregated proxy takes one prompt per request", "prompt")
         if body.get("n", 1) != 1:
             raise APIError(400, "the disaggregated proxy serves n=1 only", "n")
-        headers = _auth(request)
-        transfer_id = uuid.uuid4().hex
+        if "kv_transfer_params" in body:
+            raise APIError(400, "kv_transfer_params is set by the proxy, not by its clients", "kv_transfer_params")
         prefill_url, decode_url = next(self._next_prefill), next(self._next_decode)
+        transfer_id = uuid.uuid4().hex
+        state = {"prefilled": False, "fetched": False}
+
+        async def run() -> Response:
+            return await self._disaggregate(request, path, body, prefill_url, decode_url, transfer_id, state)
+
+        # a client that hangs up, streamed or not, cancels what runs for it: both sides see it go
+        task = asyncio.ensure_future(run())
+        watcher = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if state["prefilled"] and (task.cancelled() or task.exception() is not None or not state["fetched"]):
+            self._release(prefill_url, transfer_id, request)  # nobody will fetch that KV
+        if task.cancelled():
+            return Response(status_code=499)  # the client is gone
+        return task.result()
+
+    async def _disaggregate(self, request: Request, path: str, body: dict, prefill_url: str, decode_url: str,
+                            transfer_id: str, state: dict) -> Response:
+        headers = {**_auth(request), HEADER: self.secret}
+        engine_id = await self._producer_id(prefill_url, headers)
+        if not isinstance(engine_id, str):
+            return engine_id  # the producer's answer: an error
+        registered = await self._register(prefill_url, decode_url, engine_id, headers)
+        if registered is not None:
+            return registered
+        decode = {**body, "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": transfer_id,
+                                                 "remote_engine_id": engine_id}}
+        # the consumer checks the request first: what it would refuse costs the producer nothing
+        check = await self._check(decode_url, path, decode, headers)
+        if check.status_code != 200 and _error_param(check) == "kv_transfer_params.remote_engine_id":
+            # the consumer restarted and forgot the producer: tell it again, once
+            self._registered.discard((prefill_url, decode_url))
+            registered = await self._register(prefill_url, decode_url, engine_id, headers)
+            if registered is not None:
+                return registered
+            check = await self._check(decode_url, path, decode, headers)
+        if check.status_code != 200:
+            return _relay(check)
 
         # a one-token prefill whose KV the producer keeps for the consumer
         prefill = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         prefill.update(max_tokens=1, kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id})
         if "max_completion_tokens" in prefill:
             prefill["max_completion_tokens"] = 1
+        state["prefilled"] = True  # from here the producer may hold KV for this request
         try:
             answer = await self.client.post(prefill_url + path, json=prefill, headers=headers)
         except httpx.HTTPError as error:
@@ -119,19 +207,83 @@ class Proxy:
         if answer.status_code != 200:
             return _relay(answer)
 
-        where = urlsplit(prefill_url)
-        decode = {**body, "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": transfer_id,
-                                                 "remote_host": where.hostname, "remote_port": where.port or 80}}
         upstream = self.client.build_request("POST", decode_url + path, json=decode, headers=headers)
         try:
             response = await self.client.send(upstream, stream=bool(body.get("stream")))
         except httpx.HTTPError as error:
             raise _unreachable("decode", decode_url, error) from None
         if not body.get("stream") or response.status_code != 200:
-            await response.aread()
-            await response.aclose()
+            try:
+                await response.aread()
+            finally:
+                await response.aclose()
+            state["fetched"] = response.status_code == 200
             return _relay(response)
+        state["fetched"] = True  # a stream that started has its KV
         return StreamingResponse(_events(response, decode_url), media_type="text/event-stream")
+
+    async def _check(self, decode_url: str, path: str, decode: dict, headers: dict) -> httpx.Response:
+        try:
+            return await self.client.post(f"{decode_url}/kv_transfer/check{path}", json=decode, headers=headers)
+        except httpx.HTTPError as error:
+            raise _unreachable("decode", decode_url, error) from None
+
+    async def _producer_id(self, url: str, headers: dict) -> str | Response:
+        if url not in self._engine_ids:
+            try:
+                answer = await self.client.get(f"{url}/kv_transfer/info", headers=headers)
+            except httpx.HTTPError as error:
+                raise _unreachable("prefill", url, error) from None
+            if answer.status_code != 200:
+                return _relay(answer)
+            try:
+                info = answer.json()
+                engine_id = info["engine_id"]
+                assert info["kv_role"] == "kv_producer" and isinstance(engine_id, str)
+            except (ValueError, KeyError, TypeError, AssertionError):
+                raise APIError(502, f"the prefill server at {url} is not a kv_producer", type="server_error") from None
+            self._engine_ids[url] = engine_id
+        return self._engine_ids[url]
+
+    async def _register(self, prefill_url: str, decode_url: str, engine_id: str, headers: dict) -> Response | None:
+        """The consumer learns where this producer answers pulls (once per pair)."""
+        if (prefill_url, decode_url) in self._registered:
+            return None
+        try:
+            answer = await self.client.post(f"{decode_url}/kv_transfer/register", headers=headers,
+                                            json={"engine_id": engine_id, "url": prefill_url})
+        except httpx.HTTPError as error:
+            raise _unreachable("decode", decode_url, error) from None
+        if answer.status_code != 200:
+            return _relay(answer)
+        self._registered.add((prefill_url, decode_url))
+        return None
+
+    def _release(self, prefill_url: str, transfer_id: str, request: Request) -> None:
+        """The producer frees the KV it may hold for this request (nobody will fetch it); in the
+        background, so that a client that left does not wait for it."""
+        async def release() -> None:
+            try:
+                await self.client.post(f"{prefill_url}/kv_transfer/release", json={"transfer_id": transfer_id},
+                                       headers={**_auth(request), HEADER: self.secret}, timeout=10)
+            except httpx.HTTPError as error:
+                logger.warning("releasing %s at %s failed: %s", transfer_id, prefill_url, error)
+
+        task = asyncio.ensure_future(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+def _error_param(response: httpx.Response) -> str | None:
+    try:
+        return response.json()["error"]["param"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _events(response: httpx.Response, url: str) -> AsyncIterator[bytes]:
@@ -157,7 +309,9 @@ def add_proxy_parser(subparsers) -> None:
         "proxy", help="OpenAI front door for disaggregated prefill (producers) and decode (consumers)",
         description="Send each request to a prefill server (started with --kv-transfer-config "
                     "'{\"kv_role\": \"kv_producer\"}'), hand its KV to a decode server (kv_consumer), and "
-                    "return the decode server's answer. Round robin over several of each.")
+                    "return the decode server's answer. Round robin over several of each. The proxy and the "
+                    "servers share the deployment's secret: $KVSHARD_KV_TRANSFER_SECRET, or one generated per "
+                    "user and machine (docs/disaggregation.md).")
     parser.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="producer base URLs")
     parser.add_argument("--decode", nargs="+", required=True, metavar="URL", help="consumer base URLs")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")

@@ -93,8 +93,11 @@ def _serve(config: EngineConfig, master: tuple[str, int] | None, listener: socke
             from kvshard.disagg.config import KVTransferConfig
             from kvshard.disagg.connector import KVConnector
             from kvshard.disagg.routes import attach_kv_transfer
+            from kvshard.disagg.secret import deployment_secret
 
-            attach_kv_transfer(server, KVConnector(engine, KVTransferConfig.from_json(kv_transfer_config)))
+            transfer_config = KVTransferConfig.from_json(kv_transfer_config)
+            secret = deployment_secret(transfer_config.shared_secret)
+            attach_kv_transfer(server, KVConnector(engine, transfer_config, secret, api_key))
         host, port = listener.getsockname()[:2]
         url_host = f"[{host}]" if ":" in host else host
         print(f"kvshard: serving {', '.join(model_names)} at http://{url_host}:{port}/v1 "

@@ -1,0 +1,193 @@
+"""The producer's holds always end, whatever consumers and the proxy do: a property test over random
+sequences of hold / pull / bad pull / meeting or not / transfer ok or failed / timeout / release /
+shutdown against the connector in-process (a real BlockPool; threads and transfers stood in for)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvshard.disagg.config import KVTransferConfig
+from kvshard.disagg.connector import KVConnector, PullRefused
+from kvshard.kv.block_pool import BlockPool
+from kvshard.kv.layout import DCPLayout
+
+BLOCK = 4
+LAYOUT = {"block_size": BLOCK, "dcp": 1, "interleave": 1, "rank_heads": [[0, 1]]}
+HOLD_S, TRANSFER_S = 60.0, 30.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def fake_engine(num_blocks: int = 64) -> SimpleNamespace:
+    config = SimpleNamespace(
+        dcp_layout=DCPLayout(BLOCK, 1, 1),
+        model=SimpleNamespace(num_kv_heads=1, dtype=torch.float32, hf_config=SimpleNamespace(vocab_size=128)),
+        parallel=SimpleNamespace(tensor_parallel_size=1, decode_context_parallel_size=1),
+        kv_cache_spec=SimpleNamespace(num_layers=2, key_dim=16, value_dim=16), kv_cache_dtype="auto")
+    return SimpleNamespace(config=config, pool=BlockPool(num_blocks), layout=config.dcp_layout)
+
+
+class Producer(KVConnector):
+    """The connector with its thread starts, store meetings and rank transfers in the test's hands."""
+
+    def __init__(self, engine) -> None:
+        self.jobs: list[tuple] = []  # threads not run yet
+        self.meet_ok = True
+        self.transfer_ok: bool | Exception = True
+        config = KVTransferConfig.from_json('{"kv_role": "kv_producer", "kv_connector_extra_config": '
+                                            f'{{"hold_timeout_s": {HOLD_S}, "transfer_timeout_s": {TRANSFER_S}}}}}')
+        self.clock_ = Clock()
+        super().__init__(engine, config, "s" * 32, clock=self.clock_, start_store=False)
+
+    @property
+    def store_address(self):
+        return "127.0.0.1", 1
+
+    def _spawn(self, target, *args) -> None:
+        self.jobs.append((target, args))
+
+    def _meet(self, *args) -> None:
+        if not self.meet_ok:
+            raise TimeoutError("the consumer never came")
+
+    def _on_every_rank(self, plan) -> bool:
+        if isinstance(self.transfer_ok, Exception):
+            raise self.transfer_ok
+        return self.transfer_ok
+
+
+def pull_body(connector: Producer, transfer_id: str, num_tokens: int, change: dict | None = None) -> dict:
+    blocks = list(range(100, 100 + max(1, -(-num_tokens // BLOCK))))
+    body = {"transfer_id": transfer_id, "consumer_id": "c0", "generation": 0, "num_tokens": num_tokens,
+            "layout": LAYOUT, "blocks": blocks, "signature": connector.signature}
+    body.update(change or {})
+    return {k: v for k, v in body.items() if v is not None}
+
+
+BAD_PULLS = [  # each must be refused, and must leave the hold as it was
+    {"consumer_id": None}, {"generation": "x"}, {"generation": -1}, {"num_tokens": 10**6},
+    {"layout": {"block_size": 0}}, {"layout": "x"}, {"blocks": ["a"]}, {"blocks": []}, {"signature": {}},
+    {"transfer_id": "nobody"}, {"transfer_id": ["x"]}, {"extra": 1}, {"layout": {**LAYOUT, "rank_heads": [[1, 0]]}},
+]
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("hold"), st.integers(1, 30)),  # a prefill of that many tokens finishes
+    st.tuples(st.just("pull"), st.integers(0, 9)),
+    st.tuples(st.just("bad_pull"), st.integers(0, 9), st.sampled_from(range(len(BAD_PULLS)))),
+    st.tuples(st.just("threads"), st.booleans()),  # the waiting threads end: the consumer came or not
+    st.tuples(st.just("step"), st.sampled_from(["ok", "failed", "raises"])),
+    st.tuples(st.just("time"), st.sampled_from([1.0, TRANSFER_S, HOLD_S + 1])),
+    st.tuples(st.just("release"), st.integers(0, 9)),
+    st.tuples(st.just("kill"),),
+), max_size=40)
+
+
+def held_blocks(connector: Producer) -> int:
+    return sum(len(h.blocks) for h in connector._holds.values())
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops)
+def test_no_sequence_of_events_leaks_a_held_block(ops):
+    engine = fake_engine()
+    connector = Producer(engine)
+    ids: list[str] = []
+    for op in ops:
+        kind = op[0]
+        if kind == "hold":
+            tokens = op[1]
+            blocks = engine.pool.allocate(-(-tokens // BLOCK))
+            transfer_id = f"t{len(ids)}"
+            ids.append(transfer_id)
+            seq = SimpleNamespace(params=SimpleNamespace(kv_transfer_params={"do_remote_decode": True,
+                                                                             "transfer_id": transfer_id}),
+                                  request_id=transfer_id, block_table=blocks, num_computed_tokens=tokens)
+            connector.on_finish(seq)
+            engine.pool.free(blocks)  # the request's own reference, as Scheduler.finish drops it
+        elif kind in ("pull", "bad_pull") and ids:
+            transfer_id = ids[op[1] % len(ids)]
+            hold = connector._holds.get(transfer_id)
+            before = (hold.claimed if hold else None)
+            if kind == "pull":
+                body = pull_body(connector, transfer_id, hold.num_tokens - 1 if hold else 3)
+            else:
+                body = pull_body(connector, transfer_id, hold.num_tokens - 1 if hold else 3, BAD_PULLS[op[2]])
+            try:
+                answer = connector.serve_pull(body)
+            except PullRefused as refusal:
+                assert refusal.status in (400, 404)
+                assert (hold.claimed if hold else None) == before  # a refused pull claims nothing
+            else:
+                assert kind == "pull" and hold is not None and not before and hold.claimed
+                assert answer["blocks"] == hold.blocks
+        elif kind == "threads":
+            connector.meet_ok = op[1]
+            jobs, connector.jobs = connector.jobs, []
+            for target, args in jobs:
+                target(*args)
+        elif kind == "step":
+            connector.transfer_ok = {"ok": True, "failed": False, "raises": RuntimeError("peer gone")}[op[1]]
+            assert connector.before_schedule() == []
+        elif kind == "time":
+            connector.clock_.now += op[1]
+            if connector.has_pending():
+                connector.before_schedule()
+        elif kind == "release" and ids:
+            connector.release(ids[op[1] % len(ids)])
+        elif kind == "kill":
+            connector.close()
+            assert engine.pool.num_used == 0
+            return
+        # every block in use is a hold's, held once; every hold made has ended or is still there
+        assert engine.pool.num_used == held_blocks(connector)
+        assert connector.holds_total == sum(connector.freed.values()) + len(connector._holds)
+    # whatever happened, time and the threads end every hold: nothing claimed stays claimed
+    connector.meet_ok = False
+    for target, args in connector.jobs:
+        target(*args)
+    connector.clock_.now += HOLD_S + TRANSFER_S + 1
+    assert connector.has_pending() == bool(connector._holds or connector._ready or connector._dropped
+                                           or connector._releases)
+    connector.before_schedule()
+    assert connector._holds == {} and engine.pool.num_used == 0
+    assert connector.holds_total == sum(connector.freed.values())
+
+
+def test_a_hold_released_before_it_is_made_is_never_made():
+    engine = fake_engine()
+    connector = Producer(engine)
+    connector.release("early")
+    connector.before_schedule()
+    blocks = engine.pool.allocate(2)
+    connector.on_finish(SimpleNamespace(params=SimpleNamespace(kv_transfer_params={
+        "do_remote_decode": True, "transfer_id": "early"}), request_id="r", block_table=blocks, num_computed_tokens=8))
+    engine.pool.free(blocks)
+    assert engine.pool.num_used == 0 and connector.freed["released"] == 1
+
+
+@pytest.mark.parametrize("bad", BAD_PULLS[:3])
+def test_a_malformed_pull_leaves_the_hold_to_its_timeout(bad):
+    """The probe's case: after a bad pull, the hold still ends by its timeout (it used to stay claimed)."""
+    engine = fake_engine()
+    connector = Producer(engine)
+    blocks = engine.pool.allocate(3)
+    connector.on_finish(SimpleNamespace(params=SimpleNamespace(kv_transfer_params={
+        "do_remote_decode": True, "transfer_id": "x"}), request_id="r", block_table=blocks, num_computed_tokens=12))
+    engine.pool.free(blocks)
+    with pytest.raises(PullRefused):
+        connector.serve_pull(pull_body(connector, "x", 11, bad))
+    connector.clock_.now += HOLD_S + 1
+    assert connector.has_pending()
+    connector.before_schedule()
+    assert engine.pool.num_used == 0 and connector.freed["timeout"] == 1
