@@ -66,4 +66,5 @@ def test_requests_the_proxy_cannot_split_are_refused(backends):
         several = client.post("/v1/completions", json={"model": "m", "prompt": ["a", "b"]})
         assert several.status_code == 400 and several.json()["error"]["param"] == "prompt"
         assert client.post("/v1/completions", json={"model": "m", "prompt": "a", "n": 2}).status_code == 400
-        assert client.post("/v1/completions", content=b"{").status_code == 400
+        json_type = {"content-type": "application/json"}
+        assert client.post("/v1/completions", content=b"{", headers=json_type).status_code == 400

@@ -362,7 +362,7 @@ def test_bad_request_gets_a_clear_4xx_and_the_server_keeps_serving(server, clien
     method, path, body, headers, status, param = case
     content = body if isinstance(body, bytes) else None
     response = server.http.request(method, path, content=content, json=None if content is not None else body,
-                                   headers=headers)
+                                   headers={"content-type": "application/json", **headers} if content else headers)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
