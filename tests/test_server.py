@@ -45,7 +45,9 @@ def servers(tmp_path_factory) -> dict[str, Server]:
     max_model_len); `cache`, with room for 1,000-token prompts, in blocks of 16."""
     tmp = tmp_path_factory.mktemp("serve")
     tight = [*SERVE_ARGS[:-4], "--max-model-len", "256", "--num-kv-blocks", "8"]
-    cache = [*SERVE_ARGS[:-4], "--max-model-len", "1536", "--kv-cache-memory", "16MiB", "--block-size", "16"]
+    # `bench serve` scrapes /metrics without the API key it sends to /v1
+    cache = [*SERVE_ARGS[:-4], "--max-model-len", "1536", "--kv-cache-memory", "16MiB", "--block-size", "16",
+             "--public-metrics"]
     running = dict(zip(["main", "tight", "cache"], start_together([
         partial(Server, [*SERVE_ARGS, "--served-model-name", MODEL], tmp / "main.log", api_key=API_KEY),
         partial(Server, tight, tmp / "tight.log"),

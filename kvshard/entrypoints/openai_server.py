@@ -445,7 +445,7 @@ class RequestDoor:
     say `Content-Type: application/json` (415: a web page may post text/plain cross-origin without asking);
     a Content-Length over `max_body_bytes` is refused before a byte of the body is read (413), and so is a
     chunked body once it passes the limit; a body that takes longer than `read_timeout` seconds to arrive
-    is a 408. A response sent before its request's body was read whole closes the connection.
+    is a 408, and its connection is closed.
     """
 
     def __init__(self, app, max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -465,8 +465,10 @@ class RequestDoor:
         headers = Headers(scope=scope)
         refusal = self._refusal(scope, headers)
         if refusal is not None:
-            response = JSONResponse(refusal.body(), status_code=refusal.status, headers={"connection": "close"})
-            await response(scope, receive, send)
+            # a body the request may still send is read and dropped by the server (timed_h11_protocol), so
+            # that its client sees this answer; but one whose framing is in doubt ends the connection
+            close = {"connection": "close"} if refusal.status == 400 else {}
+            await JSONResponse(refusal.body(), status_code=refusal.status, headers=close)(scope, receive, send)
             return
         has_body = "transfer-encoding" in headers or headers.get("content-length", "0") != "0"
         body_done = not has_body
@@ -483,8 +485,7 @@ class RequestDoor:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
             except TimeoutError:
-                raise APIError(408, f"the request body did not arrive within {self.read_timeout:g} s "
-                                    "(--request-read-timeout)", code="request_timeout") from None
+                raise _BodyTooSlow(self.read_timeout) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
@@ -492,12 +493,7 @@ class RequestDoor:
                 body_done = not message.get("more_body", False)
             return message
 
-        async def closing_send(message) -> None:
-            if message["type"] == "http.response.start" and not body_done:
-                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
-            await send(message)
-
-        await self.app(scope, limited_receive, closing_send)
+        await self.app(scope, limited_receive, send)
 
     def _refusal(self, scope, headers: Headers) -> APIError | None:
         path = scope["path"]
@@ -523,50 +519,64 @@ class RequestDoor:
         return None
 
 
+class _BodyTooSlow(APIError):
+    def __init__(self, timeout: float) -> None:
+        super().__init__(408, f"the request body did not arrive within {timeout:g} s (--request-read-timeout)",
+                         code="request_timeout")
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers={"connection": "close"})
+
+
 def _body_too_large(limit: int) -> APIError:
     return APIError(413, f"the request body is larger than {limit:,} bytes (--max-request-body-bytes)",
                     code="request_too_large")
 
 
-def timed_h11_protocol(header_timeout: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol, with a deadline for each request's headers (uvicorn has none: a client that
-    sends a byte a second keeps its connection forever). The clock starts when the connection opens, or
-    when the previous response ends, and stops once the request line and headers are in; a client that
-    is not done by then has its connection closed."""
+def timed_h11_protocol(read_timeout: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol, with deadlines where uvicorn has none (a client that sends a byte a second
+    would keep its connection forever): for each request's line and headers, from when the connection
+    opens or the previous response ends; and for the rest of a body that a response came before (a
+    refusal), which is read and dropped so that the client sees the answer rather than a reset. A client
+    that is not done in `read_timeout` seconds has its connection closed."""
 
     class TimedH11Protocol(H11Protocol):
-        _header_timer: asyncio.TimerHandle | None = None
+        _timer: asyncio.TimerHandle | None = None
+        _waiting_in: Any = None  # the state of the client's side that it must leave in time
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self._start_header_clock()
+            self._start_clock(h11.IDLE)
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
-            if self.conn.their_state is not h11.IDLE:
-                self._stop_header_clock()
+            if self._timer is not None and self.conn.their_state is not self._waiting_in:
+                self._stop_clock()
+                if self.conn.their_state is h11.IDLE:  # a dropped body ended: the next request's headers
+                    self._start_clock(h11.IDLE)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if self.conn.their_state is h11.IDLE:
-                self._start_header_clock()
+            if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
+                self._start_clock(self.conn.their_state)
 
         def connection_lost(self, exc) -> None:
-            self._stop_header_clock()
+            self._stop_clock()
             super().connection_lost(exc)
 
-        def _start_header_clock(self) -> None:
-            self._stop_header_clock()
-            self._header_timer = self.loop.call_later(header_timeout, self._headers_too_slow)
+        def _start_clock(self, waiting_in) -> None:
+            self._stop_clock()
+            self._waiting_in = waiting_in
+            self._timer = self.loop.call_later(read_timeout, self._too_slow)
 
-        def _stop_header_clock(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
+        def _stop_clock(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
 
-        def _headers_too_slow(self) -> None:
-            self._header_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+        def _too_slow(self) -> None:
+            self._timer = None
+            if self.conn.their_state is self._waiting_in and not self.transport.is_closing():
                 self.transport.close()
 
     return TimedH11Protocol
