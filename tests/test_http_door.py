@@ -93,9 +93,9 @@ def test_a_body_over_the_limit_is_a_413_by_content_length_and_chunked(server):
             yield big[start:start + 2**20]
 
     async def requests(client):
-        declared = await client.post("/v1/completions", content=big, headers={**AUTH, "content-type": "application/json"})
-        chunked = await client.post("/v1/completions", content=chunks(),
-                                    headers={**AUTH, "content-type": "application/json"})
+        json_type = {**AUTH, "content-type": "application/json"}
+        declared = await client.post("/v1/completions", content=big, headers=json_type)
+        chunked = await client.post("/v1/completions", content=chunks(), headers=json_type)
         return declared, chunked
 
     declared, chunked = call(server, requests)

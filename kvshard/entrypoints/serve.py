@@ -66,11 +66,13 @@ def check_door_args(args: argparse.Namespace) -> None:
         if value is not None and value < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
     if not args.request_read_timeout > 0:
-        raise ConfigError(f"--request-read-timeout must be a positive number of seconds, got {args.request_read_timeout}")
+        raise ConfigError(f"--request-read-timeout must be a positive number of seconds, "
+                          f"got {args.request_read_timeout}")
 
 
 def uvicorn_config(app, args: argparse.Namespace, **kwargs):
-    """uvicorn's settings for `app` under the door flags: h11 with a deadline for each request's headers."""
+    """uvicorn's settings for `app` under the door flags: h11 with deadlines for each request's headers
+    and for the rest of a refused body."""
     import uvicorn
 
     from kvshard.entrypoints.openai_server import timed_h11_protocol
@@ -145,8 +147,8 @@ def _reserve_rendezvous(master: tuple[str, int]) -> None:
 
 
 def _serve(config: EngineConfig, master: tuple[str, int] | None, listener: socket.socket,
-           model_names: list[str], api_key: str | None, kv_transfer_config: str | None = None,
-           args: argparse.Namespace | None = None) -> int:
+           model_names: list[str], api_key: str | None, kv_transfer_config: str | None,
+           args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvshard.engine.llm_engine import LLMEngine
@@ -155,11 +157,10 @@ def _serve(config: EngineConfig, master: tuple[str, int] | None, listener: socke
     print(config.layout_report(), flush=True)
     engine = LLMEngine(config, master=master)
     try:
-        args = args if args is not None else _default_door_args()
         server = OpenAIServer(engine, model_names, api_key, max_request_body_bytes=args.max_request_body_bytes,
                               request_read_timeout=args.request_read_timeout,
                               max_choices_per_request=args.max_choices_per_request,
-                              public_metrics=getattr(args, "public_metrics", False))
+                              public_metrics=args.public_metrics)
         if kv_transfer_config is not None:
             from kvshard.disagg.config import KVTransferConfig
             from kvshard.disagg.connector import KVConnector
@@ -185,9 +186,3 @@ def _serve(config: EngineConfig, master: tuple[str, int] | None, listener: socke
         print(f"kvshard: error: the engine died: {server.engine.dead_reason}", file=sys.stderr)
         return 1
     return 0
-
-
-def _default_door_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="kvshard serve")
-    add_door_args(parser)
-    return parser.parse_args([])
