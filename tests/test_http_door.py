@@ -232,20 +232,20 @@ def test_a_huge_prompt_is_refused_before_tokenizing_and_health_never_waits(serve
         return slowest, count, elapsed, response, chat, ids
 
     slowest, count, elapsed, response, chat, ids = call(server, requests)
-    assert slowest < 0.5, (slowest, count)  # the longest /health went unanswered
-    assert elapsed < 2.0, elapsed
+    assert slowest < 1.0, (slowest, count)  # the longest /health went unanswered (12.6 s when tokenized on the loop)
+    assert elapsed < 3.0, elapsed
     assert "characters cannot fit" in assert_openai_error(response, 400, "prompt")["message"]
     assert "characters cannot fit" in assert_openai_error(chat, 400, "messages")["message"]
     assert "200,000 token ids" in assert_openai_error(ids, 400, "prompt")["message"]
 
 
 def test_tokenizing_runs_off_the_event_loop(engine):
-    """A prompt that takes the tokenizer a while (here: a slowed one, 1.5 s) leaves /health answering."""
+    """A prompt that takes the tokenizer a while (here: a slowed one, 2.5 s) leaves /health answering."""
     slow = make_server(engine)
     validate = slow.validate_prompt
 
     def slow_validate(prompt, params):
-        time.sleep(1.5)
+        time.sleep(2.5)
         return validate(prompt, params)
 
     slow.validate_prompt = slow_validate
@@ -257,8 +257,10 @@ def test_tokenizing_runs_off_the_event_loop(engine):
 
     slowest, count, response = call(slow, requests)
     assert "maximum context length" in assert_openai_error(response, 400, "prompt")["message"]
-    assert count >= 10, count  # /health kept answering while the tokenizer worked
-    assert slowest < 0.5, slowest  # the longest /health went unanswered
+    # /health kept answering while the tokenizer worked (bounds with room for a loaded machine: on the
+    # event loop, /health would wait the whole 2.5 s)
+    assert count >= 8, count
+    assert slowest < 1.0, slowest  # the longest /health went unanswered
 
 
 # --- the proxy's door --------------------------------------------------------------------------------
