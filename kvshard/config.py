@@ -25,7 +25,7 @@ from kvshard.kv.cache import KVCacheSpec, head_dim_of, kv_cache_spec, resolve_kv
 from kvshard.kv.layout import DCPLayout
 from kvshard.models.demo import DEMO_MODELS, ensure_demo_model
 from kvshard.models.gguf import resolve_gguf
-from kvshard.models.loader import check_checkpoint_files
+from kvshard.models.loader import check_checkpoint_files, check_vocab_size
 from kvshard.models.quantization import parse_quantization_config
 from kvshard.models.registry import MLA_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 from kvshard.spec_decode.config import SpeculativeConfig
@@ -481,9 +481,12 @@ def load_model_config(model: str | os.PathLike, dtype: str | torch.dtype = "auto
     quantization = parse_quantization_config(raw.get("quantization_config"), config_file)
     if not any(path.glob("*.safetensors")):
         raise ConfigError(f"model directory {path} has no *.safetensors weights")
-    check_checkpoint_files(path)
+    shapes = check_checkpoint_files(path)
+    check_config_values(config_file, raw)
+    check_tokenizer_files(path)
 
     hf_config = _load_hf_config(path, raw, supported[0])
+    check_vocab_size(config_file, hf_config.vocab_size, shapes)
     checkpoint_dtype = raw.get("dtype") or raw.get("torch_dtype")
     architecture = supported[0]
     return ModelConfig(
@@ -495,6 +498,57 @@ def load_model_config(model: str | os.PathLike, dtype: str | torch.dtype = "auto
         is_mla=architecture in MLA_ARCHITECTURES,
         quantization=quantization,
     )
+
+
+# config.json fields kvshard reads, by what they must hold (null: not used)
+_POSITIVE_INT_FIELDS = (
+    "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+    "vocab_size", "max_position_embeddings", "head_dim", "moe_intermediate_size", "n_routed_experts",
+    "num_experts_per_tok", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "sliding_window", "n_group", "topk_group",
+)
+_NON_NEGATIVE_INT_FIELDS = ("first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers")
+_POSITIVE_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
+
+
+def check_config_values(config_file: Path, raw: dict) -> None:
+    """Every size in config.json an integer in range, every epsilon a positive number: a ConfigError naming
+    the file and the field, instead of a traceback from the middle of building a model."""
+    def is_int(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    for name in (*_POSITIVE_INT_FIELDS, *_NON_NEGATIVE_INT_FIELDS):
+        value = raw.get(name)
+        least = 1 if name in _POSITIVE_INT_FIELDS else 0
+        if value is not None and not (is_int(value) and value >= least):
+            what = "a positive integer" if least else "an integer >= 0"
+            raise ConfigError(f"{config_file}: {name}={value!r} must be {what}; the checkpoint's config is invalid")
+    for name in _POSITIVE_FLOAT_FIELDS:
+        value = raw.get(name)
+        if value is not None and not ((is_int(value) or isinstance(value, float)) and 0 < value < float("inf")):
+            raise ConfigError(f"{config_file}: {name}={value!r} must be a positive number; "
+                              "the checkpoint's config is invalid")
+
+
+def check_tokenizer_files(path: Path) -> None:
+    """tokenizer.json and tokenizer_config.json readable, before any rank starts: a ConfigError naming the file."""
+    settings = path / "tokenizer_config.json"
+    if settings.is_file():
+        try:
+            if not isinstance(json.loads(settings.read_text()), dict):
+                raise ValueError("not a JSON object")
+        except (UnicodeDecodeError, ValueError) as error:
+            raise ConfigError(f"{settings} cannot be read ({error}); the checkpoint's tokenizer is corrupt") from None
+    vocabulary = path / "tokenizer.json"
+    if vocabulary.is_file():
+        from tokenizers import Tokenizer
+
+        try:
+            Tokenizer.from_file(str(vocabulary))
+        except Exception as error:  # tokenizers raises its own Exception subclass
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise ConfigError(f"{vocabulary} cannot be loaded as a tokenizer ({reason}); "
+                              "the checkpoint's tokenizer is corrupt") from None
 
 
 def _load_hf_config(path: Path, raw: dict, architecture: str):
@@ -513,3 +567,6 @@ def _load_hf_config(path: Path, raw: dict, architecture: str):
             raise ConfigError(f"transformers cannot read {path / 'config.json'} (model_type {raw.get('model_type')!r})") from None
         fields = {k: v for k, v in raw.items() if k not in ("auto_map", "model_type")}
         return by_architecture[architecture](**fields)
+    except Exception as error:  # a field of the wrong kind (transformers' strict config validation), say
+        reason = " ".join(str(error).split())
+        raise ConfigError(f"{path / 'config.json'} is invalid: {reason}") from None

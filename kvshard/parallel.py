@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -118,6 +119,40 @@ def single_rank_state() -> ParallelState:
     return ParallelState(rank=0, world_size=1, dcp_rank=0, dcp_size=1, dcp_group_index=0)
 
 
+def uses_agent_store(master: tuple[str, int]) -> bool:
+    """Under torchrun the agent of node 0 already hosts a store at MASTER_ADDR:MASTER_PORT: every rank joins it."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and master == (
+        os.environ.get("MASTER_ADDR"), int(os.environ.get("MASTER_PORT", "0")))
+
+
+_reserved_listeners: dict[tuple[str, int], socket.socket] = {}
+
+
+def bind_rendezvous(host: str, port: int) -> socket.socket:
+    """A listening socket for the rendezvous store on `host` alone; OSError if the address is taken."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+        listener.listen(1024)
+    except OSError:
+        listener.close()
+        raise
+    return listener
+
+
+def reserve_rendezvous(host: str, port: int) -> None:
+    """Bind the rendezvous address now (a taken port is an error before any rank starts); `init_parallel`
+    on rank 0 uses this socket."""
+    _reserved_listeners[(host, port)] = bind_rendezvous(host, port)
+
+
+def take_rendezvous_listener(host: str, port: int) -> socket.socket:
+    reserved = _reserved_listeners.pop((host, port), None)
+    return reserved if reserved is not None else bind_rendezvous(host, port)
+
+
 def init_parallel(
     parallel: ParallelConfig,
     rank: int,
@@ -135,11 +170,14 @@ def init_parallel(
     if world == 1:
         return single_rank_state()
     host, port = master
-    # Under torchrun the agent of node 0 already hosts a store at MASTER_ADDR:MASTER_PORT: every rank joins it.
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and master == (
-        os.environ.get("MASTER_ADDR"), int(os.environ.get("MASTER_PORT", "0")))
-    store = dist.TCPStore(host, port, world, is_master=rank == 0 and not agent_store, timeout=COLLECTIVE_TIMEOUT,
-                          wait_for_workers=False)
+    agent_store = uses_agent_store(master)
+    hosts_store = rank == 0 and not agent_store
+    listener = take_rendezvous_listener(host, port) if hosts_store else None
+    # the store listens on the configured host only (torch's own listener would take every interface)
+    store = dist.TCPStore(host, port, world, is_master=hosts_store, timeout=COLLECTIVE_TIMEOUT,
+                          wait_for_workers=False, master_listen_fd=listener.fileno() if listener else None)
+    if listener is not None:
+        listener.detach()  # the store owns the descriptor now
     if agent_store:  # keys of an earlier attempt (a torchrun restart) must not count as joined
         store = dist.PrefixStore(f"kvshard/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
     store.set(f"kvshard/joined/{rank}", "1")

@@ -92,7 +92,8 @@ def test_requests_the_proxy_cannot_split_are_refused(backends):
         several = client.post("/v1/completions", json={"model": "m", "prompt": ["a", "b"]})
         assert several.status_code == 400 and several.json()["error"]["param"] == "prompt"
         assert client.post("/v1/completions", json={"model": "m", "prompt": "a", "n": 2}).status_code == 400
-        assert client.post("/v1/completions", content=b"{").status_code == 400
+        json_type = {"content-type": "application/json"}
+        assert client.post("/v1/completions", content=b"{", headers=json_type).status_code == 400
         own = client.post("/v1/completions", json={"model": "m", "prompt": "a", "kv_transfer_params": {}})
         assert own.status_code == 400 and own.json()["error"]["param"] == "kv_transfer_params"
 
@@ -111,7 +112,7 @@ def test_requests_the_proxy_cannot_split_are_refused(backends):
 def test_a_body_servers_answer_400_is_a_400_in_openai_s_shape(backends, body):
     producer, consumer = backends(ok, "p0"), backends(ok)
     with TestClient(Proxy([producer.url], [consumer.url], secret=SECRET).app) as client:
-        answer = client.post("/v1/completions", content=body)
+        answer = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["type"] == "invalid_request_error"
     assert producer.bodies == [] and consumer.bodies == []

@@ -45,7 +45,9 @@ def servers(tmp_path_factory) -> dict[str, Server]:
     max_model_len); `cache`, with room for 1,000-token prompts, in blocks of 16."""
     tmp = tmp_path_factory.mktemp("serve")
     tight = [*SERVE_ARGS[:-4], "--max-model-len", "256", "--num-kv-blocks", "8"]
-    cache = [*SERVE_ARGS[:-4], "--max-model-len", "1536", "--kv-cache-memory", "16MiB", "--block-size", "16"]
+    # `bench serve` scrapes /metrics without the API key it sends to /v1
+    cache = [*SERVE_ARGS[:-4], "--max-model-len", "1536", "--kv-cache-memory", "16MiB", "--block-size", "16",
+             "--public-metrics"]
     running = dict(zip(["main", "tight", "cache"], start_together([
         partial(Server, [*SERVE_ARGS, "--served-model-name", MODEL], tmp / "main.log", api_key=API_KEY),
         partial(Server, tight, tmp / "tight.log"),
@@ -363,7 +365,7 @@ def test_bad_request_gets_a_clear_4xx_and_the_server_keeps_serving(server, clien
     method, path, body, headers, status, param = case
     content = body if isinstance(body, bytes) else None
     response = server.http.request(method, path, content=content, json=None if content is not None else body,
-                                   headers=headers)
+                                   headers={"content-type": "application/json", **headers} if content else headers)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}

@@ -26,11 +26,14 @@ from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
+import h11
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvshard.engine.async_engine import AsyncLLMEngine
 from kvshard.engine.llm_engine import EngineDeadError, LLMEngine
@@ -49,6 +52,11 @@ MAX_N = 128  # OpenAI's limit on choices per request
 # Tokens a stream may run ahead of what its client has read before it is aborted. Beyond this the
 # client has stopped reading (kernel buffers are already full), and its KV blocks serve better elsewhere.
 DEFAULT_MAX_STREAM_BACKLOG = 1024
+# The door (docs/serving.md, "Limits and security"): what one request may bring, and how slowly.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 2**20
+DEFAULT_REQUEST_READ_TIMEOUT = 30.0  # seconds for a request's headers, and again for its body
+DEFAULT_MAX_CHOICES_PER_REQUEST = 256  # prompts x n
+DEFAULT_TIMEOUT_KEEP_ALIVE = 5  # uvicorn's and vLLM's default
 
 
 class APIError(Exception):
@@ -478,6 +486,153 @@ def reset_connection(scope) -> None:
     transport.abort()
 
 
+# --- the door: what reaches a route at all ----------------------------------------------------
+
+class RequestDoor:
+    """ASGI middleware in front of every route (also the proxy's).
+
+    In order: the API key (every path but `open_paths`); a request with both Content-Length and
+    Transfer-Encoding is refused (400: the two framings could disagree); a POST that carries a body must
+    say `Content-Type: application/json` (415: a web page may post text/plain cross-origin without asking);
+    a Content-Length over `max_body_bytes` is refused before a byte of the body is read (413), and so is a
+    chunked body once it passes the limit; a body that takes longer than `read_timeout` seconds to arrive
+    is a 408, and its connection is closed.
+    """
+
+    def __init__(self, app, max_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+                 read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT, api_key: str | None = None,
+                 open_paths: tuple[str, ...] = ("/health",), open_prefixes: tuple[str, ...] = ()) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.read_timeout = read_timeout
+        self.api_key = api_key
+        self.open_paths = open_paths
+        self.open_prefixes = open_prefixes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        refusal = self._refusal(scope, headers)
+        if refusal is not None:
+            # a body the request may still send is read and dropped by the server (timed_h11_protocol), so
+            # that its client sees this answer; but one whose framing is in doubt ends the connection
+            close = {"connection": "close"} if refusal.status == 400 else {}
+            await JSONResponse(refusal.body(), status_code=refusal.status, headers=close)(scope, receive, send)
+            return
+        has_body = "transfer-encoding" in headers or headers.get("content-length", "0") != "0"
+        body_done = not has_body
+        received = 0
+        deadline: float | None = None
+        loop = asyncio.get_running_loop()
+
+        async def limited_receive():
+            nonlocal body_done, received, deadline
+            if body_done:
+                return await receive()
+            if deadline is None:
+                deadline = loop.time() + self.read_timeout
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                raise _BodyTooSlow(self.read_timeout) from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise _body_too_large(self.max_body_bytes)
+                body_done = not message.get("more_body", False)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _refusal(self, scope, headers: Headers) -> APIError | None:
+        path = scope["path"]
+        if (self.api_key is not None and path not in self.open_paths
+                and not any(path.startswith(prefix) for prefix in self.open_prefixes)):
+            given = headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                return APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+        if "transfer-encoding" in headers and "content-length" in headers:
+            return APIError(400, "a request may not have both Content-Length and Transfer-Encoding")
+        has_body = "transfer-encoding" in headers or headers.get("content-length", "0") != "0"
+        if scope["method"] == "POST" and has_body:
+            media_type = headers.get("content-type", "").split(";")[0].strip().lower()
+            if media_type != "application/json":
+                return APIError(415, f"Content-Type must be application/json, got {media_type or 'none'!r}",
+                                code="unsupported_media_type")
+        length = headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                return APIError(400, f"Content-Length {length!r} is not a number of bytes")
+            if int(length) > self.max_body_bytes:
+                return _body_too_large(self.max_body_bytes)
+        return None
+
+
+class _BodyTooSlow(APIError):
+    def __init__(self, timeout: float) -> None:
+        super().__init__(408, f"the request body did not arrive within {timeout:g} s (--request-read-timeout)",
+                         code="request_timeout")
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers={"connection": "close"})
+
+
+def _body_too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than {limit:,} bytes (--max-request-body-bytes)",
+                    code="request_too_large")
+
+
+def timed_h11_protocol(read_timeout: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol, with deadlines where uvicorn has none (a client that sends a byte a second
+    would keep its connection forever): for each request's line and headers, from when the connection
+    opens or the previous response ends; and for the rest of a body that a response came before (a
+    refusal), which is read and dropped so that the client sees the answer rather than a reset. A client
+    that is not done in `read_timeout` seconds has its connection closed."""
+
+    class TimedH11Protocol(H11Protocol):
+        _timer: asyncio.TimerHandle | None = None
+        _waiting_in: Any = None  # the state of the client's side that it must leave in time
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._start_clock(h11.IDLE)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._timer is not None and self.conn.their_state is not self._waiting_in:
+                self._stop_clock()
+                if self.conn.their_state is h11.IDLE:  # a dropped body ended: the next request's headers
+                    self._start_clock(h11.IDLE)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
+                self._start_clock(self.conn.their_state)
+
+        def connection_lost(self, exc) -> None:
+            self._stop_clock()
+            super().connection_lost(exc)
+
+        def _start_clock(self, waiting_in) -> None:
+            self._stop_clock()
+            self._waiting_in = waiting_in
+            self._timer = self.loop.call_later(read_timeout, self._too_slow)
+
+        def _stop_clock(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+        def _too_slow(self) -> None:
+            self._timer = None
+            if self.conn.their_state is self._waiting_in and not self.transport.is_closing():
+                self.transport.close()
+
+    return TimedH11Protocol
+
+
 # --- the app ----------------------------------------------------------------------------------
 
 class OpenAIServer:
@@ -485,11 +640,23 @@ class OpenAIServer:
     engine loop and, at the end, stops every rank."""
 
     def __init__(self, engine: LLMEngine, served_model_names: list[str], api_key: str | None = None,
-                 max_stream_backlog: int | None = None) -> None:
+                 max_stream_backlog: int | None = None,
+                 max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+                 request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT,
+                 max_choices_per_request: int = DEFAULT_MAX_CHOICES_PER_REQUEST,
+                 public_metrics: bool = False) -> None:
         self.model_names = served_model_names
         self.tokenizer = engine.tokenizer
         self.validate_prompt = engine.validate_prompt
         self.max_model_len = engine.config.scheduler.max_model_len
+        self.max_request_body_bytes = max_request_body_bytes
+        self.request_read_timeout = request_read_timeout
+        self.max_choices_per_request = max_choices_per_request
+        self.public_metrics = public_metrics
+        # A prompt of more characters than this cannot fit in max_model_len tokens whatever it says: no token
+        # stands for more characters than the longest one in the vocabulary (twice that, for normalizers
+        # that merge characters). Such a prompt is refused before it is tokenized.
+        self.max_prompt_chars = 2 * self.max_model_len * _longest_token_chars(self.tokenizer)
         self.vocab_size = engine.config.model.hf_config.vocab_size
         self.max_stream_backlog = max_stream_backlog or _backlog_from_env()
         self.model_root = str(engine.config.model.path)
@@ -512,6 +679,11 @@ class OpenAIServer:
                 self.engine.shutdown()
 
         app = FastAPI(title="kvshard", lifespan=lifespan)
+        # /kv_transfer/* (disaggregated serving) checks its callers in its own routes
+        app.add_middleware(RequestDoor, max_body_bytes=self.max_request_body_bytes,
+                           read_timeout=self.request_read_timeout, api_key=self.api_key,
+                           open_paths=("/health", "/metrics") if self.public_metrics else ("/health",),
+                           open_prefixes=("/kv_transfer/",))
         app.add_exception_handler(APIError, lambda request, error: error.response())
         app.add_exception_handler(EngineDeadError, lambda request, error: _engine_dead(str(error)).response())
         app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -578,11 +750,30 @@ class OpenAIServer:
         if any(not 0 <= t < self.vocab_size for t in request.stop_token_ids or []):
             raise APIError(400, f"stop_token_ids must be token ids in [0, {self.vocab_size})", "stop_token_ids")
 
-    def _tokenize(self, prompt: str | list[int], params: SamplingParams, param: str) -> list[int]:
-        if isinstance(prompt, str) and self.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param)
+    def _check_choices(self, num_prompts: int, n: int) -> None:
+        if num_prompts * n > self.max_choices_per_request:
+            param = "n" if n > 1 else "prompt"
+            raise APIError(400, f"{param}: {num_prompts} prompts x n={n} ask for {num_prompts * n} choices, more "
+                                f"than {self.max_choices_per_request} per request (--max-choices-per-request)",
+                           param)
+
+    def _check_prompt_length(self, prompt: str | list[int], param: str) -> None:
+        """What cannot fit in max_model_len tokens, refused before any tokenizing."""
+        if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
+            raise APIError(400, f"{param}: {len(prompt):,} characters cannot fit in this model's maximum context "
+                                f"length of {self.max_model_len} tokens", param)
+        if isinstance(prompt, list) and len(prompt) >= self.max_model_len:
+            raise APIError(400, f"{param}: {len(prompt):,} token ids do not fit in this model's maximum context "
+                                f"length of {self.max_model_len} tokens", param)
+
+    async def _tokenize(self, prompts: list[str | list[int]], params: SamplingParams, param: str) -> list[list[int]]:
+        """Every prompt checked and tokenized, off the event loop (a long prompt takes seconds)."""
+        for prompt in prompts:
+            if isinstance(prompt, str) and self.tokenizer is None:
+                raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param)
+            self._check_prompt_length(prompt, param)
         try:
-            return self.validate_prompt(prompt, params)
+            return await asyncio.to_thread(lambda: [self.validate_prompt(p, params) for p in prompts])
         except ValueError as error:
             field = str(error).split()[0]  # the sampling fields checked against the model name themselves
             raise APIError(400, str(error), field if field in ("logit_bias", "bad_words") else param) from None
@@ -597,7 +788,8 @@ class OpenAIServer:
         params = body.sampling_params(body.max_tokens, body.logprobs)
         raw = body.prompt
         raw_prompts = [raw] if isinstance(raw, str) or not raw or isinstance(raw[0], int) else raw
-        prompts = [self._tokenize(p, params, "prompt") for p in raw_prompts]
+        self._check_choices(len(raw_prompts), params.n)
+        prompts = await self._tokenize(raw_prompts, params, "prompt")
         self._check_alive()
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -627,7 +819,8 @@ class OpenAIServer:
         self._check_request(body, request)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
-        prompts = [self._tokenize(self._render_chat(body), params, "messages")]
+        self._check_choices(1, params.n)
+        prompts = await self._tokenize([await self._render_chat(body)], params, "messages")
         self._check_alive()
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -681,20 +874,29 @@ class OpenAIServer:
 
         return _CuttableStream(events(), cut)
 
-    def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
+    async def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
+        """The conversation templated and tokenized, off the event loop; one too long to fit is refused first."""
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it cannot chat: use /v1/completions with token ids",
                            "messages")
         conversation = [{"role": m.role, "content": m.text} for m in body.messages]
+        chars = sum(len(m["content"]) for m in conversation)
+        if chars > self.max_prompt_chars:
+            raise APIError(400, f"messages: {chars:,} characters cannot fit in this model's maximum context "
+                                f"length of {self.max_model_len} tokens", "messages")
         template = None if getattr(self.tokenizer, "chat_template", None) else DEFAULT_CHAT_TEMPLATE
-        try:
-            text = self.tokenizer.apply_chat_template(
-                conversation, chat_template=template, tokenize=False, add_generation_prompt=body.add_generation_prompt
-            )
-        except Exception as error:  # the template rejected the conversation (e.g. role order)
-            raise APIError(400, f"the chat template cannot render these messages: {error}", "messages") from None
-        # the template writes the special tokens itself
-        return self.tokenizer.encode(text, add_special_tokens=False)
+
+        def render() -> list[int]:
+            try:
+                text = self.tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
+                                                          add_generation_prompt=body.add_generation_prompt)
+            except Exception as error:  # the template rejected the conversation (e.g. role order)
+                raise APIError(400, f"the chat template cannot render these messages: {error}", "messages") from None
+            self._check_prompt_length(text, "messages")
+            # the template writes the special tokens itself
+            return self.tokenizer.encode(text, add_special_tokens=False)
+
+        return await asyncio.to_thread(render)
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
@@ -727,6 +929,16 @@ class OpenAIServer:
              "top_logprobs": [item(i, lp) for i, lp in sorted(entry.items(), key=lambda kv: -kv[1])[:top]]}
             for t, entry in zip(token_ids, logprobs)
         ]}
+
+
+def _longest_token_chars(tokenizer) -> int:
+    """Characters of the vocabulary's longest token (byte-level vocabularies write one character per byte)."""
+    if tokenizer is None:
+        return 1
+    try:
+        return max(map(len, tokenizer.get_vocab()), default=1) or 1
+    except Exception:  # a tokenizer without a vocabulary to list
+        return 1024
 
 
 def _backlog_from_env() -> int:

@@ -32,7 +32,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvshard.config import ConfigError
 from kvshard.disagg.secret import HEADER, deployment_secret
-from kvshard.entrypoints.openai_server import APIError, _http_error, _internal_error
+from kvshard.entrypoints.openai_server import (DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_REQUEST_READ_TIMEOUT, APIError,
+                                               RequestDoor, _http_error, _internal_error)
 
 logger = logging.getLogger("kvshard.proxy")
 
@@ -80,7 +81,11 @@ class Proxy:
     """`secret`: the deployment's shared secret (disagg/secret.py); read from the environment or the
     per-user file when not given."""
 
-    def __init__(self, prefill: list[str], decode: list[str], secret: str | None = None) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], secret: str | None = None,
+                 max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+                 request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT) -> None:
+        self.max_request_body_bytes = max_request_body_bytes
+        self.request_read_timeout = request_read_timeout
         if not prefill or not decode:
             raise ConfigError("kvshard proxy needs at least one --prefill URL and one --decode URL")
         for url in prefill + decode:
@@ -110,6 +115,9 @@ class Proxy:
         app.add_exception_handler(APIError, lambda request, error: error.response())
         app.add_exception_handler(StarletteHTTPException, _http_error)
         app.add_exception_handler(Exception, _internal_error)
+        # the servers behind check the API key; the proxy bounds what a request may bring, and how slowly
+        app.add_middleware(RequestDoor, max_body_bytes=self.max_request_body_bytes,
+                           read_timeout=self.request_read_timeout)
         app.get("/health")(self.health)
         app.get("/v1/models")(self.models)
         app.post("/v1/completions")(self.completions)
@@ -316,6 +324,9 @@ def add_proxy_parser(subparsers) -> None:
     parser.add_argument("--decode", nargs="+", required=True, metavar="URL", help="consumer base URLs")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    from kvshard.entrypoints.serve import add_door_args
+
+    add_door_args(parser, serve=False)
     parser.set_defaults(func=run_proxy)
 
 
@@ -324,8 +335,12 @@ def run_proxy(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port < 2**16:
         raise ConfigError(f"--port {args.port} is not a TCP port: use 0..65535")
-    proxy = Proxy(args.prefill, args.decode)
+    from kvshard.entrypoints.serve import check_door_args, uvicorn_config
+
+    check_door_args(args)
+    proxy = Proxy(args.prefill, args.decode, max_request_body_bytes=args.max_request_body_bytes,
+                  request_read_timeout=args.request_read_timeout)
     print(f"kvshard proxy: serving disaggregated at http://{args.host}:{args.port}/v1 "
           f"(prefill: {', '.join(proxy.prefill)}; decode: {', '.join(proxy.decode)})", flush=True)
-    uvicorn.run(proxy.app, host=args.host, port=args.port, log_level="info")
+    uvicorn.Server(uvicorn_config(proxy.app, args, host=args.host, port=args.port, log_level="info")).run()
     return 0

@@ -29,10 +29,57 @@ def add_serve_parser(subparsers) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
     parser.add_argument("--api-key", default=os.environ.get("KVSHARD_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KVSHARD_API_KEY)")
+                        help="require 'Authorization: Bearer KEY' on every route but /health (and /metrics with "
+                             "--public-metrics) (default: $KVSHARD_API_KEY)")
+    parser.add_argument("--public-metrics", action="store_true",
+                        help="serve /metrics without the API key (for a Prometheus scraper)")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="model name(s) clients use (default: the MODEL argument)")
+    add_door_args(parser)
     parser.set_defaults(func=run_serve)
+
+
+def add_door_args(parser: argparse.ArgumentParser, serve: bool = True) -> None:
+    """What one request may bring, and how slowly (also `kvshard proxy`'s)."""
+    from kvshard.entrypoints.openai_server import (DEFAULT_MAX_CHOICES_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES,
+                                                   DEFAULT_REQUEST_READ_TIMEOUT, DEFAULT_TIMEOUT_KEEP_ALIVE)
+
+    group = parser.add_argument_group("limits")
+    group.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                       help="larger request bodies are refused with 413 (default: %(default)s)")
+    group.add_argument("--request-read-timeout", type=float, default=DEFAULT_REQUEST_READ_TIMEOUT,
+                       help="seconds a client may take to send a request's headers (then its connection is "
+                            "closed), and again its body (then 408) (default: %(default)s)")
+    group.add_argument("--timeout-keep-alive", type=int, default=DEFAULT_TIMEOUT_KEEP_ALIVE,
+                       help="seconds an idle keep-alive connection stays open (default: %(default)s)")
+    group.add_argument("--h11-max-incomplete-event-size", type=int, default=None,
+                       help="bytes of a request line and headers at most (default: uvicorn's, 16 KiB)")
+    if serve:
+        group.add_argument("--max-choices-per-request", type=int, default=DEFAULT_MAX_CHOICES_PER_REQUEST,
+                           help="prompts x n of one request at most; more is a 400 (default: %(default)s)")
+
+
+def check_door_args(args: argparse.Namespace) -> None:
+    for flag in ("max_request_body_bytes", "timeout_keep_alive", "h11_max_incomplete_event_size",
+                 "max_choices_per_request"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    if not args.request_read_timeout > 0:
+        raise ConfigError(f"--request-read-timeout must be a positive number of seconds, "
+                          f"got {args.request_read_timeout}")
+
+
+def uvicorn_config(app, args: argparse.Namespace, **kwargs):
+    """uvicorn's settings for `app` under the door flags: h11 with deadlines for each request's headers
+    and for the rest of a refused body."""
+    import uvicorn
+
+    from kvshard.entrypoints.openai_server import timed_h11_protocol
+
+    return uvicorn.Config(app, http=timed_h11_protocol(args.request_read_timeout),
+                          timeout_keep_alive=args.timeout_keep_alive,
+                          h11_max_incomplete_event_size=args.h11_max_incomplete_event_size, **kwargs)
 
 
 def launcher_rank() -> tuple[int, int, tuple[str, int]] | None:
@@ -47,6 +94,10 @@ def launcher_rank() -> tuple[int, int, tuple[str, int]] | None:
 def run_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port < 2**16:
         raise ConfigError(f"--port {args.port} is not a TCP port: use 0..65535")
+    check_door_args(args)
+    for name in args.served_model_name or []:
+        if not name.strip():
+            raise ConfigError(f"--served-model-name {name!r}: a model name must not be empty")
     config = EngineArgs.from_cli_args(args).create_engine_config()
     launched = launcher_rank()
     master = None
@@ -63,8 +114,10 @@ def run_serve(args: argparse.Namespace) -> int:
             run_worker(config, rank, master)
             return 0
     listener = _bind(args.host, args.port)
+    if master is not None and world_size > 1:
+        _reserve_rendezvous(master)
     return _serve(config, master, listener, args.served_model_name or [args.model], args.api_key,
-                  args.kv_transfer_config)
+                  args.kv_transfer_config, args)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -78,8 +131,24 @@ def _bind(host: str, port: int) -> socket.socket:
     return listener
 
 
+def _reserve_rendezvous(master: tuple[str, int]) -> None:
+    """Rank 0 hosts the ranks' rendezvous store at MASTER_ADDR:MASTER_PORT (unless torchrun's agent does): a
+    taken port is a flag error now, not a traceback once the ranks meet."""
+    from kvshard.parallel import reserve_rendezvous, uses_agent_store
+
+    if uses_agent_store(master):
+        return
+    host, port = master
+    try:
+        reserve_rendezvous(host, port)
+    except OSError as error:
+        raise ConfigError(f"cannot host the ranks' rendezvous at MASTER_ADDR={host} MASTER_PORT={port}: "
+                          f"{error.strerror or error}; choose another MASTER_PORT") from None
+
+
 def _serve(config: EngineConfig, master: tuple[str, int] | None, listener: socket.socket,
-           model_names: list[str], api_key: str | None, kv_transfer_config: str | None = None) -> int:
+           model_names: list[str], api_key: str | None, kv_transfer_config: str | None,
+           args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvshard.engine.llm_engine import LLMEngine
@@ -88,7 +157,10 @@ def _serve(config: EngineConfig, master: tuple[str, int] | None, listener: socke
     print(config.layout_report(), flush=True)
     engine = LLMEngine(config, master=master)
     try:
-        server = OpenAIServer(engine, model_names, api_key)
+        server = OpenAIServer(engine, model_names, api_key, max_request_body_bytes=args.max_request_body_bytes,
+                              request_read_timeout=args.request_read_timeout,
+                              max_choices_per_request=args.max_choices_per_request,
+                              public_metrics=args.public_metrics)
         if kv_transfer_config is not None:
             from kvshard.disagg.config import KVTransferConfig
             from kvshard.disagg.connector import KVConnector
@@ -102,7 +174,7 @@ def _serve(config: EngineConfig, master: tuple[str, int] | None, listener: socke
         url_host = f"[{host}]" if ":" in host else host
         print(f"kvshard: serving {', '.join(model_names)} at http://{url_host}:{port}/v1 "
               f"(health: /health, metrics: /metrics)", flush=True)
-        http_config = uvicorn.Config(with_connection_transport(server.app), log_level="info",
+        http_config = uvicorn_config(with_connection_transport(server.app), args, log_level="info",
                                      timeout_graceful_shutdown=5)
         # uvicorn shuts down cleanly on SIGINT/SIGTERM, then raises the signal again: make that a
         # KeyboardInterrupt for both, so that the exit status below says whether the engine died.

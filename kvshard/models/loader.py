@@ -30,10 +30,11 @@ def checkpoint_to_parameter(name: str, packed_modules: dict[str, tuple[str, obje
     return name, None
 
 
-def check_checkpoint_files(path: Path) -> None:
+def check_checkpoint_files(path: Path) -> dict[str, tuple[Path, list[int]]]:
     """Read only the headers of every *.safetensors file: a truncated or corrupt one is a ConfigError
     naming the file, before any rank starts (the format: an 8-byte little-endian header length, a JSON
-    header giving each tensor's byte range, then the data)."""
+    header giving each tensor's byte range, then the data). Returns each tensor's file and shape."""
+    shapes: dict[str, tuple[Path, list[int]]] = {}
     for file in sorted(path.glob("*.safetensors")):
         size = file.stat().st_size
         try:
@@ -43,11 +44,24 @@ def check_checkpoint_files(path: Path) -> None:
                     raise ValueError(f"its header claims {header_len:,} bytes but the file has {size:,}")
                 header = json.loads(f.read(header_len))
             ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+            shapes.update((name, (file, list(entry["shape"]))) for name, entry in header.items()
+                          if name != "__metadata__")
         except (struct.error, ValueError, TypeError, KeyError, IndexError, AttributeError) as error:
             raise ConfigError(f"{file} is not a readable safetensors file ({error}); download it again") from None
         if 8 + header_len + max(ends, default=0) > size:
             raise ConfigError(f"{file} is truncated: {size:,} bytes, its header needs "
                               f"{8 + header_len + max(ends):,}; download it again")
+    return shapes
+
+
+def check_vocab_size(config_file: Path, vocab_size: int, shapes: dict[str, tuple[Path, list[int]]]) -> None:
+    """The embedding (and a separate LM head) has one row per token of the vocabulary: a config that
+    says otherwise would index past the table, or leave rows no token id reaches."""
+    for name, (file, shape) in shapes.items():
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")) and len(shape) == 2 and shape[0] != vocab_size:
+            relation = "smaller" if vocab_size < shape[0] else "larger"
+            raise ConfigError(f"{config_file}: vocab_size={vocab_size} is {relation} than the {shape[0]} rows of "
+                              f"{name} in {file}; the checkpoint is inconsistent")
 
 
 def load_weights(model: nn.Module, path: Path, quantization: Fp8BlockQuantization | None = None) -> None:

@@ -1,0 +1,116 @@
+"""`kvshard serve` refusing what it cannot serve: a bad config.json value, a vocabulary that does not match
+the embedding, a tokenizer that does not load, an empty model name, a taken rendezvous port. Each is one
+line naming the file or flag and exit status 2, before any rank starts.
+
+In process: `kvshard.entrypoints.cli.main` as the command line calls it, with the step that would start
+the ranks (`serve._serve`) replaced by one that fails the test, so that nothing here starts a server.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+
+from kvshard.entrypoints import serve
+from kvshard.entrypoints.cli import main
+
+MODEL = "kvshard-demo-gqa"
+SMALL = ["--max-model-len", "512", "--kv-cache-memory", "16MiB", "--port", "0"]
+
+
+@pytest.fixture
+def no_ranks(monkeypatch):
+    def must_not_start(*args, **kwargs):
+        raise AssertionError("the ranks were about to start")
+
+    monkeypatch.setattr(serve, "_serve", must_not_start)
+
+
+def refused(capsys, argv: list[str], named: str) -> str:
+    status = main(["serve", *argv])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == 2, err
+    assert len(lines) == 1 and lines[0].startswith("kvshard: error:") and named in lines[0], err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def demo_dir():
+    from kvshard.models.demo import ensure_demo_model
+
+    return ensure_demo_model(MODEL)
+
+
+def copy_with(tmp_path: Path, demo_dir: Path, **config_changes) -> Path:
+    model = Path(shutil.copytree(demo_dir, tmp_path / "model"))
+    config = json.loads((model / "config.json").read_text())
+    config.update(config_changes)
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
+@pytest.mark.parametrize("field, value", [("num_hidden_layers", "four"), ("hidden_size", -64),
+                                          ("num_attention_heads", 2.5), ("intermediate_size", True),
+                                          ("rms_norm_eps", "tiny"), ("rope_theta", -1)])
+def test_a_bad_config_value_names_the_file_and_the_field(no_ranks, capsys, tmp_path, demo_dir, field, value):
+    model = copy_with(tmp_path, demo_dir, **{field: value})
+    line = refused(capsys, [str(model), *SMALL], str(model / "config.json"))
+    assert field in line
+
+
+def test_a_vocabulary_smaller_than_the_embedding_is_refused(no_ranks, capsys, tmp_path, demo_dir):
+    rows = json.loads((demo_dir / "config.json").read_text())["vocab_size"]
+    model = copy_with(tmp_path, demo_dir, vocab_size=rows - 12)
+    line = refused(capsys, [str(model), *SMALL], str(model / "config.json"))
+    assert f"vocab_size={rows - 12} is smaller than the {rows} rows" in line
+
+
+def test_a_corrupt_tokenizer_names_its_file(no_ranks, capsys, tmp_path, demo_dir):
+    model = copy_with(tmp_path, demo_dir)
+    tokenizer = model / "tokenizer.json"
+    tokenizer.write_bytes(tokenizer.read_bytes()[: tokenizer.stat().st_size // 2])  # an interrupted download
+    refused(capsys, [str(model), *SMALL], str(tokenizer))
+
+
+@pytest.mark.parametrize("name", ["", "  "])
+def test_an_empty_served_model_name_is_refused(no_ranks, capsys, name):
+    refused(capsys, [MODEL, *SMALL, "--served-model-name", "m", name], "--served-model-name")
+
+
+def test_a_taken_rendezvous_port_is_refused_before_the_ranks_meet(no_ranks, capsys, monkeypatch):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for name, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": str(port)}.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+        refused(capsys, [MODEL, *SMALL, "--tensor-parallel-size", "2"], f"MASTER_PORT={port}")
+
+
+def test_the_rendezvous_store_listens_on_the_configured_host_only():
+    """The store rank 0 hosts takes the address it is given (torch's own listener would take every interface)."""
+    from kvshard.parallel import bind_rendezvous, reserve_rendezvous, take_rendezvous_listener
+
+    with bind_rendezvous("127.0.0.1", 0) as probe:
+        assert probe.getsockname()[0] == "127.0.0.1"
+    reserve_rendezvous("127.0.0.1", 0)
+    listener = take_rendezvous_listener("127.0.0.1", 0)
+    try:
+        assert listener.getsockname()[0] == "127.0.0.1"
+        with pytest.raises(OSError):
+            bind_rendezvous("127.0.0.1", listener.getsockname()[1])  # taken
+    finally:
+        listener.close()
+
+
+@pytest.mark.parametrize("flag, value", [("--max-request-body-bytes", "0"), ("--request-read-timeout", "0"),
+                                         ("--max-choices-per-request", "-1"), ("--timeout-keep-alive", "0")])
+def test_a_bad_limit_is_a_flag_error(no_ranks, capsys, flag, value):
+    refused(capsys, [MODEL, *SMALL, flag, value], flag)
