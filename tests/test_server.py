@@ -45,9 +45,7 @@ def servers(tmp_path_factory) -> dict[str, Server]:
     max_model_len); `cache`, with room for 1,000-token prompts, in blocks of 16."""
     tmp = tmp_path_factory.mktemp("serve")
     tight = [*SERVE_ARGS[:-4], "--max-model-len", "256", "--num-kv-blocks", "8"]
-    # `bench serve` scrapes /metrics without the API key it sends to /v1
-    cache = [*SERVE_ARGS[:-4], "--max-model-len", "1536", "--kv-cache-memory", "16MiB", "--block-size", "16",
-             "--public-metrics"]
+    cache = [*SERVE_ARGS[:-4], "--max-model-len", "1536", "--kv-cache-memory", "16MiB", "--block-size", "16"]
     running = dict(zip(["main", "tight", "cache"], start_together([
         partial(Server, [*SERVE_ARGS, "--served-model-name", MODEL], tmp / "main.log", api_key=API_KEY),
         partial(Server, tight, tmp / "tight.log"),
@@ -649,7 +647,7 @@ def test_bench_serve_sends_agentic_sessions_turn_after_turn_and_reports_cached_t
                        "--result-file", str(tmp_path / "serve.json"), *workload])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "9 requests in 3 sessions" in out and "Turn 3: mean prompt/cached" in out
+    assert "9 requests in 3 sessions" in out and "Turn 3 (3): prompt/cached" in out
     result = json.loads((tmp_path / "serve.json").read_text())
     sessions = WorkloadSpec("sessions", vocab_size=model_vocab_size(MODEL), seed=3, context_scale=1 / 1024,
                             output_scale=1 / 16, num_turns=3).sessions(3)

@@ -147,9 +147,10 @@ class MetricsPoller:
     A failed scrape is counted and skipped: the benchmark goes on and says so.
     """
 
-    def __init__(self, base_url: str, interval: float = 0.25) -> None:
+    def __init__(self, base_url: str, interval: float = 0.25, api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.interval = interval
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}  # /metrics may need the key
         self.trace = MetricsTrace()
         self.failures = 0
         self.last_error: str | None = None
@@ -170,7 +171,7 @@ class MetricsPoller:
         return self.trace
 
     def _run(self) -> None:
-        with httpx.Client(timeout=5.0) as client:
+        with httpx.Client(timeout=5.0, headers=self.headers) as client:
             while True:
                 stopping = self._stop.is_set()  # after stop(): one last scrape, so counters cover the run
                 try:

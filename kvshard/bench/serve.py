@@ -265,7 +265,7 @@ def run_serve_benchmark(
         raise BenchmarkError(f"--request-rate must be positive (inf: all at once), got {request_rate}")
     base_url = base_url.rstrip("/")
     model = probe(base_url, model, api_key)
-    with MetricsPoller(base_url, metrics_interval) as poller:
+    with MetricsPoller(base_url, metrics_interval, api_key) as poller:
         outcomes, duration = asyncio.run(_run(base_url, model, sessions, max_concurrency, request_rate, seed,
                                               _auth(api_key), poller, progress, label, arrival_times))
     first = poller.trace.snapshots[0] if poller.trace.snapshots else ServerSnapshot()
