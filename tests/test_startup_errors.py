@@ -114,3 +114,16 @@ def test_the_rendezvous_store_listens_on_the_configured_host_only():
                                          ("--max-choices-per-request", "-1"), ("--timeout-keep-alive", "0")])
 def test_a_bad_limit_is_a_flag_error(no_ranks, capsys, flag, value):
     refused(capsys, [MODEL, *SMALL, flag, value], flag)
+
+
+def test_a_taken_kv_port_is_refused_before_the_ranks_start(no_ranks, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = json.dumps({"kv_role": "kv_producer", "kv_port": port})
+        refused(capsys, [MODEL, *SMALL, "--kv-transfer-config", config], f"kv_port {port}")
+    # a consumer has no store of its own: the port is not its to take
+    with pytest.raises(AssertionError, match="about to start"):
+        main(["serve", MODEL, *SMALL, "--kv-transfer-config", json.dumps({"kv_role": "kv_consumer",
+                                                                           "kv_port": port})])

@@ -116,6 +116,8 @@ def run_serve(args: argparse.Namespace) -> int:
     listener = _bind(args.host, args.port)
     if master is not None and world_size > 1:
         _reserve_rendezvous(master)
+    if args.kv_transfer_config is not None:
+        _check_kv_transfer_port(args.kv_transfer_config)
     return _serve(config, master, listener, args.served_model_name or [args.model], args.api_key,
                   args.kv_transfer_config, args)
 
@@ -129,6 +131,24 @@ def _bind(host: str, port: int) -> socket.socket:
     except OSError as error:
         raise ConfigError(f"cannot listen on {host}:{port}: {error.strerror or error}; choose another --host/--port")
     return listener
+
+
+def _check_kv_transfer_port(kv_transfer_config: str) -> None:
+    """A producer's KV store port (`kv_port`, when it names one) is checked before any rank starts: a taken
+    port is a flag error, not a traceback once the engine is up."""
+    from kvshard.disagg.config import KVTransferConfig
+
+    config = KVTransferConfig.from_json(kv_transfer_config)
+    if not config.is_producer or config.kv_port == 0:
+        return
+    try:
+        family = socket.getaddrinfo(config.kv_ip, config.kv_port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((config.kv_ip, config.kv_port))
+    except OSError as error:
+        raise ConfigError(f"--kv-transfer-config: cannot listen on kv_ip {config.kv_ip} kv_port {config.kv_port}: "
+                          f"{error.strerror or error}; choose another kv_port (0 picks a free one)") from None
 
 
 def _reserve_rendezvous(master: tuple[str, int]) -> None:
