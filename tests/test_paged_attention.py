@@ -188,3 +188,42 @@ def test_bad_inputs_are_refused():
     with pytest.raises(RuntimeError, match="block id out of range"):
         paged.paged_attention(q, key, value, torch.tensor([[0, 9]]), torch.tensor([0]), torch.tensor([20]), 16, 1.0,
                               use_kernel=True)
+
+
+# --- the backends (kvshard/attention/backends.py) on a step's metadata ---------------------------
+
+@pytest.mark.parametrize("kind", ["gqa", "mla", "fp8"])
+def test_backends_agree_on_a_step(kind):
+    from kvshard.attention.backends import ContextRows, make_backend
+    from kvshard.attention.metadata import AttentionMetadata
+    from kvshard.kv.cache import KVCacheSpec, KVScales, allocate_kv_cache
+
+    block_size, dcp, rank = 16, 2, 1
+    layout = DCPLayout(block_size, dcp, 4)
+    # decodes of spread-out lengths (several groups), one of them too short for this rank, then a
+    # prefill chunk continuing a cached prompt, then a first chunk (no context: past context_rows)
+    context_lens, query_lens = [2, 40, 41, 300, 64, 0], [1, 1, 1, 1, 5, 3]
+    tables = [[(7 * i + 3 * j) % 64 for j in range(12)] for i in range(6)]
+    meta = AttentionMetadata.build(context_lens, query_lens, tables, layout, rank, torch.device("cpu"),
+                                   decode_group_spread=0)
+    assert len(meta.groups) > 3 and meta.context_rows == 9
+    if kind == "mla":
+        spec, heads = KVCacheSpec(1, 1, key_dim=72, value_dim=64, value_in_key=True), 16
+    else:
+        spec, heads = KVCacheSpec(1, 3, key_dim=32, value_dim=32, value_in_key=False), 9
+    fp8 = kind == "fp8"
+    (cache,) = allocate_kv_cache(spec, 64, block_size, torch.float32, torch.device("cpu"),
+                                 cache_dtype=FP8_DTYPE if fp8 else None,
+                                 scales=[KVScales(0.05, 0.03)] if fp8 else None)
+    g = torch.Generator().manual_seed(5)
+    slots = torch.arange(cache.key.shape[0])
+    cache.write(slots, torch.randn(cache.key.shape, generator=g), torch.randn(cache.value.shape, generator=g))
+    q = torch.randn(meta.context_rows, heads, spec.key_dim, generator=g)
+    rows = ContextRows.from_metadata(meta)
+    assert rows.row_lens.tolist()[0] == 0  # rank 1 holds none of the 3-token request: lse -inf below
+    results = {name: make_backend(name).attend_context(q, cache, meta, 0.2)
+               for name in ("reference", "gather-flash", "paged")}
+    ref_out, ref_lse = results["reference"]
+    assert torch.isneginf(ref_lse[0]).all() and torch.isfinite(ref_lse[1:]).all()
+    for name in ("gather-flash", "paged"):
+        _check(*results[name], ref_out, ref_lse, atol=1e-5, rtol=1e-5)
