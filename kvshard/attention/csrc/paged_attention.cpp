@@ -49,16 +49,69 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  float acc[16] = {0};
+// Four query vectors against one key row: each k chunk is loaded once for the four.
+inline void dot4(const float* const* __restrict qs, const float* __restrict k, int64_t n, float* out) {
+  float a0[16] = {0}, a1[16] = {0}, a2[16] = {0}, a3[16] = {0};
+  const float *q0 = qs[0], *q1 = qs[1], *q2 = qs[2], *q3 = qs[3];
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    for (int l = 0; l < 16; ++l) acc[l] += a[i + l] * b[i + l];
+    for (int l = 0; l < 16; ++l) {
+      const float kv = k[i + l];
+      a0[l] += q0[i + l] * kv;
+      a1[l] += q1[i + l] * kv;
+      a2[l] += q2[i + l] * kv;
+      a3[l] += q3[i + l] * kv;
+    }
   }
-  float s = 0.0f;
-  for (int l = 0; l < 16; ++l) s += acc[l];
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
+  float* accs[4] = {a0, a1, a2, a3};
+  for (int v = 0; v < 4; ++v) {
+    float* a = accs[v];
+    for (int l = 0; l < 8; ++l) a[l] += a[l + 8];
+    for (int l = 0; l < 4; ++l) a[l] += a[l + 4];
+    float s = (a[0] + a[2]) + (a[1] + a[3]);
+    for (int64_t j = i; j < n; ++j) s += qs[v][j] * k[j];
+    out[v] = s;
+  }
+}
+
+// Four vectors' am[0, dv) += sum_j p[j] * v_j: each V chunk is loaded once for the four.
+inline void accumulate4(float* const* __restrict ams, const float* const* __restrict ps,
+                        const float* __restrict v, int64_t stride, int64_t n, int64_t dv) {
+  float *m0 = ams[0], *m1 = ams[1], *m2 = ams[2], *m3 = ams[3];
+  const float *p0 = ps[0], *p1 = ps[1], *p2 = ps[2], *p3 = ps[3];
+  int64_t i = 0;
+  for (; i + 16 <= dv; i += 16) {
+    float r0[16], r1[16], r2[16], r3[16];
+    for (int l = 0; l < 16; ++l) {
+      r0[l] = m0[i + l];
+      r1[l] = m1[i + l];
+      r2[l] = m2[i + l];
+      r3[l] = m3[i + l];
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vj = v + j * stride + i;
+      const float c0 = p0[j], c1 = p1[j], c2 = p2[j], c3 = p3[j];
+      for (int l = 0; l < 16; ++l) {
+        r0[l] += c0 * vj[l];
+        r1[l] += c1 * vj[l];
+        r2[l] += c2 * vj[l];
+        r3[l] += c3 * vj[l];
+      }
+    }
+    for (int l = 0; l < 16; ++l) {
+      m0[i + l] = r0[l];
+      m1[i + l] = r1[l];
+      m2[i + l] = r2[l];
+      m3[i + l] = r3[l];
+    }
+  }
+  for (; i < dv; ++i) {
+    for (int w = 0; w < 4; ++w) {
+      float r = ams[w][i];
+      for (int64_t j = 0; j < n; ++j) r += ps[w][j] * v[j * stride + i];
+      ams[w][i] = r;
+    }
+  }
 }
 
 // Rows of a cache (token stride `stride` elements, `n` channels used) as float32.
@@ -135,7 +188,7 @@ void run_item(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const QT* 
   const int64_t M = u.nrows * u.nheads, dk = sh.dk, dv = sh.dv, B = sh.block_size;
   const int64_t kb_size = Rows<CT>::kDirect ? 0 : B * dk;
   const int64_t vb_size = (Rows<CT>::kDirect || sh.v_in_k) ? 0 : B * dv;
-  scratch.resize(M * dk + M * dv + M * B + 2 * M + kb_size + vb_size);
+  scratch.resize(M * dk + M * dv + M * B + 2 * M + kb_size + vb_size + dv + B);
   float* qf = scratch.data();
   float* acc = qf + M * dk;
   float* s = acc + M * dv;
@@ -143,6 +196,9 @@ void run_item(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const QT* 
   float* sum = mx + M;
   float* kbuf = sum + M;
   float* vbuf = kbuf + kb_size;
+  float* dummy = vbuf + vb_size;  // the output of a missing fourth vector, thrown away
+  float* zeros = dummy + dv;      // its weights
+  std::fill(zeros, zeros + B, 0.0f);
   int64_t bounds[kMaxVectors];  // tokens each vector sees, up to t1
   int64_t reach = 0;  // the furthest token any vector of the item sees within [t0, t1)
   for (int64_t r = 0; r < u.nrows; ++r) {
@@ -185,16 +241,31 @@ void run_item(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const QT* 
         vstride = dv;
       }
     }
-    for (int64_t m = 0; m < M; ++m) {
-      const int64_t n = std::min<int64_t>(count, bounds[m] - tok0);
-      if (n <= 0) continue;
-      float* sm = s + m * B;
-      const float* qm = qf + m * dk;
-      float block_max = kNegInf;
+    // tokens of this block each vector sees
+    int64_t seen[kMaxVectors];
+    for (int64_t m = 0; m < M; ++m) seen[m] = std::max<int64_t>(0, std::min<int64_t>(count, bounds[m] - tok0));
+    // scores, four vectors at a time (a group's vectors see the most tokens any of them sees; the
+    // extra scores are never read)
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int64_t w = std::min<int64_t>(4, M - m0);
+      int64_t n = 0;
+      for (int64_t x = 0; x < w; ++x) n = std::max(n, seen[m0 + x]);
+      if (n == 0) continue;
+      const float* qs[4];
+      for (int64_t x = 0; x < 4; ++x) qs[x] = qf + (m0 + std::min(x, w - 1)) * dk;
+      float four[4];
       for (int64_t j = 0; j < n; ++j) {
-        sm[j] = dot(qm, krows + j * kstride, dk);
-        block_max = std::max(block_max, sm[j]);
+        dot4(qs, krows + j * kstride, dk, four);
+        for (int64_t x = 0; x < w; ++x) s[(m0 + x) * B + j] = four[x];
       }
+    }
+    // online softmax, per vector: the weights of this block's tokens replace their scores
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t n = seen[m];
+      float* sm = s + m * B;
+      if (n == 0) continue;
+      float block_max = kNegInf;
+      for (int64_t j = 0; j < n; ++j) block_max = std::max(block_max, sm[j]);
       float* am = acc + m * dv;
       const float new_max = std::max(mx[m], block_max);
       if (new_max > mx[m] && mx[m] != kNegInf) {
@@ -209,11 +280,21 @@ void run_item(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const QT* 
         total += sm[j];
       }
       sum[m] += total;
-      for (int64_t j = 0; j < n; ++j) {
-        const float p = sm[j];
-        const float* vj = vrows + j * vstride;
-        for (int64_t i = 0; i < dv; ++i) am[i] += p * vj[i];
+    }
+    // weighted values, four vectors at a time (a vector's weights past what it sees are zero)
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int64_t w = std::min<int64_t>(4, M - m0);
+      int64_t n = 0;
+      for (int64_t x = 0; x < w; ++x) n = std::max(n, seen[m0 + x]);
+      if (n == 0) continue;
+      for (int64_t x = 0; x < w; ++x) std::fill(s + (m0 + x) * B + seen[m0 + x], s + (m0 + x) * B + n, 0.0f);
+      float* ams[4];
+      const float* ps[4];
+      for (int64_t x = 0; x < 4; ++x) {
+        ams[x] = x < w ? acc + (m0 + x) * dv : dummy;
+        ps[x] = x < w ? s + (m0 + x) * B : zeros;
       }
+      accumulate4(ams, ps, vrows, vstride, n, dv);
     }
   }
   for (int64_t r = 0; r < u.nrows; ++r) {
