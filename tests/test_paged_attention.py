@@ -227,3 +227,23 @@ def test_backends_agree_on_a_step(kind):
     assert torch.isneginf(ref_lse[0]).all() and torch.isfinite(ref_lse[1:]).all()
     for name in ("gather-flash", "paged"):
         _check(*results[name], ref_out, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_without_a_compiler_one_log_line_and_the_gather_path(monkeypatch, caplog):
+    # a machine with no C++ compiler: no build is tried, one line says why, the gather path answers
+    monkeypatch.setattr(paged, "_module", None)
+    monkeypatch.setattr(paged, "_unavailable", None)
+    monkeypatch.setenv("CXX", "kvshard-no-such-compiler")
+    key, value, key_f, value_f, _ = _cache(8, 16, 1, 64, 64, torch.float32, False)
+    tables = _tables(2, 3, 8)
+    row_seq, row_lens = paged.row_lens_of([20, 40], [1, 1], DCPLayout(16, 1), 0)
+    q = torch.randn(2, 8, 64)
+    with caplog.at_level("WARNING", logger="kvshard.attention.paged"):
+        assert not paged.kernel_available()
+        out, lse = paged.paged_attention(q, key, value, tables, row_seq, row_lens, 16, 0.125)
+        paged.paged_attention(q, key, value, tables, row_seq, row_lens, 16, 0.125)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "no C++ compiler (kvshard-no-such-compiler)" in lines[0] and "gather path" in lines[0]
+    _check(out, lse, *_oracle(q, key_f, value_f, tables, row_seq, row_lens, 16, 0.125), atol=2e-5, rtol=2e-5)
+    with pytest.raises(RuntimeError, match="unavailable"):
+        paged.paged_attention(q, key, value, tables, row_seq, row_lens, 16, 0.125, use_kernel=True)
