@@ -118,10 +118,12 @@ def test_decode_rows_match_reference_fp32(heads, kv_heads, d, block_size, interl
 
 
 @pytest.mark.parametrize("block_size", [16, 64])
-def test_several_query_rows_per_request_causal(block_size):
+@pytest.mark.parametrize("heads,kv_heads,d,interleave,dcp", [(8, 1, 64, 4, 2), (9, 3, 32, 1, 1)])
+def test_several_query_rows_per_request_causal(block_size, heads, kv_heads, d, interleave, dcp):
     # speculative verification / a chunk's rows over the cache: each row sees up to its own position
-    lens = _run(heads=8, kv_heads=1, dk=64, dv=64, block_size=block_size, interleave=4, dcp=2, rank=0,
-                context_lens=[6, 90, 200], query_lens=[4, 3, 17])
+    # (with 3 heads per KV head, vectors of rows with different bounds share the kernel's groups of 4)
+    lens = _run(heads=heads, kv_heads=kv_heads, dk=d, dv=d, block_size=block_size, interleave=interleave, dcp=dcp,
+                rank=0, context_lens=[6, 90, 200], query_lens=[4, 3, 17])
     assert len(set(lens[:4].tolist())) > 1  # the rows of one request really have different bounds
 
 
