@@ -49,29 +49,44 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// 16 floats as one value (GCC/Clang vector extensions): accumulators stay in registers, lowered
+// to whatever vector width the target has. The unaligned type reads any float address.
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+
+inline v16 load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+inline void store16(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
+
+inline float hsum16(v16 a) {  // a tree of depth 4, not a chain of 15
+  float b[8];
+  for (int l = 0; l < 8; ++l) b[l] = a[l] + a[l + 8];
+  const float c0 = b[0] + b[4], c1 = b[1] + b[5], c2 = b[2] + b[6], c3 = b[3] + b[7];
+  return (c0 + c2) + (c1 + c3);
+}
+
 // Four query vectors against one key row: each k chunk is loaded once for the four.
 inline void dot4(const float* const* __restrict qs, const float* __restrict k, int64_t n, float* out) {
-  float a0[16] = {0}, a1[16] = {0}, a2[16] = {0}, a3[16] = {0};
+  v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
   const float *q0 = qs[0], *q1 = qs[1], *q2 = qs[2], *q3 = qs[3];
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    for (int l = 0; l < 16; ++l) {
-      const float kv = k[i + l];
-      a0[l] += q0[i + l] * kv;
-      a1[l] += q1[i + l] * kv;
-      a2[l] += q2[i + l] * kv;
-      a3[l] += q3[i + l] * kv;
-    }
+    const v16 kv = load16(k + i);
+    a0 += load16(q0 + i) * kv;
+    a1 += load16(q1 + i) * kv;
+    a2 += load16(q2 + i) * kv;
+    a3 += load16(q3 + i) * kv;
   }
-  float* accs[4] = {a0, a1, a2, a3};
-  for (int v = 0; v < 4; ++v) {
-    float* a = accs[v];
-    for (int l = 0; l < 8; ++l) a[l] += a[l + 8];
-    for (int l = 0; l < 4; ++l) a[l] += a[l + 4];
-    float s = (a[0] + a[2]) + (a[1] + a[3]);
-    for (int64_t j = i; j < n; ++j) s += qs[v][j] * k[j];
-    out[v] = s;
+  float s0 = hsum16(a0), s1 = hsum16(a1), s2 = hsum16(a2), s3 = hsum16(a3);
+  for (; i < n; ++i) {
+    s0 += q0[i] * k[i];
+    s1 += q1[i] * k[i];
+    s2 += q2[i] * k[i];
+    s3 += q3[i] * k[i];
   }
+  out[0] = s0;
+  out[1] = s1;
+  out[2] = s2;
+  out[3] = s3;
 }
 
 // Four vectors' am[0, dv) += sum_j p[j] * v_j: each V chunk is loaded once for the four.
@@ -81,29 +96,18 @@ inline void accumulate4(float* const* __restrict ams, const float* const* __rest
   const float *p0 = ps[0], *p1 = ps[1], *p2 = ps[2], *p3 = ps[3];
   int64_t i = 0;
   for (; i + 16 <= dv; i += 16) {
-    float r0[16], r1[16], r2[16], r3[16];
-    for (int l = 0; l < 16; ++l) {
-      r0[l] = m0[i + l];
-      r1[l] = m1[i + l];
-      r2[l] = m2[i + l];
-      r3[l] = m3[i + l];
-    }
+    v16 r0 = load16(m0 + i), r1 = load16(m1 + i), r2 = load16(m2 + i), r3 = load16(m3 + i);
     for (int64_t j = 0; j < n; ++j) {
-      const float* vj = v + j * stride + i;
-      const float c0 = p0[j], c1 = p1[j], c2 = p2[j], c3 = p3[j];
-      for (int l = 0; l < 16; ++l) {
-        r0[l] += c0 * vj[l];
-        r1[l] += c1 * vj[l];
-        r2[l] += c2 * vj[l];
-        r3[l] += c3 * vj[l];
-      }
+      const v16 vj = load16(v + j * stride + i);
+      r0 += p0[j] * vj;
+      r1 += p1[j] * vj;
+      r2 += p2[j] * vj;
+      r3 += p3[j] * vj;
     }
-    for (int l = 0; l < 16; ++l) {
-      m0[i + l] = r0[l];
-      m1[i + l] = r1[l];
-      m2[i + l] = r2[l];
-      m3[i + l] = r3[l];
-    }
+    store16(m0 + i, r0);
+    store16(m1 + i, r1);
+    store16(m2 + i, r2);
+    store16(m3 + i, r3);
   }
   for (; i < dv; ++i) {
     for (int w = 0; w < 4; ++w) {
@@ -274,11 +278,9 @@ void run_item(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const QT* 
         for (int64_t i = 0; i < dv; ++i) am[i] *= alpha;
       }
       mx[m] = new_max;
+      for (int64_t j = 0; j < n; ++j) sm[j] = exp_nonpositive(sm[j] - new_max);  // vectorised
       float total = 0.0f;
-      for (int64_t j = 0; j < n; ++j) {
-        sm[j] = exp_nonpositive(sm[j] - new_max);
-        total += sm[j];
-      }
+      for (int64_t j = 0; j < n; ++j) total += sm[j];
       sum[m] += total;
     }
     // weighted values, four vectors at a time (a vector's weights past what it sees are zero)
