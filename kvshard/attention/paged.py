@@ -34,7 +34,7 @@ from kvshard.kv.layout import DCPLayout
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-_FLAGS = ["-O3", "-std=c++17", "-fno-math-errno"]
+_FLAGS = ["-O3", "-fno-math-errno"]
 _lock = threading.Lock()
 _module = None
 _unavailable: str | None = None  # why the kernel could not be built, once known
@@ -110,7 +110,8 @@ def load_extension():
                 _module = load(name=name, sources=[str(_SOURCE)], extra_cflags=flags,
                                build_directory=str(build_dir), verbose=False)
             except Exception as exc:  # noqa: BLE001 - any build failure falls back, with its reason
-                _unavailable = f"building it failed ({type(exc).__name__}: {str(exc).strip().splitlines()[-1:]})"
+                last = (str(exc).strip().splitlines() or [""])[-1]
+                _unavailable = f"building it in {build_dir} failed ({type(exc).__name__}: {last})"
         if _unavailable is not None:
             logger.warning("kvshard: the paged attention kernel is unavailable: %s; attention uses the gather path",
                            _unavailable)

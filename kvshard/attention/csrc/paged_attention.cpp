@@ -57,11 +57,20 @@ typedef float v16u __attribute__((vector_size(64), aligned(4)));
 inline v16 load16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 inline void store16(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
 
-inline float hsum16(v16 a) {  // a tree of depth 4, not a chain of 15
-  float b[8];
-  for (int l = 0; l < 8; ++l) b[l] = a[l] + a[l + 8];
-  const float c0 = b[0] + b[4], c1 = b[1] + b[5], c2 = b[2] + b[6], c3 = b[3] + b[7];
-  return (c0 + c2) + (c1 + c3);
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+// The sums of four vectors' lanes, as one 4-vector: halves added level by level, no scalar chain.
+inline v4 hsum4(v16 a0, v16 a1, v16 a2, v16 a3) {
+  const v16 x01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                  __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const v16 x23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                  __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const v16 y = __builtin_shufflevector(x01, x23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                __builtin_shufflevector(x01, x23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const v8 z = __builtin_shufflevector(y, y, 0, 1, 4, 5, 8, 9, 12, 13) +
+               __builtin_shufflevector(y, y, 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(z, z, 0, 2, 4, 6) + __builtin_shufflevector(z, z, 1, 3, 5, 7);
 }
 
 // Four query vectors against one key row: each k chunk is loaded once for the four.
@@ -76,7 +85,8 @@ inline void dot4(const float* const* __restrict qs, const float* __restrict k, i
     a2 += load16(q2 + i) * kv;
     a3 += load16(q3 + i) * kv;
   }
-  float s0 = hsum16(a0), s1 = hsum16(a1), s2 = hsum16(a2), s3 = hsum16(a3);
+  const v4 sums = hsum4(a0, a1, a2, a3);
+  float s0 = sums[0], s1 = sums[1], s2 = sums[2], s3 = sums[3];
   for (; i < n; ++i) {
     s0 += q0[i] * k[i];
     s1 += q1[i] * k[i];
