@@ -4,7 +4,7 @@ their cached context.
 Compares the paged kernel (kvshard/attention/paged.py: reads the blocks where they lie) with
 today's path (KVCacheLayer.gather into reused buffers, then attention_with_lse, PyTorch's flash
 kernel) and the plain-matmul reference over the same gathered copy. Reports the median time per
-call, the KV bytes the call must read (every visible token's K and V, as stored) per second,
+call (the paged and gather+flash samples taken in turn, so that other load falls on both), the KV bytes the call must read (every visible token's K and V, as stored) per second,
 and that against the machine's copy bandwidth, measured here as a large tensor copy (bytes
 read per second).
 
@@ -54,18 +54,27 @@ def cpu_model() -> str:
 
 def timed(fn, repeat: int, min_seconds: float = 0.2) -> float:
     """Median seconds per call over `repeat` samples, each at least a few calls long."""
-    fn()
-    start = time.perf_counter()
-    fn()
-    once = max(time.perf_counter() - start, 1e-6)
-    inner = max(1, min(50, int(min_seconds / repeat / once)))
-    samples = []
-    for _ in range(repeat):
+    return timed_together([fn], repeat, min_seconds)[0]
+
+
+def timed_together(fns, repeat: int, min_seconds: float = 0.2) -> list[float]:
+    """Median seconds per call of each of `fns`, their samples taken in turn (one sample of each,
+    then again), so that load from other processes on a shared machine falls on all of them alike."""
+    inner = []
+    for fn in fns:
+        fn()
         start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        samples.append((time.perf_counter() - start) / inner)
-    return statistics.median(samples)
+        fn()
+        once = max(time.perf_counter() - start, 1e-6)
+        inner.append(max(1, min(50, int(min_seconds / repeat / once))))
+    samples = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, n, out in zip(fns, inner, samples):
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            out.append((time.perf_counter() - start) / n)
+    return [statistics.median(x) for x in samples]
 
 
 def copy_bandwidth(gib: float = 0.5, repeat: int = 5) -> float:
@@ -145,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     s = setup(shape, DTYPES[dname], batch, context, args.block_size)
                     buffers = GatherBuffers()  # reused across calls, as the layers of a step do
-                    t_paged = timed(lambda: run_paged(s), args.repeat)
-                    t_flash = timed(lambda: run_gather_flash(s, buffers), args.repeat)
+                    t_paged, t_flash = timed_together([lambda: run_paged(s), lambda: run_gather_flash(s, buffers)],
+                                                      args.repeat)
                     o_p, _ = run_paged(s)
                     o_f, _ = run_gather_flash(s, buffers)
                     diff = float((o_p - o_f[:, 0]).abs().max())
