@@ -1,0 +1,211 @@
+"""Paged attention on CPU: the query rows of a step read the KV cache through the block table,
+where it lies, and get their output with its natural-log LSE (csrc/paged_attention.cpp).
+
+The kernel is a small C++ extension compiled on first use with `torch.utils.cpp_extension`
+(a C++ compiler and the `ninja` package) and cached under `KVSHARD_CACHE_DIR` (default
+~/.cache/kvshard)/torch_extensions, in a folder named by a hash of its source, its flags, the
+CPU and the torch version, so another CPU or flag set builds its own. Where it cannot be built,
+kvshard says so in one line and `paged_attention` runs the gather path (a copy of the blocks and
+`attention_with_lse`), with the same results.
+
+Rows: row r of q reads the sequence `row_seq[r]` of `block_tables` and sees that sequence's first
+`row_lens[r]` tokens on this rank. A rank's share of a DCP interleave is packed densely into
+its blocks (kv/layout.py), so what a row sees is always a prefix; `row_lens_of` builds the
+bounds from global context lengths, the layout and a rank, one bound per query row (several
+rows of one request each see up to their own position).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from kvshard.attention.kernels import attention_with_lse
+from kvshard.kv.layout import DCPLayout
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_FLAGS = ["-O3", "-fno-math-errno"]
+_lock = threading.Lock()
+_module = None
+_unavailable: str | None = None  # why the kernel could not be built, once known
+
+
+def cache_dir() -> Path:
+    """Where kvshard keeps what it builds: KVSHARD_CACHE_DIR, else ~/.cache/kvshard."""
+    configured = os.environ.get("KVSHARD_CACHE_DIR", "").strip()
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "kvshard"
+
+
+def _cpu_signature() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))][:2]
+    return "\n".join(keep) or platform.machine()
+
+
+def _native_flags() -> list[str]:
+    """-march=native where the compiler takes it on this machine (x86 and ARM gcc/clang)."""
+    return ["-march=native"] if platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64") else []
+
+
+def _build_name(flags: list[str]) -> str:
+    digest = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), " ".join(flags).encode(), _cpu_signature().encode(),
+                 torch.__version__.encode(), platform.python_version().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return f"kvshard_paged_attention_{digest.hexdigest()[:16]}"
+
+
+def _ninja_on_path() -> bool:
+    """torch runs `ninja` from PATH; the PyPI package puts it next to the interpreter, which a
+    venv's python started by its path does not have on PATH."""
+    if shutil.which("ninja"):
+        return True
+    try:
+        import ninja  # the PyPI package
+    except ImportError:
+        return False
+    bin_dir = getattr(ninja, "BIN_DIR", None)
+    if bin_dir and Path(bin_dir, "ninja").exists():
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+        return True
+    return False
+
+
+def load_extension():
+    """The compiled kernel, built on first use (cached across runs), or None where it cannot be
+    built (logged once with the reason)."""
+    global _module, _unavailable
+    if _module is not None or _unavailable is not None:
+        return _module
+    with _lock:
+        if _module is not None or _unavailable is not None:
+            return _module
+        compiler = os.environ.get("CXX", "c++")
+        if shutil.which(compiler) is None:
+            _unavailable = f"no C++ compiler ({compiler}) found"
+        elif not _ninja_on_path():
+            _unavailable = "ninja not found (pip install ninja)"
+        else:
+            flags = _FLAGS + _native_flags()
+            name = _build_name(flags)
+            build_dir = cache_dir() / "torch_extensions" / name
+            try:
+                build_dir.mkdir(parents=True, exist_ok=True)
+                from torch.utils.cpp_extension import load
+                _module = load(name=name, sources=[str(_SOURCE)], extra_cflags=flags,
+                               build_directory=str(build_dir), verbose=False)
+            except Exception as exc:  # noqa: BLE001 - any build failure falls back, with its reason
+                last = (str(exc).strip().splitlines() or [""])[-1]
+                _unavailable = f"building it in {build_dir} failed ({type(exc).__name__}: {last})"
+        if _unavailable is not None:
+            logger.warning("kvshard: the paged attention kernel is unavailable: %s; attention uses the gather path",
+                           _unavailable)
+        return _module
+
+
+def kernel_available() -> bool:
+    return load_extension() is not None
+
+
+def paged_attention(
+    q: torch.Tensor,  # [t, H, dk] float32 / bfloat16 / float16
+    key_cache: torch.Tensor,  # [slots, Hk, dk] or [num_blocks, B, Hk, dk]
+    value_cache: torch.Tensor,  # [slots, Hk, dv] or [num_blocks, B, Hk, dv]; may be key_cache[..., :dv]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
+    row_seq: torch.Tensor,  # [t]: the block-table row each query row reads
+    row_lens: torch.Tensor,  # [t]: how many of that sequence's local tokens the row sees
+    block_size: int,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    split_tokens: int = 0,  # tokens per piece when the sequence is split; 0: the kernel decides
+    use_kernel: bool | None = None,  # None: the kernel where it is built; False: the gather path
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each row of q over its visible cached tokens: o [t, H, dv] and lse [t, H],
+    float32, natural log; a row that sees no token gets o = 0 and lse = -inf. A cache stored in
+    float8 e4m3 holds key / k_scale and value / v_scale (kv/cache.py)."""
+    if key_cache.dim() == 4:
+        key_cache, value_cache = key_cache.flatten(0, 1), value_cache.flatten(0, 1)
+    module = load_extension() if use_kernel is not False else None
+    if use_kernel and module is None:
+        raise RuntimeError(f"the paged attention kernel is unavailable: {_unavailable}")
+    tables = block_tables.to(torch.int32).contiguous()
+    seqs = row_seq.to(torch.int32).contiguous()
+    lens = row_lens.to(torch.int32).contiguous()
+    if module is not None and q.device.type == "cpu":
+        out, lse = module.paged_attention(q if q.stride(-1) == 1 else q.contiguous(), key_cache, value_cache,
+                                          tables, seqs, lens, block_size, scale, k_scale, v_scale, split_tokens)
+        return out, lse
+    return gather_attention(q, key_cache, value_cache, tables, seqs, lens, block_size, scale, k_scale, v_scale)
+
+
+def gather_attention(q, key_cache, value_cache, block_tables, row_seq, row_lens, block_size: int, scale: float,
+                     k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`paged_attention` by copying each sequence's blocks out and running `attention_with_lse`:
+    the fallback, and a second oracle for the tests. Consecutive rows of one sequence go together."""
+    t, num_heads = q.shape[0], q.shape[1]
+    out = torch.zeros(t, num_heads, value_cache.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.full((t, num_heads), float("-inf"), dtype=torch.float32, device=q.device)
+    seqs, lens = row_seq.tolist(), row_lens.tolist()
+    compute = q.dtype if q.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    key_blocks = key_cache.unflatten(0, (-1, block_size))
+    value_blocks = value_cache.unflatten(0, (-1, block_size))
+    r = 0
+    while r < t:
+        e = r + 1
+        while e < t and seqs[e] == seqs[r]:
+            e += 1
+        longest = max(lens[r:e])
+        if longest > 0:
+            nb = -(-longest // block_size)
+            ids = block_tables[seqs[r], :nb].long()
+            keys = _dequantized(key_blocks[ids], compute, k_scale).flatten(0, 1)[None]  # [1, nb*B, Hk, dk]
+            values = _dequantized(value_blocks[ids], compute, v_scale).flatten(0, 1)[None]
+            span = torch.arange(nb * block_size, device=q.device)
+            bound = torch.tensor(lens[r:e], device=q.device)
+            bias = torch.zeros(1, e - r, span.numel(), device=q.device).masked_fill_(
+                span[None, None] >= bound[None, :, None], float("-inf"))
+            o, l = attention_with_lse(q[r:e][None].to(compute), keys, values, bias, scale)
+            out[r:e], lse[r:e] = o[0], l[0]
+        r = e
+    return out, lse
+
+
+def _dequantized(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    if x.dtype == dtype and scale == 1.0:
+        return x
+    y = x.to(dtype)
+    return y.mul_(scale) if scale != 1.0 else y
+
+
+def row_lens_of(context_lens: Sequence[int], query_lens: Sequence[int], layout: DCPLayout, dcp_rank: int,
+                causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row_seq, row_lens) [t] int32 for requests whose K/V are all in the cache (written first).
+
+    Request i has `context_lens[i]` tokens cached (its new rows included) and `query_lens[i]`
+    query rows, the last ones of those tokens. With `causal`, row j of it sees the global tokens
+    up to its own position, context - query_len + j + 1; without, every row sees them all. The
+    bounds are this rank's local counts of those tokens under `layout`.
+    """
+    seqs, visible = [], []
+    for i, (ctx, n) in enumerate(zip(context_lens, query_lens)):
+        for j in range(n):
+            seqs.append(i)
+            visible.append(ctx - n + j + 1 if causal else ctx)
+    global_lens = torch.tensor(visible, dtype=torch.long)
+    return torch.tensor(seqs, dtype=torch.int32), layout.local_lens_of(global_lens, dcp_rank).to(torch.int32)

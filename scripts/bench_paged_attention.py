@@ -1,0 +1,185 @@
+"""Micro-benchmark of attention over the paged KV cache on CPU: decode rows of a batch over
+their cached context.
+
+Compares the paged kernel (kvshard/attention/paged.py: reads the blocks where they lie) with
+today's path (KVCacheLayer.gather into reused buffers, then attention_with_lse, PyTorch's flash
+kernel) and the plain-matmul reference over the same gathered copy. Reports the median time per
+call (the paged and gather+flash samples taken in turn, so that other load falls on both), the KV bytes the call must read (every visible token's K and V, as stored) per second,
+and that against the machine's copy bandwidth, measured here as a large tensor copy (bytes
+read per second).
+
+    PYTHONPATH=$PWD .venv/bin/python scripts/bench_paged_attention.py
+    PYTHONPATH=$PWD .venv/bin/python scripts/bench_paged_attention.py --shapes gqa8 --batches 8 --contexts 8192
+
+Caches above --max-kv-gib (all requests' K/V in the cache dtype) are skipped, and the reference
+above --max-reference-tokens (its scores and gathered float32 copy grow with batch x context).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from kvshard.attention import paged
+from kvshard.attention.kernels import attention_with_lse, reference_attention_with_lse
+from kvshard.kv.cache import GatherBuffers, KVCacheLayer
+
+# name: (query heads, KV heads, key dim, value dim, value is the key's prefix)
+SHAPES = {
+    "gqa8": (8, 1, 64, 64, False),  # 8 query heads on 1 KV head, head size 64 (kvshard-demo-gqa)
+    "gqa9": (9, 3, 64, 64, False),  # 9 on 3 as SmolLM2-135M
+    "mla": (16, 1, 576, 512, True),  # MLA absorbed: the latent [c_kv 512 | k_pe 64], V its first 512
+}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return platform.processor() or platform.machine()
+
+
+def timed(fn, repeat: int, min_seconds: float = 0.2) -> float:
+    """Median seconds per call over `repeat` samples, each at least a few calls long."""
+    return timed_together([fn], repeat, min_seconds)[0]
+
+
+def timed_together(fns, repeat: int, min_seconds: float = 0.2) -> list[float]:
+    """Median seconds per call of each of `fns`, their samples taken in turn (one sample of each,
+    then again), so that load from other processes on a shared machine falls on all of them alike."""
+    inner = []
+    for fn in fns:
+        fn()
+        start = time.perf_counter()
+        fn()
+        once = max(time.perf_counter() - start, 1e-6)
+        inner.append(max(1, min(50, int(min_seconds / repeat / once))))
+    samples = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, n, out in zip(fns, inner, samples):
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            out.append((time.perf_counter() - start) / n)
+    return [statistics.median(x) for x in samples]
+
+
+def copy_bandwidth(gib: float = 0.5, repeat: int = 5) -> float:
+    """Bytes read per second by a large tensor copy (each byte read is also written once)."""
+    n = int(gib * (1 << 30)) // 4
+    src = torch.ones(n, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    seconds = timed(lambda: dst.copy_(src), repeat, min_seconds=0.5)
+    return src.numel() * 4 / seconds
+
+
+def setup(shape: str, dtype: torch.dtype, batch: int, context: int, block_size: int, seed: int = 0):
+    heads, kv_heads, dk, dv, prefix = SHAPES[shape]
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = batch * blocks_per_seq
+    g = torch.Generator().manual_seed(seed)
+    key = torch.randn(num_blocks * block_size, kv_heads, dk, generator=g).to(dtype)
+    value = key[..., :dv] if prefix else torch.randn(num_blocks * block_size, kv_heads, dv, generator=g).to(dtype)
+    cache = KVCacheLayer(key, value, block_size, dtype)
+    tables = torch.randperm(num_blocks, generator=g).view(batch, blocks_per_seq).to(torch.int32)
+    q = torch.randn(batch, heads, dk, generator=g).to(dtype)
+    row_seq = torch.arange(batch, dtype=torch.int32)
+    row_lens = torch.full((batch,), context, dtype=torch.int32)
+    span = torch.arange(blocks_per_seq * block_size)
+    bias = torch.zeros(batch, 1, span.numel()).masked_fill_((span >= context)[None, None], float("-inf"))
+    stored = kv_heads * (dk if prefix else dk + dv) * key.element_size()
+    return dict(q=q, cache=cache, tables=tables, row_seq=row_seq, row_lens=row_lens, bias=bias,
+                scale=1.0 / math.sqrt(dk), kv_bytes=batch * context * stored)
+
+
+def run_paged(s):
+    c = s["cache"]
+    return paged.paged_attention(s["q"], c.key, c.value, s["tables"], s["row_seq"], s["row_lens"], c.block_size,
+                                 s["scale"], use_kernel=True)
+
+
+def run_gather_flash(s, buffers):
+    keys, values = s["cache"].gather(s["tables"].long(), buffers)
+    return attention_with_lse(s["q"][:, None], keys, values, s["bias"], s["scale"])
+
+
+def run_reference(s, buffers):
+    keys, values = s["cache"].gather(s["tables"].long(), buffers)
+    return reference_attention_with_lse(s["q"][:, None], keys, values, s["bias"], s["scale"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
+    parser.add_argument("--contexts", nargs="+", type=int, default=[1024, 8192, 32768])
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--max-kv-gib", type=float, default=2.0)
+    parser.add_argument("--max-reference-tokens", type=int, default=64 * 8192)
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+
+    if not paged.kernel_available():
+        print("the paged attention kernel could not be built; nothing to compare", file=sys.stderr)
+        return 1
+    bandwidth = copy_bandwidth()
+    print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads; copy bandwidth {bandwidth / 1e9:.1f} GB/s "
+          f"(bytes read per second by a 0.5 GiB tensor copy)")
+    print(f"{'shape':5} {'dtype':5} {'batch':>5} {'context':>7} {'KV MB':>8} | {'paged ms':>9} {'GB/s':>6} {'%copy':>6}"
+          f" | {'gather+flash ms':>15} {'GB/s':>6} | {'reference ms':>12} | {'speedup':>7} {'max|do|':>8}")
+    rows = []
+    for shape in args.shapes:
+        for dname in args.dtypes:
+            for batch in args.batches:
+                for context in args.contexts:
+                    heads, kv_heads, dk, dv, prefix = SHAPES[shape]
+                    stored = kv_heads * (dk if prefix else dk + dv) * DTYPES[dname].itemsize
+                    if batch * context * stored > args.max_kv_gib * (1 << 30):
+                        print(f"{shape:5} {dname:5} {batch:5} {context:7} skipped: cache above {args.max_kv_gib} GiB")
+                        continue
+                    s = setup(shape, DTYPES[dname], batch, context, args.block_size)
+                    buffers = GatherBuffers()  # reused across calls, as the layers of a step do
+                    t_paged, t_flash = timed_together([lambda: run_paged(s), lambda: run_gather_flash(s, buffers)],
+                                                      args.repeat)
+                    o_p, _ = run_paged(s)
+                    o_f, _ = run_gather_flash(s, buffers)
+                    diff = float((o_p - o_f[:, 0]).abs().max())
+                    t_ref = None
+                    if batch * context <= args.max_reference_tokens:
+                        t_ref = timed(lambda: run_reference(s, buffers), max(1, args.repeat // 2))
+                    del buffers
+                    row = dict(shape=shape, dtype=dname, batch=batch, context=context, kv_bytes=s["kv_bytes"],
+                               paged_s=t_paged, gather_flash_s=t_flash, reference_s=t_ref,
+                               paged_gbps=s["kv_bytes"] / t_paged / 1e9, flash_gbps=s["kv_bytes"] / t_flash / 1e9,
+                               copy_gbps=bandwidth / 1e9, max_abs_diff=diff)
+                    rows.append(row)
+                    ref = f"{t_ref * 1e3:12.2f}" if t_ref is not None else f"{'-':>12}"
+                    print(f"{shape:5} {dname:5} {batch:5} {context:7} {s['kv_bytes'] / 1e6:8.1f} | "
+                          f"{t_paged * 1e3:9.2f} {row['paged_gbps']:6.1f} {100 * s['kv_bytes'] / t_paged / bandwidth:5.0f}%"
+                          f" | {t_flash * 1e3:15.2f} {row['flash_gbps']:6.1f} | {ref} | "
+                          f"{t_flash / t_paged:6.2f}x {diff:8.1e}", flush=True)
+                    del s
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(cpu=cpu_model(), threads=torch.get_num_threads(), copy_gbps=bandwidth / 1e9, rows=rows), f,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""The paged attention kernel (kvshard/attention/paged.py) against the plain-matmul reference.
+
+Caches are random, block tables shuffled, and what each row sees is what a DCP rank holds under
+the layout (interleaves 1 / 4 / 16), so a rank may hold no token of a short request (lse -inf).
+The oracle gathers each row's visible tokens with plain indexing and runs
+`reference_attention_with_lse` in float32 on the dequantized values.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvshard.attention import paged
+from kvshard.attention.kernels import reference_attention_with_lse
+from kvshard.kv.cache import FP8_DTYPE, FP8_MAX
+from kvshard.kv.layout import DCPLayout
+
+pytestmark = pytest.mark.skipif(not paged.kernel_available(), reason="the paged attention kernel could not be built")
+
+
+def _cache(num_blocks, block_size, kv_heads, dk, dv, dtype, mla, k_scale=1.0, v_scale=1.0, seed=0):
+    """key [slots, Hk, dk] and value (a prefix view of the key for MLA) in `dtype`, with the
+    float32 values they stand for (after the scales)."""
+    g = torch.Generator().manual_seed(seed)
+    slots = num_blocks * block_size
+    if mla:
+        real_k = torch.randn(slots, kv_heads, dk, generator=g)
+        real_v = None
+    else:
+        real_k = torch.randn(slots, kv_heads, dk, generator=g)
+        real_v = torch.randn(slots, kv_heads, dv, generator=g)
+
+    def store(x, scale):
+        if dtype == FP8_DTYPE:
+            return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        return x.to(dtype)
+
+    key = store(real_k, k_scale)
+    if mla:
+        value = key[..., :dv]
+        value_scale = k_scale
+    else:
+        value = store(real_v, v_scale)
+        value_scale = v_scale
+    key_f = key.float() * k_scale
+    value_f = value.float() * value_scale
+    return key, value, key_f, value_f, value_scale
+
+
+def _tables(num_seqs, max_blocks, num_blocks, seed=0):
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randperm(num_blocks, generator=g)[: num_seqs * max_blocks]
+    return ids.view(num_seqs, max_blocks).to(torch.int32)
+
+
+def _oracle(q, key_f, value_f, tables, row_seq, row_lens, block_size, scale):
+    """Per row: its visible tokens by plain indexing, then the reference."""
+    t, heads = q.shape[:2]
+    out = torch.zeros(t, heads, value_f.shape[-1])
+    lse = torch.full((t, heads), float("-inf"))
+    for r in range(t):
+        n = int(row_lens[r])
+        if n == 0:
+            continue
+        j = torch.arange(n)
+        slots = tables[int(row_seq[r])].long()[j // block_size] * block_size + j % block_size
+        k, v = key_f[slots][None], value_f[slots][None]  # [1, n, Hk, d]
+        o, l = reference_attention_with_lse(q[r:r + 1].float()[None], k, v, torch.zeros(1, 1, n), scale)
+        out[r], lse[r] = o[0, 0], l[0, 0]
+    return out, lse
+
+
+def _check(out, lse, ref_out, ref_lse, atol, rtol):
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    empty = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), empty), "rows with no key must have lse -inf, and only they"
+    assert torch.all(out[empty] == 0)
+    torch.testing.assert_close(lse[~empty], ref_lse[~empty], atol=atol, rtol=rtol)
+    torch.testing.assert_close(out, ref_out, atol=atol, rtol=rtol)
+
+
+def _run(*, heads, kv_heads, dk, dv, block_size, interleave, dcp, rank, context_lens, query_lens, dtype=torch.float32,
+         cache_dtype=None, mla=False, causal=True, split_tokens=0, k_scale=1.0, v_scale=1.0, atol=2e-5, rtol=2e-5,
+         seed=0):
+    cache_dtype = cache_dtype or dtype
+    layout = DCPLayout(block_size, dcp, interleave)
+    local_max = max(layout.local_len(c, rank) for c in context_lens)
+    max_blocks = max(1, -(-local_max // block_size)) + 1
+    num_blocks = len(context_lens) * max_blocks + 3
+    key, value, key_f, value_f, value_scale = _cache(num_blocks, block_size, kv_heads, dk, dv, cache_dtype, mla,
+                                                     k_scale, v_scale, seed)
+    tables = _tables(len(context_lens), max_blocks, num_blocks, seed)
+    row_seq, row_lens = paged.row_lens_of(context_lens, query_lens, layout, rank, causal=causal)
+    g = torch.Generator().manual_seed(seed + 2)
+    q = torch.randn(int(row_seq.numel()), heads, dk, generator=g).to(dtype)
+    scale = 1.0 / math.sqrt(dk)
+    out, lse = paged.paged_attention(q, key, value, tables, row_seq, row_lens, block_size, scale, k_scale,
+                                     value_scale, split_tokens=split_tokens, use_kernel=True)
+    ref_out, ref_lse = _oracle(q, key_f, value_f, tables, row_seq, row_lens, block_size, scale)
+    _check(out, lse, ref_out, ref_lse, atol, rtol)
+    return row_lens
+
+
+GQA = [(8, 1, 64), (9, 3, 32)]  # (query heads, KV heads, head dim): as the demo and SmolLM2
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", GQA)
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("interleave,dcp,rank", [(1, 1, 0), (1, 2, 1), (4, 4, 3), (16, 2, 1)])
+def test_decode_rows_match_reference_fp32(heads, kv_heads, d, block_size, interleave, dcp, rank):
+    lens = _run(heads=heads, kv_heads=kv_heads, dk=d, dv=d, block_size=block_size, interleave=interleave, dcp=dcp,
+                rank=rank, context_lens=[1, 5, 37, 130, 300], query_lens=[1] * 5)
+    if dcp > 1:
+        assert int(lens.min()) == 0  # a short request this rank holds none of: checked as lse -inf
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("heads,kv_heads,d,interleave,dcp", [(8, 1, 64, 4, 2), (9, 3, 32, 1, 1)])
+def test_several_query_rows_per_request_causal(block_size, heads, kv_heads, d, interleave, dcp):
+    # speculative verification / a chunk's rows over the cache: each row sees up to its own position
+    # (with 3 heads per KV head, vectors of rows with different bounds share the kernel's groups of 4)
+    lens = _run(heads=heads, kv_heads=kv_heads, dk=d, dv=d, block_size=block_size, interleave=interleave, dcp=dcp,
+                rank=0, context_lens=[6, 90, 200], query_lens=[4, 3, 17])
+    assert len(set(lens[:4].tolist())) > 1  # the rows of one request really have different bounds
+
+
+def test_rows_without_causal_bound():
+    _run(heads=9, kv_heads=3, dk=32, dv=32, block_size=16, interleave=1, dcp=1, rank=0, context_lens=[40, 70],
+         query_lens=[3, 2], causal=False)
+
+
+@pytest.mark.parametrize("split_tokens", [16, 48, 100])
+def test_split_along_the_sequence_merges_exactly(split_tokens):
+    _run(heads=8, kv_heads=1, dk=64, dv=64, block_size=16, interleave=1, dcp=2, rank=1,
+         context_lens=[3, 250, 600], query_lens=[1, 1, 2], split_tokens=split_tokens)
+
+
+def test_mla_latent_value_is_a_prefix_of_the_key():
+    # MLA absorbed: 16 query heads on one latent [c_kv | k_pe] (dk = 72), V = its first 64 channels
+    _run(heads=16, kv_heads=1, dk=72, dv=64, block_size=16, interleave=4, dcp=2, rank=1,
+         context_lens=[2, 77, 260], query_lens=[1, 1, 3], mla=True)
+    _run(heads=16, kv_heads=1, dk=72, dv=64, block_size=64, interleave=16, dcp=4, rank=2, context_lens=[9, 300],
+         query_lens=[1, 1], mla=True, dtype=torch.bfloat16, atol=2e-2, rtol=2e-2, split_tokens=64)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_half_caches(cache_dtype):
+    # bf16/fp16 caches and queries: the oracle runs float32 on the same stored values
+    _run(heads=8, kv_heads=1, dk=64, dv=64, block_size=16, interleave=1, dcp=2, rank=0, context_lens=[1, 40, 333],
+         query_lens=[1, 1, 1], dtype=cache_dtype, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_fp8_caches_with_scales(mla):
+    dk, dv = (72, 64) if mla else (64, 64)
+    _run(heads=9 if not mla else 8, kv_heads=3 if not mla else 1, dk=dk, dv=dv, block_size=16, interleave=4, dcp=2,
+         rank=1, context_lens=[3, 50, 200], query_lens=[1, 2, 1], cache_dtype=FP8_DTYPE, mla=mla,
+         k_scale=0.05, v_scale=0.02, dtype=torch.float32)
+    _run(heads=8, kv_heads=1, dk=dk, dv=dv, block_size=64, interleave=1, dcp=1, rank=0, context_lens=[70, 129],
+         query_lens=[1, 1], cache_dtype=FP8_DTYPE, mla=mla, k_scale=0.05, v_scale=0.02, dtype=torch.bfloat16,
+         atol=2e-2, rtol=2e-2)
+
+
+def test_all_rows_empty():
+    # a DCP rank that holds no token of any request in the step
+    _run(heads=8, kv_heads=1, dk=64, dv=64, block_size=16, interleave=16, dcp=4, rank=3, context_lens=[3, 10],
+         query_lens=[1, 1])
+
+
+def test_gather_fallback_agrees_with_kernel():
+    layout = DCPLayout(16, 2, 4)
+    key, value, *_ = _cache(20, 16, 3, 32, 32, torch.float32, False)
+    tables = _tables(3, 6, 20)
+    row_seq, row_lens = paged.row_lens_of([5, 100, 170], [1, 2, 1], layout, 0)
+    q = torch.randn(4, 9, 32)
+    kernel = paged.paged_attention(q, key, value, tables, row_seq, row_lens, 16, 0.2, use_kernel=True)
+    fallback = paged.paged_attention(q, key, value, tables, row_seq, row_lens, 16, 0.2, use_kernel=False)
+    _check(*kernel, *fallback, atol=2e-5, rtol=2e-5)
+
+
+def test_bad_inputs_are_refused():
+    key, value, *_ = _cache(4, 16, 1, 64, 64, torch.float32, False)
+    q = torch.randn(1, 8, 64)
+    tables = torch.tensor([[0, 1]], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="row_lens past the block table"):
+        paged.paged_attention(q, key, value, tables, torch.tensor([0]), torch.tensor([33]), 16, 1.0, use_kernel=True)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        paged.paged_attention(q, key, value, torch.tensor([[0, 9]]), torch.tensor([0]), torch.tensor([20]), 16, 1.0,
+                              use_kernel=True)
+
+
+# --- the backends (kvshard/attention/backends.py) on a step's metadata ---------------------------
+
+@pytest.mark.parametrize("kind", ["gqa", "mla", "fp8"])
+def test_backends_agree_on_a_step(kind):
+    from kvshard.attention.backends import ContextRows, make_backend
+    from kvshard.attention.metadata import AttentionMetadata
+    from kvshard.kv.cache import KVCacheSpec, KVScales, allocate_kv_cache
+
+    block_size, dcp, rank = 16, 2, 1
+    layout = DCPLayout(block_size, dcp, 4)
+    # decodes of spread-out lengths (several groups), one of them too short for this rank, then a
+    # prefill chunk continuing a cached prompt, then a first chunk (no context: past context_rows)
+    context_lens, query_lens = [2, 40, 41, 300, 64, 0], [1, 1, 1, 1, 5, 3]
+    tables = [[(7 * i + 3 * j) % 64 for j in range(12)] for i in range(6)]
+    meta = AttentionMetadata.build(context_lens, query_lens, tables, layout, rank, torch.device("cpu"),
+                                   decode_group_spread=0)
+    assert len(meta.groups) > 3 and meta.context_rows == 9
+    if kind == "mla":
+        spec, heads = KVCacheSpec(1, 1, key_dim=72, value_dim=64, value_in_key=True), 16
+    else:
+        spec, heads = KVCacheSpec(1, 3, key_dim=32, value_dim=32, value_in_key=False), 9
+    fp8 = kind == "fp8"
+    (cache,) = allocate_kv_cache(spec, 64, block_size, torch.float32, torch.device("cpu"),
+                                 cache_dtype=FP8_DTYPE if fp8 else None,
+                                 scales=[KVScales(0.05, 0.03)] if fp8 else None)
+    g = torch.Generator().manual_seed(5)
+    slots = torch.arange(cache.key.shape[0])
+    cache.write(slots, torch.randn(cache.key.shape, generator=g), torch.randn(cache.value.shape, generator=g))
+    q = torch.randn(meta.context_rows, heads, spec.key_dim, generator=g)
+    rows = ContextRows.from_metadata(meta)
+    assert rows.row_lens.tolist()[0] == 0  # rank 1 holds none of the 3-token request: lse -inf below
+    results = {name: make_backend(name).attend_context(q, cache, meta, 0.2)
+               for name in ("reference", "gather-flash", "paged")}
+    ref_out, ref_lse = results["reference"]
+    assert torch.isneginf(ref_lse[0]).all() and torch.isfinite(ref_lse[1:]).all()
+    for name in ("gather-flash", "paged"):
+        _check(*results[name], ref_out, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_without_a_compiler_one_log_line_and_the_gather_path(monkeypatch, caplog):
+    # a machine with no C++ compiler: no build is tried, one line says why, the gather path answers
+    monkeypatch.setattr(paged, "_module", None)
+    monkeypatch.setattr(paged, "_unavailable", None)
+    monkeypatch.setenv("CXX", "kvshard-no-such-compiler")
+    key, value, key_f, value_f, _ = _cache(8, 16, 1, 64, 64, torch.float32, False)
+    tables = _tables(2, 3, 8)
+    row_seq, row_lens = paged.row_lens_of([20, 40], [1, 1], DCPLayout(16, 1), 0)
+    q = torch.randn(2, 8, 64)
+    with caplog.at_level("WARNING", logger="kvshard.attention.paged"):
+        assert not paged.kernel_available()
+        out, lse = paged.paged_attention(q, key, value, tables, row_seq, row_lens, 16, 0.125)
+        paged.paged_attention(q, key, value, tables, row_seq, row_lens, 16, 0.125)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "no C++ compiler (kvshard-no-such-compiler)" in lines[0] and "gather path" in lines[0]
+    _check(out, lse, *_oracle(q, key_f, value_f, tables, row_seq, row_lens, 16, 0.125), atol=2e-5, rtol=2e-5)
+    with pytest.raises(RuntimeError, match="unavailable"):
+        paged.paged_attention(q, key, value, tables, row_seq, row_lens, 16, 0.125, use_kernel=True)
