@@ -125,6 +125,26 @@ def uses_agent_store(master: tuple[str, int]) -> bool:
         os.environ.get("MASTER_ADDR"), int(os.environ.get("MASTER_PORT", "0")))
 
 
+def _agent_store_prefix() -> str:
+    return f"kvshard/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
+def store_client(master: tuple[str, int], timeout_s: float) -> dist.Store:
+    """A connection of its own to the ranks' rendezvous store (joined by `init_parallel`), under the same
+    prefix: for the heartbeat of ranks a launcher started, which must not share the process group's client.
+    Every call on it gives up after `timeout_s`."""
+    host, port = master
+    store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    return dist.PrefixStore(_agent_store_prefix(), store) if uses_agent_store(master) else store
+
+
+def heartbeat_key(rank: int) -> str:
+    """The store key whose counter rank `rank` (started by a launcher) ticks; read without waiting by
+    `store.add(key, 0)`."""
+    return f"kvshard/heartbeat/{rank}"
+
+
 _reserved_listeners: dict[tuple[str, int], socket.socket] = {}
 
 
@@ -179,7 +199,7 @@ def init_parallel(
     if listener is not None:
         listener.detach()  # the store owns the descriptor now
     if agent_store:  # keys of an earlier attempt (a torchrun restart) must not count as joined
-        store = dist.PrefixStore(f"kvshard/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+        store = dist.PrefixStore(_agent_store_prefix(), store)
     store.set(f"kvshard/joined/{rank}", "1")
     if rank == 0:
         joined = [f"kvshard/joined/{r}" for r in range(world)]

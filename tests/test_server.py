@@ -9,6 +9,7 @@ two-"node" torchrun launch shows multi-node serving.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -17,6 +18,8 @@ import socket
 import time
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
@@ -665,7 +668,11 @@ def test_bench_serve_sends_agentic_sessions_turn_after_turn_and_reports_cached_t
 
 # --- multi-node -------------------------------------------------------------------------------------
 
-def test_two_torchrun_nodes_serve_what_one_node_serves(server, client, tmp_path):
+@contextlib.contextmanager
+def torchrun_nodes(tmp_path, args: list[str] = SERVE_ARGS,
+                   env: dict[str, str] | None = None) -> Iterator[tuple[Server, subprocess.Popen]]:
+    """Two torchrun "nodes" on this machine, one rank each, serving `args` (tp=2, dcp=2): (node 0's server,
+    node 1's agent); afterwards nothing of either is left running."""
     from kvshard.engine.executor import free_port
 
     master_port = free_port()
@@ -673,33 +680,114 @@ def test_two_torchrun_nodes_serve_what_one_node_serves(server, client, tmp_path)
     def node(rank: int) -> list[str]:
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                     "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(master_port)]
-        return torchrun + serve_command(*SERVE_ARGS, "--port", "0")[1:]
+        return torchrun + serve_command(*args, "--port", "0")[1:]
 
     with open(tmp_path / "node1.log", "wb") as node1_log:
-        node1 = subprocess.Popen(node(1), cwd=ROOT, stdout=node1_log, stderr=subprocess.STDOUT, env=os.environ)
+        node1 = subprocess.Popen(node(1), cwd=ROOT, stdout=node1_log, stderr=subprocess.STDOUT,
+                                 env={**os.environ, **(env or {})})
         node0 = None
         try:
-            node0 = Server([], tmp_path / "node0.log", command=node(0))
+            node0 = Server([], tmp_path / "node0.log", command=node(0), env=env)
             assert "ranks: 2 (tp=2, dcp=2" in node0.log
-            two_nodes = node0.client()
-            for prompt in PROMPTS[:4]:
-                assert complete(two_nodes, prompt).choices[0].text == complete(client, prompt).choices[0].text
-            # the other node vanishes while the server idles: no local process handle sees it,
-            # the idle heartbeat must
-            for pid in [node1.pid, *descendants(node1.pid)]:  # the launcher starts its ranks in sessions of their own
-                os.kill(pid, signal.SIGKILL)
-            deadline = time.monotonic() + 10
-            while node0.http.get("/health").status_code == 200:
-                assert time.monotonic() < deadline, "an idle server did not notice a lost node within 10 s"
-                time.sleep(0.05)
-            assert node0.http.get("/health").status_code == 503
+            yield node0, node1
         finally:
+            left = descendants(node1.pid)
             if node0 is not None:
+                left += descendants(node0.process.pid)
                 node0.stop()
             try:
                 node1.wait(30)
             finally:
                 node1.kill()
+                node1.wait()
+            for pid in left:  # a rank its launcher could not end (stopped, say)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while any(running(pid) for pid in left) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not any(running(pid) for pid in left), "a rank outlived its node"
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` is a process that has not exited (a zombie counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_two_torchrun_nodes_serve_what_one_node_serves(server, client, tmp_path):
+    with torchrun_nodes(tmp_path) as (node0, node1):
+        two_nodes = node0.client()
+        for prompt in PROMPTS[:4]:
+            assert complete(two_nodes, prompt).choices[0].text == complete(client, prompt).choices[0].text
+        # the other node vanishes while the server idles: no local process handle sees it,
+        # the idle heartbeat must
+        for pid in [node1.pid, *descendants(node1.pid)]:  # the launcher starts its ranks in sessions of their own
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while node0.http.get("/health").status_code == 200:
+            assert time.monotonic() < deadline, "an idle server did not notice a lost node within 10 s"
+            time.sleep(0.05)
+        assert node0.http.get("/health").status_code == 503
+
+
+STOP_DETECTION_S = 5  # a stopped rank, busy or idle, is noticed within this at the default heartbeat settings
+
+
+def test_a_torchrun_rank_stopped_mid_stream_fails_the_stream_and_health_within_5_s(tmp_path):
+    """Node 1's rank stops (SIGSTOP) while a stream runs: its heartbeat in the rendezvous store stops, and
+    rank 0 notices within seconds, not after the 30 s step timeout."""
+    defaults = {"KVSHARD_STEP_TIMEOUT": "30", "KVSHARD_HEARTBEAT_TIMEOUT": "3", "KVSHARD_HEARTBEAT_INTERVAL": "0.5"}
+    small = [*SERVE_ARGS[:-4], "--max-model-len", "512", "--kv-cache-memory", "4MiB"]
+    with torchrun_nodes(tmp_path, small, env=defaults) as (node0, node1):
+        (rank1,) = [pid for pid in descendants(node1.pid) if b"torch.distributed.run" not in cmdline(pid)
+                    and b"kvshard.entrypoints.cli" in cmdline(pid)]
+        flowing = threading.Event()
+
+        def read_stream() -> tuple[int, BaseException | None, float]:
+            chunks = 0
+            try:
+                for _ in node0.client(timeout=60).completions.create(
+                        model=MODEL, prompt="Hello", max_tokens=480, stream=True, **GREEDY):
+                    chunks += 1
+                    if chunks == 3:
+                        flowing.set()
+            except Exception as error:
+                return chunks, error, time.monotonic()
+            return chunks, None, time.monotonic()
+
+        with ThreadPoolExecutor(1) as pool:
+            reading = pool.submit(read_stream)
+            assert flowing.wait(60), "the stream did not start"
+            os.kill(rank1, signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            try:
+                health = node0.http.get("/health")
+                while health.status_code == 200 and time.monotonic() < stopped_at + STOP_DETECTION_S + 3:
+                    time.sleep(0.05)
+                    health = node0.http.get("/health")
+                health_after = time.monotonic() - stopped_at
+                chunks, error, failed_at = reading.result(timeout=60)
+            finally:
+                os.kill(rank1, signal.SIGKILL)
+        stream_after = failed_at - stopped_at
+        print(f"torchrun rank stopped, busy: the stream failed after {stream_after:.2f} s, "
+              f"/health 503 after {health_after:.2f} s")
+        assert error is not None and chunks < 480, "the stream ended normally although a rank was stopped"
+        assert "rank 1 stopped answering: no heartbeat for 3 s" in str(error)
+        assert health.status_code == 503 and "rank 1 stopped answering" in health.json()["error"]["message"]
+        assert stream_after < STOP_DETECTION_S and health_after < STOP_DETECTION_S
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 def descendants(pid: int) -> list[int]:

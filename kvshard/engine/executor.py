@@ -8,8 +8,9 @@ share of the model; the others do the same on their shard.
 A watchdog thread looks at the ranks while the engine runs, busy or idle, and
 ends the engine with a reason that names the rank when
 - a rank process exited;
-- a rank's heartbeat (a counter its own thread ticks in shared memory every
-  $KVSHARD_HEARTBEAT_INTERVAL s, ranks spawned here) has not moved for
+- a rank's heartbeat (a counter its own thread ticks every
+  $KVSHARD_HEARTBEAT_INTERVAL s: in shared memory for ranks spawned here, in
+  the rendezvous store for ranks a launcher started) has not moved for
   $KVSHARD_HEARTBEAT_TIMEOUT s: the process is stopped (SIGSTOP, a frozen VM);
 - the idle engine's round trip through every rank (`heartbeat`) takes longer
   than that same deadline (the way to see ranks another launcher started);
@@ -20,6 +21,7 @@ The first reason is the one kept: `dead_reason`.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import socket
@@ -37,10 +39,14 @@ from kvshard.envs import heartbeat_interval_s, heartbeat_timeout_s
 from kvshard.parallel import (
     broadcast_from_driver,
     exchange_heartbeat,
+    heartbeat_key,
     init_parallel,
     shm_op_counters,
     shutdown_parallel,
+    store_client,
 )
+
+logger = logging.getLogger("kvshard.engine")
 
 # How often the watchdog looks at the ranks.
 WATCH_INTERVAL_S = 0.1
@@ -119,6 +125,34 @@ class LocalRanks:
                 process.join(1)
 
 
+class StoreHeartbeats:
+    """The heartbeat counters that ranks 1..N-1, started by a launcher, tick in the rendezvous store
+    (workers.run_worker), read through a store connection of the watchdog's own, never waiting on a key."""
+
+    def __init__(self, master: tuple[str, int], world_size: int, timeout_s: float) -> None:
+        self.master, self.ranks, self.timeout_s = master, range(1, world_size), timeout_s
+        self._store = None
+        self._failing = False
+
+    def read(self) -> dict[int, int] | None:
+        """{rank: counter} (0 for a rank that has not ticked yet), or None while the store cannot be reached
+        (said once per outage; the next call tries again)."""
+        try:
+            if self._store is None:
+                self._store = store_client(self.master, self.timeout_s)
+            beats = {rank: int(self._store.add(heartbeat_key(rank), 0)) for rank in self.ranks}
+        except Exception as error:
+            self._store = None
+            if not self._failing:
+                logger.warning("the ranks' heartbeats cannot be read from the rendezvous store at %s:%d (%s): "
+                               "a stopped rank is left to the step timeout until it answers again",
+                               self.master[0], self.master[1], error)
+                self._failing = True
+            return None
+        self._failing = False
+        return beats
+
+
 class Executor:
     def __init__(self, config: EngineConfig, master: tuple[str, int] | None = None) -> None:
         """Start every rank. `master` (host, port) is given when a launcher (torchrun) started the other ranks."""
@@ -151,6 +185,9 @@ class Executor:
             if self.local_ranks is not None:
                 self.local_ranks.join(timeout=5)
             raise
+        # ranks a launcher started tick their heartbeat in the rendezvous store
+        self.store_beats = (StoreHeartbeats(master, world, self.heartbeat_timeout)
+                            if world > 1 and self.local_ranks is None else None)
         self._last_contact = time.monotonic()  # of the last plan every rank received
         self._busy_since: float | None = None  # start of the step (or heartbeat) in flight
         self._in_heartbeat = False  # whether what is in flight is the idle round trip (heartbeat_timeout)
@@ -226,9 +263,14 @@ class Executor:
         beats: dict[int, int] = {}
         beat_times: dict[int, float] = {}
         while not self._closed.wait(WATCH_INTERVAL_S) and self.dead_reason is None:
-            now = time.monotonic()
-            if self.local_ranks is not None:
-                for rank, beat in self.local_ranks.heartbeats().items():
+            current = (self.local_ranks.heartbeats() if self.local_ranks is not None
+                       else self.store_beats.read() if self.store_beats is not None else None)
+            now = time.monotonic()  # after the read: a store read may take a moment
+            if current is None:  # no counters (alone), or none readable now: judge afresh once they are
+                beats.clear()
+                beat_times.clear()
+            else:
+                for rank, beat in current.items():
                     if beats.get(rank) != beat:
                         beats[rank], beat_times[rank] = beat, now
                 stopped = [rank for rank, seen in sorted(beat_times.items()) if now - seen >= self.heartbeat_timeout]

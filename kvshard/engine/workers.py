@@ -6,6 +6,7 @@ Spawned by the executor on one machine (`spawned_worker`), or started by
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import traceback
@@ -14,22 +15,36 @@ from kvshard.config import EngineConfig
 from kvshard.engine.model_runner import ModelRunner
 from kvshard.engine.process_setup import configure_process
 from kvshard.engine.step_plan import HEARTBEAT
-from kvshard.envs import heartbeat_interval_s
-from kvshard.parallel import broadcast_from_driver, exchange_heartbeat, init_parallel, shutdown_parallel
+from kvshard.envs import heartbeat_interval_s, heartbeat_timeout_s
+from kvshard.parallel import (
+    broadcast_from_driver,
+    exchange_heartbeat,
+    heartbeat_key,
+    init_parallel,
+    shutdown_parallel,
+    store_client,
+)
+
+logger = logging.getLogger("kvshard.engine")
 
 
 def run_worker(config: EngineConfig, rank: int, master: tuple[str, int], beats=None) -> None:
     """Body of every rank > 0: build the model shard, then run plans until told to stop.
 
-    `beats` (shared memory, one counter per rank; given by the executor that spawned this rank): this rank
-    ticks its counter from a thread of its own, so rank 0 sees within a short deadline that the process
-    stopped (SIGSTOP), whatever the step it is in, and however long that step may rightly take.
+    A thread of this rank's own ticks its heartbeat counter, so rank 0 sees within a short deadline that the
+    process stopped (SIGSTOP), whatever the step it is in, and however long that step may rightly take:
+    `beats[rank]` (shared memory, one counter per rank) when the executor spawned this rank; without `beats`
+    (a launcher such as torchrun started it) the key `heartbeat_key(rank)` of the rendezvous store, through a
+    store connection of the thread's own.
     """
     if beats is not None:
         threading.Thread(target=_beat, args=(beats, rank, heartbeat_interval_s()), name="kvshard-heartbeat",
                          daemon=True).start()
     device = configure_process(rank, config.parallel.world_size)
     state = init_parallel(config.parallel, rank, master, device)
+    if beats is None and state.world_size > 1:  # the store is up now: every rank has joined it
+        threading.Thread(target=_beat_through_store, args=(master, rank, heartbeat_interval_s()),
+                         name="kvshard-heartbeat", daemon=True).start()
     try:
         runner = ModelRunner(config, state, device)
         while True:
@@ -49,6 +64,28 @@ def run_worker(config: EngineConfig, rank: int, master: tuple[str, int], beats=N
 def _beat(beats, rank: int, interval_s: float) -> None:
     while True:
         beats[rank] += 1  # only this rank writes its counter
+        time.sleep(interval_s)
+
+
+def _beat_through_store(master: tuple[str, int], rank: int, interval_s: float) -> None:
+    """Tick `heartbeat_key(rank)` in the rendezvous store every `interval_s`. A store that cannot be reached
+    (rank 0's, or the launcher's, gone) is said once per outage, and tried again at every tick."""
+    key, store, failing = heartbeat_key(rank), None, False
+    timeout_s = heartbeat_timeout_s()
+    while True:
+        try:
+            if store is None:
+                store = store_client(master, timeout_s)
+            store.add(key, 1)
+            if failing:
+                logger.warning("rank %d: the heartbeat reaches the rendezvous store again", rank)
+                failing = False
+        except Exception as error:  # the thread goes on: the store may come back
+            store = None
+            if not failing:
+                logger.warning("rank %d: the heartbeat cannot reach the rendezvous store at %s:%d (%s); "
+                               "trying again every %g s", rank, master[0], master[1], error, interval_s)
+                failing = True
         time.sleep(interval_s)
 
 
