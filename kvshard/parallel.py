@@ -132,8 +132,10 @@ def _agent_store_prefix() -> str:
 def store_client(master: tuple[str, int], timeout_s: float) -> dist.Store:
     """A connection of its own to the ranks' rendezvous store (joined by `init_parallel`), under the same
     prefix: for the heartbeat of ranks a launcher started, which must not share the process group's client.
-    Every call on it gives up after `timeout_s`."""
+    Every call on it gives up after `timeout_s`; OSError (or torch's DistError) when the store cannot be reached."""
     host, port = master
+    # a store that is gone is an OSError here, not a stack trace from torch at every attempt
+    socket.create_connection((host, port), timeout=timeout_s).close()
     store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
                           wait_for_workers=False)
     return dist.PrefixStore(_agent_store_prefix(), store) if uses_agent_store(master) else store

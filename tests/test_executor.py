@@ -163,3 +163,42 @@ def test_a_heartbeat_deadline_within_two_ticks_is_refused(monkeypatch):
     monkeypatch.setenv("KVSHARD_HEARTBEAT_TIMEOUT", "1.5")
     with pytest.raises(ConfigError, match="KVSHARD_HEARTBEAT_TIMEOUT .* at least twice KVSHARD_HEARTBEAT_INTERVAL"):
         Executor(None)
+
+
+def test_the_store_heartbeat_says_once_that_the_store_is_gone_and_ticks_again_when_it_is_back(caplog):
+    """Ranks a launcher started tick their heartbeat in the rendezvous store: a store that cannot be reached
+    is logged once (per outage) on either side, never a dead thread; once it answers, the counter moves and
+    rank 0's reader sees it."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from kvshard.engine.executor import StoreHeartbeats, free_port
+    from kvshard.engine.workers import _beat_through_store
+    from kvshard.parallel import heartbeat_key
+
+    master = ("127.0.0.1", free_port())  # nothing listens there yet
+    reader = StoreHeartbeats(master, world_size=3, timeout_s=0.5)
+    stopping = threading.Event()
+    ticking = threading.Thread(target=_beat_through_store, args=(master, 2, 0.05, stopping), daemon=True)
+    caplog.set_level("WARNING", logger="kvshard.engine")
+    ticking.start()
+    try:
+        assert [reader.read() for _ in range(3)] == [None, None, None]
+        time.sleep(0.3)  # several ticks of the rank's thread
+        said = [r.getMessage() for r in caplog.records]
+        assert sum("heartbeats cannot be read from the rendezvous store" in m for m in said) == 1, said
+        assert sum("rank 2: the heartbeat cannot reach the rendezvous store" in m for m in said) == 1, said
+        assert ticking.is_alive()
+        store = dist.TCPStore(*master, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+        deadline = time.monotonic() + 10
+        while int(store.add(heartbeat_key(2), 0)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        beats = reader.read()
+        assert beats is not None and beats[1] == 0 and beats[2] >= 3, beats
+        assert any("rank 2: the heartbeat reaches the rendezvous store again" in r.getMessage() for r in caplog.records)
+    finally:
+        stopping.set()
+        ticking.join(5)
+    assert not ticking.is_alive()

@@ -42,8 +42,9 @@ def run_worker(config: EngineConfig, rank: int, master: tuple[str, int], beats=N
                          daemon=True).start()
     device = configure_process(rank, config.parallel.world_size)
     state = init_parallel(config.parallel, rank, master, device)
+    stopping = threading.Event()
     if beats is None and state.world_size > 1:  # the store is up now: every rank has joined it
-        threading.Thread(target=_beat_through_store, args=(master, rank, heartbeat_interval_s()),
+        threading.Thread(target=_beat_through_store, args=(master, rank, heartbeat_interval_s(), stopping),
                          name="kvshard-heartbeat", daemon=True).start()
     try:
         runner = ModelRunner(config, state, device)
@@ -58,6 +59,7 @@ def run_worker(config: EngineConfig, rank: int, master: tuple[str, int], beats=N
             else:
                 runner.execute(plan)
     finally:
+        stopping.set()
         shutdown_parallel(state)
 
 
@@ -67,12 +69,13 @@ def _beat(beats, rank: int, interval_s: float) -> None:
         time.sleep(interval_s)
 
 
-def _beat_through_store(master: tuple[str, int], rank: int, interval_s: float) -> None:
-    """Tick `heartbeat_key(rank)` in the rendezvous store every `interval_s`. A store that cannot be reached
-    (rank 0's, or the launcher's, gone) is said once per outage, and tried again at every tick."""
+def _beat_through_store(master: tuple[str, int], rank: int, interval_s: float, stopping: threading.Event) -> None:
+    """Tick `heartbeat_key(rank)` in the rendezvous store every `interval_s` until `stopping` is set. A store
+    that cannot be reached (rank 0's, or the launcher's, gone) is said once per outage, and tried again at
+    every tick."""
     key, store, failing = heartbeat_key(rank), None, False
     timeout_s = heartbeat_timeout_s()
-    while True:
+    while not stopping.is_set():
         try:
             if store is None:
                 store = store_client(master, timeout_s)
@@ -86,7 +89,7 @@ def _beat_through_store(master: tuple[str, int], rank: int, interval_s: float) -
                 logger.warning("rank %d: the heartbeat cannot reach the rendezvous store at %s:%d (%s); "
                                "trying again every %g s", rank, master[0], master[1], error, interval_s)
                 failing = True
-        time.sleep(interval_s)
+        stopping.wait(interval_s)
 
 
 def spawned_worker(config: EngineConfig, rank: int, master: tuple[str, int], beats=None) -> None:
