@@ -15,7 +15,6 @@ when the server has an API key, the key as well:
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 
 from fastapi import Depends, Request
@@ -26,8 +25,7 @@ from pydantic import ValidationError
 from kvshard.disagg.connector import FREE_REASONS, KVConnector, PullRefused
 from kvshard.disagg.params import KVTransferParams, Registration, first_error
 from kvshard.disagg.secret import HEADER
-from kvshard.entrypoints.openai_server import (APIError, ChatCompletionRequest, CompletionRequest, OpenAIServer,
-                                               _parse)
+from kvshard.entrypoints.openai_server import APIError, OpenAIServer
 
 
 def check_secret(connector: KVConnector, given: str | None, param: str | None = None) -> None:
@@ -145,21 +143,11 @@ def attach_kv_transfer(server: OpenAIServer, connector: KVConnector) -> None:
         return JSONResponse({})
 
     async def check_completion(request: Request) -> JSONResponse:
-        body = _parse(CompletionRequest, await request.body())
-        server._check_request(body, request)
-        params = body.sampling_params(body.max_tokens, body.logprobs)
-        raw = body.prompt
-        prompts = [raw] if isinstance(raw, str) or not raw or isinstance(raw[0], int) else raw
-        for prompt in prompts:
-            await asyncio.to_thread(server._tokenize, prompt, params, "prompt")
+        await server.completion_inputs(request)  # the real route's checks, tokenizing included
         return JSONResponse({})
 
     async def check_chat(request: Request) -> JSONResponse:
-        body = _parse(ChatCompletionRequest, await request.body())
-        server._check_request(body, request)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
-        await asyncio.to_thread(lambda: server._tokenize(server._render_chat(body), params, "messages"))
+        await server.chat_inputs(request)
         return JSONResponse({})
 
     guarded = {"dependencies": [Depends(authorized)]}

@@ -782,14 +782,19 @@ class OpenAIServer:
         if self.engine.refusal is not None:
             raise _engine_dead(self.engine.refusal)
 
-    async def completions(self, request: Request) -> Response:
+    async def completion_inputs(self, request: Request) -> tuple[CompletionRequest, SamplingParams, list[list[int]]]:
+        """A completion request checked as a whole and tokenized: what /v1/completions generates from (and
+        what a disaggregated consumer's check route answers for before its producer prefills)."""
         body = _parse(CompletionRequest, await request.body())
         self._check_request(body, request)
         params = body.sampling_params(body.max_tokens, body.logprobs)
         raw = body.prompt
         raw_prompts = [raw] if isinstance(raw, str) or not raw or isinstance(raw[0], int) else raw
         self._check_choices(len(raw_prompts), params.n)
-        prompts = await self._tokenize(raw_prompts, params, "prompt")
+        return body, params, await self._tokenize(raw_prompts, params, "prompt")
+
+    async def completions(self, request: Request) -> Response:
+        body, params, prompts = await self.completion_inputs(request)
         self._check_alive()
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -814,13 +819,17 @@ class OpenAIServer:
         usage = _usage(prompts, completion_tokens, _cached_tokens(outputs))
         return JSONResponse({**envelope, "choices": choices, "usage": usage})
 
-    async def chat_completions(self, request: Request) -> Response:
+    async def chat_inputs(self, request: Request) -> tuple[ChatCompletionRequest, SamplingParams, list[list[int]]]:
+        """A chat request checked as a whole, templated and tokenized (see completion_inputs)."""
         body = _parse(ChatCompletionRequest, await request.body())
         self._check_request(body, request)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
         self._check_choices(1, params.n)
-        prompts = await self._tokenize([await self._render_chat(body)], params, "messages")
+        return body, params, await self._tokenize([await self._render_chat(body)], params, "messages")
+
+    async def chat_completions(self, request: Request) -> Response:
+        body, params, prompts = await self.chat_inputs(request)
         self._check_alive()
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
