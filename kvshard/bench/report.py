@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 
@@ -111,7 +112,8 @@ def plot_dcp_sweep(result: dict, path: str | Path) -> Path:
         axis.legend(fontsize=8)
     running.set_yscale("log", base=2)
     running.set_yticks(concurrencies, [str(c) for c in concurrencies])
-    fig.suptitle(f"{result['model']}: KV {result['kv_cache_memory']} per rank, {result['workload']}", fontsize=9)
+    title = f"{result['model']}: KV {result['kv_cache_memory']} per rank, {result['workload']}"
+    fig.suptitle(textwrap.fill(title, 150), fontsize=9)  # a trace's description runs long
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
