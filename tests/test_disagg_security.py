@@ -195,6 +195,17 @@ def test_a_client_that_hangs_up_aborts_the_consumer_request(servers, stream):
     assert producer.wait_for_metric(BLOCKS_USED, lambda v: v == 0, timeout=5) == 0
 
 
+def stream_arrivals(server) -> tuple[float, list[float]]:
+    """When a 48-token stream from `server` started, and when each of its chunks arrived."""
+    arrivals, started = [], time.monotonic()
+    with server.http.stream("POST", "/v1/completions", json=body(max_tokens=48, ignore_eos=True,
+                                                                 stream=True)) as streamed:
+        for line in streamed.iter_lines():
+            if line.startswith("data: {"):
+                arrivals.append(time.monotonic())
+    return started, arrivals
+
+
 def test_a_producer_that_never_answers_delays_only_its_own_request(servers):
     producer, consumer, proxy = servers
     with socket.socket() as silent:  # accepts, then never says a word
@@ -215,12 +226,7 @@ def test_a_producer_that_never_answers_delays_only_its_own_request(servers):
         thread.start()
         connection, _ = silent.accept()  # the consumer's pull is in flight: it will wait TRANSFER_TIMEOUT_S
         with connection:
-            arrivals, started = [], time.monotonic()
-            with consumer.http.stream("POST", "/v1/completions", json=body(max_tokens=48, ignore_eos=True,
-                                                                           stream=True)) as answer:
-                for line in answer.iter_lines():
-                    if line.startswith("data: {"):
-                        arrivals.append(time.monotonic())
+            started, arrivals = stream_arrivals(consumer)
             finished = time.monotonic()
             thread.join(TRANSFER_TIMEOUT_S + 10)
     assert len(arrivals) >= 10
@@ -243,12 +249,7 @@ def test_a_consumer_that_pulls_and_never_comes_delays_no_stream_on_the_producer(
         "transfer_id": transfer_id, "consumer_id": "gone", "generation": 0, "num_tokens": 3, "blocks": [0],
         "layout": info["layout"], "signature": info["signature"]})
     assert answer.status_code == 200, answer.text  # claimed: the producer now waits for this consumer
-    arrivals, started = [], time.monotonic()
-    with producer.http.stream("POST", "/v1/completions", json=body(max_tokens=48, ignore_eos=True,
-                                                                   stream=True)) as streamed:
-        for line in streamed.iter_lines():
-            if line.startswith("data: {"):
-                arrivals.append(time.monotonic())
+    started, arrivals = stream_arrivals(producer)
     assert len(arrivals) >= 10
     assert arrivals[0] - started < 1.0
     assert max(b - a for a, b in zip(arrivals, arrivals[1:])) < 1.0  # its engine never waited for the consumer

@@ -397,22 +397,28 @@ async def _final_outputs(engine: AsyncLLMEngine, request_id: str, prompts: list[
     return [final[i] for i in range(len(prompts))]
 
 
-async def _unless_disconnected(request: Request, work):
-    """Await `work`, but cancel it (aborting the request) if the client hangs up first."""
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
+async def _client_gone(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
-    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+
+async def until_disconnected(request: Request, work) -> asyncio.Task:
+    """Run `work`, cancelled (and unwound: its request aborted) if the client hangs up first; the task, done."""
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(_client_gone(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not task.done():
             task.cancel()
-    if not task.done() or task.cancelled():
-        return None
-    return task.result()
+            await asyncio.gather(task, return_exceptions=True)
+    return task
+
+
+async def _unless_disconnected(request: Request, work):
+    """`work`'s result, or None if the client hung up first (the work then cancelled)."""
+    task = await until_disconnected(request, work)
+    return None if task.cancelled() else task.result()
 
 
 def _usage(prompts: list[list[int]], completion_tokens: int, cached_tokens: int) -> dict:

@@ -33,7 +33,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvshard.config import ConfigError
 from kvshard.disagg.secret import HEADER, deployment_secret
 from kvshard.entrypoints.openai_server import (DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_REQUEST_READ_TIMEOUT, APIError,
-                                               RequestDoor, _http_error, _internal_error)
+                                               RequestDoor, _http_error, _internal_error,
+                                               until_disconnected)
 
 logger = logging.getLogger("kvshard.proxy")
 
@@ -164,15 +165,7 @@ class Proxy:
             return await self._disaggregate(request, path, body, prefill_url, decode_url, transfer_id, state)
 
         # a client that hangs up, streamed or not, cancels what runs for it: both sides see it go
-        task = asyncio.ensure_future(run())
-        watcher = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        task = await until_disconnected(request, run())
         if state["prefilled"] and (task.cancelled() or task.exception() is not None or not state["fetched"]):
             self._release(prefill_url, transfer_id, request)  # nobody will fetch that KV
         if task.cancelled():
@@ -287,11 +280,6 @@ def _error_param(response: httpx.Response) -> str | None:
         return response.json()["error"]["param"]
     except (ValueError, KeyError, TypeError):
         return None
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _events(response: httpx.Response, url: str) -> AsyncIterator[bytes]:
