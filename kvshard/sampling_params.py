@@ -13,6 +13,76 @@ MAX_STOP_LENGTH = 1024  # characters; a stream holds back the longest stop strin
 MAX_BAD_WORDS = 256  # every bad word is matched against the tail of every sampled row
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit bias: [-100, 100]
 MAX_PENALTY = 2.0  # presence and frequency penalties: [-2, 2], as OpenAI and vLLM
+MAX_CONSTRAINT_CHARS = 1 << 20  # a schema, regex or grammar longer than this is refused before it is compiled
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One output constraint, as vLLM's `structured_outputs` (exactly one field set). `json` is a JSON schema
+    (a dict, or its text); `json_object` any JSON object; `regex` a regular expression; `choice` a list of
+    strings, one of which is the whole output; `grammar` an EBNF (GBNF) grammar. The grammar backend
+    (kvshard/structured/) compiles it off the engine thread; the sampler masks each row to what it allows."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def kind(self) -> str:
+        """The one field that is set: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k))
+
+    def validate(self) -> None:
+        import json as _json
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar, json_object, "
+                             f"got {given or 'none'}")
+        kind = given[0]
+        if kind == "json":
+            if isinstance(self.json, str):
+                try:
+                    loaded = _json.loads(self.json)
+                except ValueError as exc:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+            else:
+                loaded = self.json
+            if not isinstance(loaded, (dict, bool)):
+                raise ValueError("structured_outputs.json must be a JSON schema (an object), "
+                                 f"got {type(loaded).__name__}")
+            if len(_json.dumps(loaded)) > MAX_CONSTRAINT_CHARS:
+                raise ValueError(f"structured_outputs.json is longer than {MAX_CONSTRAINT_CHARS} characters")
+        elif kind == "choice":
+            if not (isinstance(self.choice, list) and self.choice
+                    and all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+            if sum(map(len, self.choice)) > MAX_CONSTRAINT_CHARS:
+                raise ValueError(f"structured_outputs.choice is longer than {MAX_CONSTRAINT_CHARS} characters")
+        elif kind in ("regex", "grammar"):
+            value = getattr(self, kind)
+            if not (isinstance(value, str) and value.strip()):
+                raise ValueError(f"structured_outputs.{kind} must be a non-empty string")
+            if len(value) > MAX_CONSTRAINT_CHARS:
+                raise ValueError(f"structured_outputs.{kind} is longer than {MAX_CONSTRAINT_CHARS} characters")
+        elif self.json_object is not True:
+            raise ValueError("structured_outputs.json_object must be true when given")
+
+    def key(self) -> tuple:
+        """What the compiled-grammar cache is keyed by."""
+        import json as _json
+        kind = self.kind()
+        value = getattr(self, kind)
+        if kind == "json" and not isinstance(value, str):
+            value = _json.dumps(value, sort_keys=True)
+        elif kind == "choice":
+            value = tuple(value)
+        return (kind, value, self.disable_any_whitespace)
 
 
 @dataclass
@@ -38,6 +108,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     bad_words: list[str] | None = None  # words never generated (tokenized with and without a leading space)
+    structured_outputs: StructuredOutputsParams | None = None  # guided decoding: the output obeys this constraint
 
     # Filled by `prepare` from the engine's tokenizer and model. Never taken from the caller: a copy made with
     # SamplingParams(**vars(params)) starts unprepared (its words may differ) and is prepared again.
@@ -114,6 +185,10 @@ class SamplingParams:
               f"bad_words takes at most {MAX_BAD_WORDS} words, got {len(self.bad_words or [])}")
         check(all(len(w) <= MAX_STOP_LENGTH for w in self.bad_words or []),
               f"bad_words must be at most {MAX_STOP_LENGTH} characters long")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "structured_outputs must be a StructuredOutputsParams")
 
     @property
     def uses_logits_processors(self) -> bool:
