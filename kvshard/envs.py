@@ -1,55 +1,234 @@
-"""Settings read from the environment, which spawned ranks inherit."""
+"""Every `KVSHARD_*` environment variable, declared once: its name, type, default and what it changes.
+
+Settings a user gives per engine are `EngineArgs` fields (kvshard/engine/arg_utils.py); the ones here
+are process-wide knobs that spawned ranks inherit with the environment. Each is read through its
+`EnvVar` when it is needed (never when a module is imported), parsed one way per type, and refused
+with a `ConfigError` naming the variable. The table in docs/serving.md (section "Environment
+variables") is `markdown_table()`, checked by tests/test_settings.py; `python -m kvshard.envs`
+prints it. Those marked `numerics` can change a request's bits: the start-up report lists them.
+
+Importing this module imports nothing but the standard library (the planner and the ranks use it).
+"""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# The types: how a value is parsed (and what the table in docs/serving.md says it is).
+NON_NEGATIVE_INT = "integer >= 0"
+POSITIVE_INT = "integer >= 1"
+SECONDS = "seconds > 0"
+SWITCH = "0 or 1"
+PATH = "path"
+TEXT = "text"
+TYPES = (NON_NEGATIVE_INT, POSITIVE_INT, SECONDS, SWITCH, PATH, TEXT)
+
+_OFF, _ON = ("0", "false", "no", "off"), ("1", "true", "yes", "on")
 
 
-def int_from_env(name: str, default: int) -> int:
-    """A non-negative integer setting from the environment, which spawned ranks inherit."""
-    value = os.environ.get(name, "").strip()
-    if not value:
-        return default
-    if not value.isdigit():
-        raise ValueError(f"{name}={value!r} is not a non-negative integer: set it to one, or unset it for {default}")
-    return int(value)
+def _error(message: str) -> Exception:
+    from kvshard.errors import ConfigError  # a ValueError
+
+    return ConfigError(message)
 
 
-def seconds_from_env(name: str, default: float) -> float:
-    """A finite number of seconds > 0 from the environment; ConfigError names the variable."""
-    from kvshard.errors import ConfigError
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    type: str  # one of TYPES
+    default: Any  # the value when unset (None: none, or derived where it is read; `shown_default` says which)
+    what: str  # what it changes, for docs/serving.md
+    numerics: bool = False  # can change a request's tokens or logprobs: listed in the start-up report
+    aliases: tuple[str, ...] = ()  # further names read, in order, when `name` is unset (other projects' recipes)
+    shown_default: str | None = None  # the default as the table shows it, where `default` alone does not say
 
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 < value < float("inf"):
-        raise ConfigError(f"{name}={text!r} is not a number of seconds > 0: set e.g. {default:g}, or unset it")
-    return value
+    def raw(self) -> tuple[str, str] | None:
+        """(the name it was read from, its text) of the first of `name`, `aliases` that is set and not blank."""
+        for name in (self.name, *self.aliases):
+            text = os.environ.get(name, "").strip()
+            if text:
+                return name, text
+        return None
+
+    def is_set(self) -> bool:
+        return self.raw() is not None
+
+    def get(self) -> Any:
+        """The value now: parsed from the environment, or the default. ConfigError names the variable."""
+        found = self.raw()
+        if found is None:
+            return self.default
+        name, text = found
+        if self.type == NON_NEGATIVE_INT:
+            if not text.isdigit():
+                raise _error(f"{name}={text!r} is not a non-negative integer: set it to one, or unset it for "
+                             f"{self.default}")
+            return int(text)
+        if self.type == POSITIVE_INT:
+            if not text.isdigit() or int(text) < 1:
+                raise _error(f"{name}={text!r} is not an integer >= 1: set one, or unset it for "
+                             f"{self.default_text()}")
+            return int(text)
+        if self.type == SECONDS:
+            try:
+                value = float(text)
+            except ValueError:
+                value = float("nan")
+            if not 0 < value < float("inf"):
+                raise _error(f"{name}={text!r} is not a number of seconds > 0: set e.g. {self.default:g}, "
+                             "or unset it")
+            return value
+        if self.type == SWITCH:
+            if text.lower() in _OFF:
+                return False
+            if text.lower() in _ON:
+                return True
+            raise _error(f"{name}={text!r} is not 0 or 1: set 0 (off) or 1 (on), or unset it for "
+                         f"{int(self.default)}")
+        if self.type == PATH:
+            return Path(text).expanduser()
+        return text
+
+    def default_text(self) -> str:
+        if self.shown_default is not None:
+            return self.shown_default
+        if self.type == SWITCH:
+            return str(int(self.default))
+        if self.type == SECONDS:
+            return f"{self.default:g}"
+        if self.name.endswith("_BYTES") and self.default >= 1 << 10 and self.default % (1 << 10) == 0:
+            units = [(1 << 20, "MiB"), (1 << 10, "KiB")]
+            size, unit = next((s, u) for s, u in units if self.default % s == 0)
+            return f"{self.default:,} ({self.default // size} {unit})"
+        return "unset" if self.default is None else f"{self.default:,}" if isinstance(self.default, int) \
+            else str(self.default)
 
 
-# Every rank > 0 started by the executor on this machine ticks a counter in shared memory this often, from a
-# thread of its own, busy or idle (kvshard/engine/workers.py).
+def _declare(*variables: EnvVar) -> dict[str, EnvVar]:
+    return {v.name: v for v in variables}
+
+
+# Defaults the modules that use them also export under their own names (with the measurements behind them).
 DEFAULT_HEARTBEAT_INTERVAL_S = 0.5
-# A rank whose counter has not moved for this long is stopped (SIGSTOP, a frozen machine): the engine ends
-# with a reason naming it. Far shorter than the step timeout, which a long prefill may need.
 DEFAULT_HEARTBEAT_TIMEOUT_S = 3.0
+DEFAULT_STEP_TIMEOUT_S = 30.0
 
+REGISTRY: dict[str, EnvVar] = _declare(
+    # --- numerics: which kernel or merge runs, how decodes are grouped ---------------------------------
+    EnvVar("KVSHARD_DCP_KV_INTERLEAVE_SIZE", POSITIVE_INT, None,
+           "consecutive tokens per DCP rank, where `--dcp-kv-interleave-size` is not given "
+           "(`VLLM_DCP_KV_INTERLEAVE_SIZE` is read next)", numerics=True,
+           aliases=("VLLM_DCP_KV_INTERLEAVE_SIZE",), shown_default="1"),
+    EnvVar("KVSHARD_AUTO_REPLICATE_MAX_BYTES", NON_NEGATIVE_INT, 1 << 20,
+           "`--dcp-attention-layout auto` replicates a DCP group's queries when that costs a rank at most "
+           "this many bytes of query weights per layer; 0 keeps head-split wherever it applies", numerics=True),
+    EnvVar("KVSHARD_FUSED_MERGE_MAX_BYTES", NON_NEGATIVE_INT, 256 * 1024,
+           "below this many bytes of partial output per rank, the ag_rs merge is one all-gather of "
+           "[output, lse]; 0 always takes the LSE all-gather + ReduceScatter", numerics=True),
+    EnvVar("KVSHARD_A2A_MAX_BYTES", NON_NEGATIVE_INT, 16 << 20,
+           "`--dcp-comm-backend auto` merges by all-to-all up to this many bytes of partial output per rank; "
+           "0 always takes ag_rs", numerics=True),
+    EnvVar("KVSHARD_DECODE_GROUP_SPREAD", NON_NEGATIVE_INT, 1024,
+           "decodes attend in groups padded to their longest member, spanning at most this many tokens of "
+           "local context; 0 gives each local length a group of its own", numerics=True),
+    EnvVar("KVSHARD_ONEDNN_LINEAR", SWITCH, True,
+           "CPU: linear layers run oneDNN on weights reordered once at load; 0 keeps torch's linear",
+           numerics=True),
+    EnvVar("KVSHARD_NUM_THREADS", POSITIVE_INT, None,
+           "torch threads per rank (a matmul's split over threads can change its rounding)", numerics=True,
+           shown_default="cores / ranks"),
+    # --- collectives and failure detection --------------------------------------------------------------
+    EnvVar("KVSHARD_SHM_COLLECTIVES", SWITCH, True,
+           "ranks on one x86 machine exchange through shared memory; 0 sends every collective through gloo"),
+    EnvVar("KVSHARD_SHM_SLOT_BYTES", POSITIVE_INT, 4 << 20,
+           "bytes of one rank's shared-memory slot; a larger message goes through gloo"),
+    EnvVar("KVSHARD_COLLECTIVE_TIMEOUT_S", SECONDS, 600.0,
+           "how long the ranks wait for each other to join and in one collective"),
+    EnvVar("KVSHARD_STEP_TIMEOUT", SECONDS, DEFAULT_STEP_TIMEOUT_S,
+           "seconds a step may go without progress before its ranks count as hung"),
+    EnvVar("KVSHARD_HEARTBEAT_INTERVAL", SECONDS, DEFAULT_HEARTBEAT_INTERVAL_S,
+           "seconds between two ticks of a rank's heartbeat"),
+    EnvVar("KVSHARD_HEARTBEAT_TIMEOUT", SECONDS, DEFAULT_HEARTBEAT_TIMEOUT_S,
+           "seconds without a tick after which a rank counts as stopped (at least twice the interval)"),
+    EnvVar("KVSHARD_DCP_TIMING_EVERY", NON_NEGATIVE_INT, 16,
+           "with DCP, the ranks gather their attention timers every this many steps (`kvshard:dcp_seconds_total`); "
+           "0 turns the timers off"),
+    # --- process and memory -----------------------------------------------------------------------------
+    EnvVar("KVSHARD_KEEP_FREED_MEMORY", SWITCH, True,
+           "glibc keeps freed memory for the next step instead of returning it to the kernel; 0 leaves glibc's "
+           "default"),
+    EnvVar("KVSHARD_CACHE_DIR", PATH, None,
+           "where kvshard keeps the demo models, converted GGUF checkpoints, compiled kernels and the generated "
+           "KV-transfer secret", shown_default="~/.cache/kvshard"),
+    # --- serving ----------------------------------------------------------------------------------------
+    EnvVar("KVSHARD_MAX_STREAM_BACKLOG", POSITIVE_INT, 1024,
+           "tokens a streaming client may leave unread (summed over its choices) before the request is aborted"),
+    EnvVar("KVSHARD_API_KEY", TEXT, None,
+           "the default of `serve --api-key`: the bearer key every route but /health requires"),
+    EnvVar("KVSHARD_KV_TRANSFER_SECRET", TEXT, None,
+           "the shared secret of a disaggregated deployment (proxy, producers, consumers), where "
+           "`kv_connector_extra_config.shared_secret` is not given",
+           shown_default="generated once per user and machine"),
+)
+
+
+def env(name: str) -> EnvVar:
+    """The declared variable `name` (KeyError for an undeclared one: declare it in REGISTRY first)."""
+    return REGISTRY[name]
+
+
+def get(name: str) -> Any:
+    """The value of the declared variable `name` now (its default when unset)."""
+    return REGISTRY[name].get()
+
+
+# --- readers by name, for the modules that use them ------------------------------------------------------
 
 def heartbeat_interval_s() -> float:
     """$KVSHARD_HEARTBEAT_INTERVAL: seconds between two ticks of a rank's heartbeat."""
-    return seconds_from_env("KVSHARD_HEARTBEAT_INTERVAL", DEFAULT_HEARTBEAT_INTERVAL_S)
+    return get("KVSHARD_HEARTBEAT_INTERVAL")
 
 
 def heartbeat_timeout_s() -> float:
     """$KVSHARD_HEARTBEAT_TIMEOUT: seconds without a tick after which a rank counts as stopped (also the
     deadline of the idle engine's round trip through every rank)."""
-    return seconds_from_env("KVSHARD_HEARTBEAT_TIMEOUT", DEFAULT_HEARTBEAT_TIMEOUT_S)
+    return get("KVSHARD_HEARTBEAT_TIMEOUT")
 
 
-# The shared secret of a disaggregated deployment (proxy, producers, consumers; docs/disaggregation.md).
-# Unset: `kv_connector_extra_config.shared_secret`, else a secret generated once per user and machine.
+def cache_dir() -> Path:
+    """Where kvshard keeps what it builds or converts: $KVSHARD_CACHE_DIR, else ~/.cache/kvshard."""
+    return get("KVSHARD_CACHE_DIR") or Path.home() / ".cache" / "kvshard"
+
+
+# The variable that holds the shared secret of a disaggregated deployment (docs/disaggregation.md).
 KV_TRANSFER_SECRET = "KVSHARD_KV_TRANSFER_SECRET"
+
+
+# --- what users see ---------------------------------------------------------------------------------------
+
+def numerics_report() -> str:
+    """The start-up report's line: the numerics-changing variables set in this environment and their values."""
+    chosen = []
+    for variable in REGISTRY.values():
+        if variable.numerics and (found := variable.raw()) is not None:
+            value = variable.get()
+            shown = int(value) if isinstance(value, bool) else value
+            chosen.append(f"{found[0]}={shown} (default {variable.default_text()})")
+    if not chosen:
+        return "numerics settings from the environment: none set (every KVSHARD_* numerics setting at its default)"
+    return "numerics settings from the environment: " + ", ".join(chosen)
+
+
+def markdown_table() -> str:
+    """The table of docs/serving.md's "Environment variables" section."""
+    rows = ["| variable | type | default | numerics | what it changes |", "|---|---|---|---|---|"]
+    for v in REGISTRY.values():
+        rows.append(f"| `{v.name}` | {v.type} | {v.default_text()} | {'yes' if v.numerics else ''} | {v.what} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

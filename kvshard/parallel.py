@@ -20,11 +20,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kvshard import envs
 from kvshard.config import HEAD_SPLIT, REPLICATED, ParallelConfig
 from kvshard.shm import ShmGroup, host_identity, shm_supported, slot_bytes
 
 # A collective that waits longer than this means a peer is gone.
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("KVSHARD_COLLECTIVE_TIMEOUT_S", "600")))
+
+
+def collective_timeout() -> datetime.timedelta:
+    """$KVSHARD_COLLECTIVE_TIMEOUT_S: how long the ranks wait to join, and in one collective."""
+    return datetime.timedelta(seconds=envs.get("KVSHARD_COLLECTIVE_TIMEOUT_S"))
 
 
 @dataclass(frozen=True)
@@ -191,12 +196,15 @@ def init_parallel(
     world = parallel.world_size
     if world == 1:
         return single_rank_state()
+    global _TIMEOUT_S
+    timeout = collective_timeout()
+    _TIMEOUT_S = timeout.total_seconds()  # read once per process, as it joins: the collectives below use it
     host, port = master
     agent_store = uses_agent_store(master)
     hosts_store = rank == 0 and not agent_store
     listener = take_rendezvous_listener(host, port) if hosts_store else None
     # the store listens on the configured host only (torch's own listener would take every interface)
-    store = dist.TCPStore(host, port, world, is_master=hosts_store, timeout=COLLECTIVE_TIMEOUT,
+    store = dist.TCPStore(host, port, world, is_master=hosts_store, timeout=timeout,
                           wait_for_workers=False, master_listen_fd=listener.fileno() if listener else None)
     if listener is not None:
         listener.detach()  # the store owns the descriptor now
@@ -205,15 +213,15 @@ def init_parallel(
     store.set(f"kvshard/joined/{rank}", "1")
     if rank == 0:
         joined = [f"kvshard/joined/{r}" for r in range(world)]
-        deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
+        deadline = time.monotonic() + _TIMEOUT_S
         while not store.check(joined):
             if check_peers is not None:
                 check_peers()
             if time.monotonic() > deadline:
-                raise TimeoutError(f"not every one of the {world} ranks joined within {COLLECTIVE_TIMEOUT}")
+                raise TimeoutError(f"not every one of the {world} ranks joined within {timeout}")
             time.sleep(0.05)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     control = dist.new_group(list(range(world)), backend="gloo") if backend != "gloo" else dist.group.WORLD
     dcp_group = None
     for ranks in parallel.dcp_groups():
@@ -311,7 +319,7 @@ def shm_op_counters(state: ParallelState) -> tuple[tuple[int, ...], ...]:
 
 # --- collectives over TP -------------------------------------------------------
 
-_TIMEOUT_S = COLLECTIVE_TIMEOUT.total_seconds()
+_TIMEOUT_S: float = envs.env("KVSHARD_COLLECTIVE_TIMEOUT_S").default  # until init_distributed reads it
 
 
 def _shm_for(group: ShmGroup | None, x: torch.Tensor) -> ShmGroup | None:

@@ -35,7 +35,9 @@ import time
 
 import torch
 
-DEFAULT_SLOT_BYTES = 4 << 20  # per rank and slot: a prefill chunk's activations of a small model
+from kvshard import envs
+
+DEFAULT_SLOT_BYTES = envs.env("KVSHARD_SHM_SLOT_BYTES").default  # 4 MiB  # per rank and slot: a prefill chunk's activations of a small model
 SPIN_ROUNDS = 2000  # polls before a waiter yields: the usual case is a peer a few microseconds behind
 _FLAG_STRIDE = 8  # int64 words: each rank's flag and pid on a cache line of their own
 _HEADER_WORDS_PER_RANK = 2 * _FLAG_STRIDE
@@ -47,14 +49,14 @@ class PeerGoneError(RuntimeError):
 
 def shm_supported() -> bool:
     return (
-        os.environ.get("KVSHARD_SHM_COLLECTIVES", "1") != "0"
+        envs.get("KVSHARD_SHM_COLLECTIVES")
         and platform.machine().lower() in ("x86_64", "amd64")
         and os.path.isdir("/dev/shm")
     )
 
 
 def slot_bytes() -> int:
-    return int(os.environ.get("KVSHARD_SHM_SLOT_BYTES", str(DEFAULT_SLOT_BYTES)))
+    return envs.get("KVSHARD_SHM_SLOT_BYTES")
 
 
 def host_identity() -> str:

@@ -27,7 +27,7 @@ from kvshard.attention.kernels import attention_with_lse
 from kvshard.attention.merge import lse_weights, merge_attention_states
 from kvshard.attention.metadata import AttentionMetadata
 from kvshard.attention.timing import DCP_TIMES, DcpTimes
-from kvshard.envs import int_from_env
+from kvshard import envs
 from kvshard.kv.cache import KVCacheLayer
 from kvshard.layers.batch_invariant import batch_invariant_active
 from kvshard.parallel import AttentionHeads, ParallelState, dcp_all_gather, dcp_all_to_all, dcp_reduce_scatter
@@ -35,19 +35,19 @@ from kvshard.parallel import AttentionHeads, ParallelState, dcp_all_gather, dcp_
 # Below this many bytes of partial output per rank, a merge costs its collectives' latency, not
 # their bandwidth: one all-gather of [output | lse] replaces the LSE all-gather + ReduceScatter
 # pair, at the price of moving every head instead of one rank's share.
-FUSED_MERGE_MAX_BYTES = 256 * 1024
+FUSED_MERGE_MAX_BYTES = envs.env("KVSHARD_FUSED_MERGE_MAX_BYTES").default  # 256 KiB
 # --dcp-comm-backend auto takes the all-to-all up to this many bytes of partial output per rank
 # (KVSHARD_A2A_MAX_BYTES overrides; 0 is always ag_rs). Measured over shared memory at dcp=2 on a
 # shared 2-core CPU (medians of 50, two runs): a tie with both ag_rs forms at 64 KiB, the
 # all-to-all 1.3-3x faster from 1 to 8 MiB, 16 MiB split between runs; above is unmeasured.
-A2A_MAX_BYTES = 16 << 20
+A2A_MAX_BYTES = envs.env("KVSHARD_A2A_MAX_BYTES").default  # 16 MiB
 AG_RS, AG_RS_FUSED, A2A = "ag_rs", "ag_rs fused", "a2a"  # the merge schemes, named as the planner's
 
 
 def fused_merge_max_bytes_from_env() -> int:
     """FUSED_MERGE_MAX_BYTES, or KVSHARD_FUSED_MERGE_MAX_BYTES: 0 always takes the LSE all-gather +
     ReduceScatter merge (tests use it to reach that path with tiny models)."""
-    return int_from_env("KVSHARD_FUSED_MERGE_MAX_BYTES", FUSED_MERGE_MAX_BYTES)
+    return envs.get("KVSHARD_FUSED_MERGE_MAX_BYTES")
 
 
 class Attention:
@@ -64,7 +64,7 @@ class Attention:
         self.scale = scale
         self.parallel = parallel
         self.fused_merge_max_bytes = fused_merge_max_bytes_from_env()
-        self.a2a_max_bytes = int_from_env("KVSHARD_A2A_MAX_BYTES", A2A_MAX_BYTES)
+        self.a2a_max_bytes = envs.get("KVSHARD_A2A_MAX_BYTES")
         # where the output heads sit among the group's heads and among the computed queries
         self._output_in_group = _relative(heads.output, heads.group)
         # every DCP rank's output heads among the group's: what the all-to-all sends each of them

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvshard.envs import int_from_env
+from kvshard import envs
 from kvshard.kv.cache import GatherBuffers
 from kvshard.kv.layout import DCPLayout
 
@@ -22,13 +22,13 @@ from kvshard.kv.layout import DCPLayout
 # of (local) context length. Each group costs a gather and a kernel call per layer, so a few groups
 # of similar lengths beat one padded to the longest when lengths differ widely (long and short
 # agentic contexts in one batch). The scheduler sorts decodes by length to make such groups.
-DECODE_GROUP_SPREAD = 1024
+DECODE_GROUP_SPREAD = envs.env("KVSHARD_DECODE_GROUP_SPREAD").default  # 1024
 
 
 def decode_group_spread_from_env() -> int:
     """DECODE_GROUP_SPREAD, or KVSHARD_DECODE_GROUP_SPREAD: 0 gives decodes of different
     local lengths groups of their own (tests use it to reach group splitting on short contexts)."""
-    return int_from_env("KVSHARD_DECODE_GROUP_SPREAD", DECODE_GROUP_SPREAD)
+    return envs.get("KVSHARD_DECODE_GROUP_SPREAD")
 
 
 @dataclass(frozen=True)

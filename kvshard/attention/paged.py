@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from kvshard import envs
 from kvshard.attention.kernels import attention_with_lse
 from kvshard.kv.layout import DCPLayout
 
@@ -42,8 +43,7 @@ _unavailable: str | None = None  # why the kernel could not be built, once known
 
 def cache_dir() -> Path:
     """Where kvshard keeps what it builds: KVSHARD_CACHE_DIR, else ~/.cache/kvshard."""
-    configured = os.environ.get("KVSHARD_CACHE_DIR", "").strip()
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "kvshard"
+    return envs.cache_dir()
 
 
 def _cpu_signature() -> str:

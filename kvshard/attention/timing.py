@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvshard.envs import int_from_env
+from kvshard import envs
 from kvshard.parallel import ParallelState, tp_all_gather_last_dim
 
-TIMING_EVERY = 16
+TIMING_EVERY = envs.env("KVSHARD_DCP_TIMING_EVERY").default  # 16
 PHASES = ("collective", "attention", "merge")  # DCP collectives, local attention, local merge arithmetic
 
 
@@ -77,7 +77,7 @@ class DcpTimingGather:
 
     def __init__(self, parallel: ParallelState) -> None:
         self.parallel = parallel
-        self.every = int_from_env("KVSHARD_DCP_TIMING_EVERY", TIMING_EVERY) if parallel.dcp_size > 1 else 0
+        self.every = envs.get("KVSHARD_DCP_TIMING_EVERY") if parallel.dcp_size > 1 else 0
         DCP_TIMES.enabled = self.every > 0
         DCP_TIMES.seconds = dict.fromkeys(PHASES, 0.0)  # a new engine in this process starts from zero
         DCP_TIMES.merges.clear()

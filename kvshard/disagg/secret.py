@@ -15,18 +15,17 @@ import secrets
 import tempfile
 from pathlib import Path
 
-from kvshard.envs import KV_TRANSFER_SECRET
+from kvshard import envs
 
 HEADER = "x-kvshard-kv-secret"
 
 
 def secret_file() -> Path:
-    root = os.environ.get("KVSHARD_CACHE_DIR") or Path.home() / ".cache" / "kvshard"
-    return Path(root) / "kv_transfer_secret"
+    return envs.cache_dir() / "kv_transfer_secret"
 
 
 def deployment_secret(configured: str | None = None) -> str:
-    value = configured or os.environ.get(KV_TRANSFER_SECRET, "").strip()
+    value = configured or envs.get("KVSHARD_KV_TRANSFER_SECRET")
     if value:
         return value
     path = secret_file()
@@ -43,5 +42,5 @@ def deployment_secret(configured: str | None = None) -> str:
             os.unlink(temporary)
     value = path.read_text().strip()
     if len(value) < 16:
-        raise ValueError(f"{path} holds no usable secret (under 16 characters): delete it or set ${KV_TRANSFER_SECRET}")
+        raise ValueError(f"{path} holds no usable secret (under 16 characters): delete it or set ${envs.KV_TRANSFER_SECRET}")
     return value

@@ -13,10 +13,10 @@ import argparse
 import dataclasses
 import difflib
 import json
-import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvshard import envs
 from kvshard.config import (
     ATTENTION_LAYOUTS,
     DCP_COMM_BACKENDS,
@@ -35,8 +35,6 @@ from kvshard.config import (
 from kvshard.kv.cache import resolve_kv_cache_dtype
 from kvshard.models.demo import DEFAULT_DEMO_MODEL
 from kvshard.spec_decode.config import check_mtp_checkpoint, parse_speculative_config
-
-INTERLEAVE_ENV_VARS = ("KVSHARD_DCP_KV_INTERLEAVE_SIZE", "VLLM_DCP_KV_INTERLEAVE_SIZE")
 
 
 def _setting(default: Any, help: str, *aliases: str, cli_type: type | None = None, positive: bool = False,
@@ -103,6 +101,17 @@ class EngineArgs:
     batch_invariant: bool = _setting(
         False, "deterministic mode: a request's tokens and logprobs do not depend on the batch it runs in, "
                "at a cost in throughput; turns prefix caching off (docs/serving.md)")
+
+    def __post_init__(self) -> None:
+        """What argparse checks on the command line, checked for the Python API too (`LLM(...)`)."""
+        self.check_choices()
+
+    def check_choices(self) -> None:
+        """Every setting with `choices` holds one of them: ConfigError (a ValueError) naming the field."""
+        for f in fields(self):
+            choices, value = f.metadata["choices"], getattr(self, f.name)
+            if choices and value not in choices:
+                raise ConfigError(f"{f.name}={value!r} is not one of {', '.join(choices)}")
 
     # --- command line -------------------------------------------------------------------------
     @classmethod
@@ -185,6 +194,7 @@ class EngineArgs:
     # --- validation -----------------------------------------------------------------------------
     def create_engine_config(self) -> EngineConfig:
         """Check every setting against the model and build the config; raises ConfigError saying what to change."""
+        self.check_choices()  # again: a field may have been assigned since __init__
         for f in fields(self):
             value = getattr(self, f.name)
             if f.metadata["positive"] and value is not None:
@@ -198,8 +208,6 @@ class EngineArgs:
         interleave = _resolve_interleave(self.dcp_kv_interleave_size)
         tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
         layout = choose_attention_layout(model_config, tp, dcp, self.dcp_attention_layout)
-        if self.dcp_comm_backend not in DCP_COMM_BACKENDS:
-            raise ConfigError(f"dcp_comm_backend={self.dcp_comm_backend!r} is not one of {', '.join(DCP_COMM_BACKENDS)}")
         parallel = ParallelConfig(tp, dcp, interleave, layout, self.dcp_comm_backend)
         if speculative is not None and speculative.method == "draft_model":
             speculative = _with_draft_model(speculative, model_config, parallel, self.dtype)
@@ -264,19 +272,12 @@ def _check_positive(name: str, value: int) -> None:
 
 
 def _resolve_interleave(flag_value: int | None) -> int:
-    """The flag wins; then KVSHARD_..., then VLLM_... (for existing recipes); default 1."""
+    """The flag wins; then $KVSHARD_DCP_KV_INTERLEAVE_SIZE, then $VLLM_DCP_KV_INTERLEAVE_SIZE (for existing
+    recipes: kvshard/envs.py); default 1."""
     if flag_value is not None:
         return flag_value
-    for name in INTERLEAVE_ENV_VARS:
-        raw = os.environ.get(name)
-        if raw is not None and raw.strip():
-            try:
-                value = int(raw)
-            except ValueError:
-                raise ConfigError(f"{name}={raw!r} is not an integer") from None
-            _check_positive(name, value)
-            return value
-    return 1
+    from_env = envs.get("KVSHARD_DCP_KV_INTERLEAVE_SIZE")
+    return 1 if from_env is None else from_env
 
 
 def _with_draft_model(speculative, target: ModelConfig, parallel: ParallelConfig, dtype: str):

@@ -2,8 +2,9 @@
 
 Locally, rank 0 lives in the caller's process and spawns ranks 1..N-1. Under
 `torchrun` every rank is started by the launcher and ranks > 0 run
-`workers.run_worker`. Rank 0 broadcasts each step's plan and runs its own
-share of the model; the others do the same on their shard.
+`workers.run_worker`. Rank 0 sends each step's plan (and heartbeats, tasks,
+the shutdown: kvshard/engine/rank_messages.py) and runs its own share of the
+model; the others do the same on their shard.
 
 A watchdog thread looks at the ranks while the engine runs, busy or idle, and
 ends the engine with a reason that names the rank when
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import os
 import socket
 import threading
 import time
@@ -33,11 +33,12 @@ import torch
 from kvshard.config import ConfigError, EngineConfig
 from kvshard.engine.model_runner import ModelRunner
 from kvshard.engine.process_setup import configure_process, rank_environment
-from kvshard.engine.step_plan import HEARTBEAT, StepPlan
+from kvshard.engine.rank_messages import HEARTBEAT, SHUTDOWN, send
+from kvshard.engine.step_plan import StepPlan
 from kvshard.engine.workers import spawned_worker
+from kvshard import envs
 from kvshard.envs import heartbeat_interval_s, heartbeat_timeout_s
 from kvshard.parallel import (
-    broadcast_from_driver,
     exchange_heartbeat,
     heartbeat_key,
     init_parallel,
@@ -50,7 +51,7 @@ logger = logging.getLogger("kvshard.engine")
 
 # How often the watchdog looks at the ranks.
 WATCH_INTERVAL_S = 0.1
-DEFAULT_STEP_TIMEOUT_S = 30.0
+DEFAULT_STEP_TIMEOUT_S = envs.DEFAULT_STEP_TIMEOUT_S
 
 
 class EngineDeadError(RuntimeError):
@@ -63,14 +64,7 @@ class RankDiedError(RuntimeError):
 
 def step_timeout_s() -> float:
     """Seconds a step may go without progress before its ranks count as hung ($KVSHARD_STEP_TIMEOUT)."""
-    text = os.environ.get("KVSHARD_STEP_TIMEOUT", str(DEFAULT_STEP_TIMEOUT_S))
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise ConfigError(f"KVSHARD_STEP_TIMEOUT={text!r} is not a number of seconds > 0: set e.g. 30")
-    return value
+    return envs.get("KVSHARD_STEP_TIMEOUT")
 
 
 def free_port() -> int:
@@ -207,7 +201,7 @@ class Executor:
         return self._on_every_rank(lambda: self._broadcast_and_run(plan), "a collective failed")
 
     def _broadcast_and_run(self, plan: StepPlan) -> torch.Tensor | None:
-        broadcast_from_driver(plan, self.parallel)
+        send(plan, self.parallel)
         return self.runner.execute(plan)
 
     def heartbeat(self, every_s: float = 1.0) -> None:
@@ -218,7 +212,7 @@ class Executor:
         self.check_alive()
 
         def round_trip() -> None:
-            broadcast_from_driver(HEARTBEAT, self.parallel)
+            send(HEARTBEAT, self.parallel)
             exchange_heartbeat(self.parallel)
 
         self._on_every_rank(round_trip, "a rank stopped answering", heartbeat=True)
@@ -324,7 +318,7 @@ class Executor:
             self._watchdog.join()
         if self._dead_reason is None and self.parallel.world_size > 1:
             try:
-                broadcast_from_driver(None, self.parallel)
+                send(SHUTDOWN, self.parallel)
             except Exception:
                 pass
         if self.local_ranks is not None:

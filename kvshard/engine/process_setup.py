@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+from kvshard import envs
+
 if TYPE_CHECKING:
     import torch
 
@@ -45,10 +47,8 @@ def configure_threads(world_size: int) -> None:
     """Ranks on one CPU machine share its cores instead of each taking all of them."""
     import torch
 
-    if os.environ.get("KVSHARD_NUM_THREADS"):
-        torch.set_num_threads(int(os.environ["KVSHARD_NUM_THREADS"]))
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    threads = envs.get("KVSHARD_NUM_THREADS")
+    torch.set_num_threads(threads if threads is not None else max(1, (os.cpu_count() or 1) // world_size))
 
 
 # libgomp's spin before a waiting thread sleeps, in rounds of a pause instruction: long enough to bridge
@@ -108,7 +108,7 @@ def keep_freed_memory() -> None:
     the process keeps its high-water mark instead. glibc only; elsewhere, or with
     KVSHARD_KEEP_FREED_MEMORY=0, nothing changes.
     """
-    if os.environ.get("KVSHARD_KEEP_FREED_MEMORY", "1") == "0" or not sys.platform.startswith("linux"):
+    if not envs.get("KVSHARD_KEEP_FREED_MEMORY") or not sys.platform.startswith("linux"):
         return
     try:
         libc = ctypes.CDLL("libc.so.6")

@@ -6,10 +6,6 @@ from dataclasses import dataclass
 
 from kvshard.engine.scheduler import ScheduledBatch
 
-# A plan that runs nothing: rank 0 sends it when idle to learn that every rank still answers.
-HEARTBEAT = "heartbeat"
-
-
 @dataclass(frozen=True)
 class StepPlan:
     """Small, plain Python, broadcast once per step."""

@@ -14,10 +14,10 @@ import traceback
 from kvshard.config import EngineConfig
 from kvshard.engine.model_runner import ModelRunner
 from kvshard.engine.process_setup import configure_process
-from kvshard.engine.step_plan import HEARTBEAT
+from kvshard.engine.rank_messages import Heartbeat, RankMessage, Shutdown, receive
+from kvshard.engine.step_plan import StepPlan
 from kvshard.envs import heartbeat_interval_s, heartbeat_timeout_s
 from kvshard.parallel import (
-    broadcast_from_driver,
     exchange_heartbeat,
     heartbeat_key,
     init_parallel,
@@ -48,19 +48,25 @@ def run_worker(config: EngineConfig, rank: int, master: tuple[str, int], beats=N
                          name="kvshard-heartbeat", daemon=True).start()
     try:
         runner = ModelRunner(config, state, device)
-        while True:
-            plan = broadcast_from_driver(None, state)
-            if plan is None:
-                break
-            if plan == HEARTBEAT:
-                exchange_heartbeat(state)
-            elif callable(getattr(plan, "run_on_rank", None)):  # e.g. a KV transfer (disagg/transfer.py)
-                plan.run_on_rank(state, runner, device)
-            else:
-                runner.execute(plan)
+        while handle_message(receive(state), state, runner, device):
+            pass
     finally:
         stopping.set()
         shutdown_parallel(state)
+
+
+def handle_message(message: RankMessage, state, runner, device) -> bool:
+    """Act on one of rank 0's messages (kvshard/engine/rank_messages.py); False once told to stop."""
+    match message:
+        case Shutdown():
+            return False
+        case Heartbeat():
+            exchange_heartbeat(state)
+        case StepPlan():
+            runner.execute(message)
+        case _:  # a RankTask, e.g. a KV transfer (kvshard/disagg/transfer.py)
+            message.run_on_rank(state, runner, device)
+    return True
 
 
 def _beat(beats, rank: int, interval_s: float) -> None:

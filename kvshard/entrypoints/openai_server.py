@@ -957,10 +957,9 @@ def _longest_token_chars(tokenizer) -> int:
 
 
 def _backlog_from_env() -> int:
-    raw = os.environ.get("KVSHARD_MAX_STREAM_BACKLOG", str(DEFAULT_MAX_STREAM_BACKLOG))
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"KVSHARD_MAX_STREAM_BACKLOG={raw!r}: use a number of tokens >= 1")
-    return int(raw)
+    from kvshard import envs
+
+    return envs.get("KVSHARD_MAX_STREAM_BACKLOG")  # ConfigError (a ValueError) naming it when not >= 1
 
 
 async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:

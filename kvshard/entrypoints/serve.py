@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 
+from kvshard import envs
 from kvshard.config import ConfigError, EngineConfig
 from kvshard.engine.arg_utils import EngineArgs
 
@@ -28,7 +29,7 @@ def add_serve_parser(subparsers) -> None:
     EngineArgs.add_cli_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
-    parser.add_argument("--api-key", default=os.environ.get("KVSHARD_API_KEY"),
+    parser.add_argument("--api-key", default=envs.get("KVSHARD_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on every route but /health (and /metrics with "
                              "--public-metrics) (default: $KVSHARD_API_KEY)")
     parser.add_argument("--public-metrics", action="store_true",

@@ -7,11 +7,11 @@ layer that needs it.
 
 from __future__ import annotations
 
-import os
 
 import torch
 from torch import nn
 
+from kvshard import envs
 from kvshard.parallel import ParallelState, tp_all_reduce
 
 # On CPU, oneDNN multiplies by a weight reordered once into its blocked layout 1.3-2x faster than
@@ -65,7 +65,7 @@ class LinearBase(nn.Module):
 def reorder_linear_weights(model: nn.Module) -> int:
     """Reorder every linear layer's weight for oneDNN once its weights are loaded (CPU; KVSHARD_ONEDNN_LINEAR=0
     keeps torch's linear). Returns the number of layers reordered."""
-    if os.environ.get("KVSHARD_ONEDNN_LINEAR", "1") == "0":
+    if not envs.get("KVSHARD_ONEDNN_LINEAR"):
         return 0
     return sum(module.reorder_for_onednn() for module in model.modules() if isinstance(module, LinearBase))
 

@@ -8,11 +8,12 @@ Their output is random text: they exist to run and measure the engine anywhere.
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+from kvshard import envs
 
 DEMO_VERSION = "v1"
 DEFAULT_DEMO_MODEL = "kvshard-demo"
@@ -70,8 +71,7 @@ DEMO_MODELS = [DEFAULT_DEMO_MODEL, *DEMO_CONFIGS]
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("KVSHARD_CACHE_DIR") or Path.home() / ".cache" / "kvshard"
-    return Path(root) / "models"
+    return envs.cache_dir() / "models"
 
 
 def ensure_demo_model(name: str) -> Path:

@@ -1,30 +1,26 @@
-"""Which attention layouts a model allows on tp ranks with DCP groups of dcp ranks.
+"""Which attention layouts a model allows on tp ranks with DCP groups of dcp ranks, as the planner asks.
 
-DESIGN.md section 2: two tensor-parallel views of the same T ranks. The MLP, experts,
-embeddings and LM head run TP over all T; attention runs with attention-TP degree
-A = T / N over contiguous DCP groups of N ranks, each group holding its 1/A share of
-the heads and splitting their KV along the sequence. Two ways to lay out a group:
-
-- head-split: the query heads are split over all T ranks and gathered in the group
-  (one Q all-gather per layer). Needs T to divide the query heads and, for GQA,
-  N <= T / kv_heads, so that the ranks of a group already hold the same KV head.
-- replicated: every rank of a group computes its group's Q (and GQA K/V, MLA W_UK):
-  N times those projection weights per rank, one collective fewer per layer. Needs
-  only A to divide the query heads and to divide, or be a multiple of, the KV heads.
-
-Both end the same way: the merged output is reduce-scattered into 1/N feature slices
-and the output projection is row-parallel over all T ranks.
+The rules themselves, and what each layout costs a rank, live once in kvshard/config/layout_rules.py
+(the engine's config asks the same module; tests/test_layout_rules.py checks that the two agree):
+docs/design.md#parallel-layout. This module puts them in the planner's terms: an `AttentionLayout`
+per (tp, dcp, kind), refusals worded with the planner's flags, and the planner's tp check.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvshard.config import layout_rules as rules
+from kvshard.config.layout_rules import HEAD_SPLIT, REPLICATED, AttentionShape
 from kvshard.planner.arch import ModelArch
 from kvshard.planner.errors import PlanError
 
-HEAD_SPLIT = "head-split"
-REPLICATED = "replicated"
+__all__ = ["HEAD_SPLIT", "REPLICATED", "AttentionLayout", "attention_shape", "check_tp", "divisors", "layouts_for",
+           "refusal", "split_layouts"]
+
+
+def attention_shape(arch: ModelArch) -> AttentionShape:
+    return AttentionShape(arch.num_heads, arch.num_kv_heads, arch.attention_value_dim, arch.is_mla)
 
 
 @dataclass(frozen=True)
@@ -36,11 +32,11 @@ class AttentionLayout:
     @property
     def attention_tp(self) -> int:
         """A = T / N: how many ways the attention heads are split."""
-        return self.tp // self.dcp
+        return rules.attention_tp_size(self.tp, self.dcp)
 
     @property
     def replicates_projections(self) -> bool:
-        return self.kind == REPLICATED and self.dcp > 1
+        return rules.replicates_projections(self.dcp, self.kind)
 
     @property
     def label(self) -> str:
@@ -49,17 +45,17 @@ class AttentionLayout:
 
     def query_heads_per_rank(self, arch: ModelArch) -> float:
         """Query heads whose projection a rank computes."""
-        return arch.num_heads / (self.attention_tp if self.replicates_projections else self.tp)
+        return rules.query_heads_per_rank(attention_shape(arch), self.tp, self.dcp, self.kind)
 
     def query_heads_per_group(self, arch: ModelArch) -> float:
         """Query heads a DCP group attends for (every rank of it, over its KV shard)."""
-        return arch.num_heads / self.attention_tp
+        return rules.query_heads_per_group(attention_shape(arch), self.tp, self.dcp)
 
     def kv_heads_per_rank(self, arch: ModelArch) -> int:
         """KV heads whose cache a rank stores (one latent for MLA). A group holds its
         attention-TP share, at least one whole head: A above the KV heads replicates
         heads over groups."""
-        return 1 if arch.is_mla else max(arch.num_kv_heads // self.attention_tp, 1)
+        return rules.kv_heads_per_rank(attention_shape(arch), self.tp, self.dcp)
 
     def projection_share(self, arch: ModelArch) -> tuple[float, float]:
         """Share of (query-side, GQA K/V) projection weights one rank holds."""
@@ -70,23 +66,8 @@ class AttentionLayout:
 
 def refusal(arch: ModelArch, layout: AttentionLayout) -> str | None:
     """Why this layout cannot run, or None if it can."""
-    t, n, a, h, kv = layout.tp, layout.dcp, layout.attention_tp, arch.num_heads, arch.num_kv_heads
-    if t % n:
-        return f"dcp={n} does not divide tp={t}"
-    if h % a:
-        return f"attention-TP A = {t}/{n} = {a} does not divide the {h} query heads"
-    if not arch.is_mla and kv % a and a % kv:
-        return f"attention-TP A = {t}/{n} = {a} neither divides nor is a multiple of the {kv} KV heads"
-    features = h // a * arch.attention_value_dim
-    if features % n:
-        return f"the {features} attention output features of a group do not split over dcp={n}"
-    if layout.kind == HEAD_SPLIT and n > 1:
-        if h % t:
-            return f"head-split needs tp={t} to divide the {h} query heads"
-        if not arch.is_mla and (t % kv or n > t // kv):
-            return (f"head-split needs dcp <= tp/kv_heads = {t}/{kv}: the ranks of a group must already hold "
-                    "the same KV head")
-    return None
+    reason = rules.layout_refusal(attention_shape(arch), layout.tp, layout.dcp, layout.kind)
+    return None if reason is None else reason.planner_message()
 
 
 def layouts_for(tp: int, dcp: int) -> list[AttentionLayout]:

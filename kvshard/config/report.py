@@ -1,0 +1,70 @@
+"""The start-up report: how an `EngineConfig` lays out the model over its ranks and what its KV cache holds."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvshard import envs
+from kvshard.config.layout_rules import HEAD_SPLIT
+from kvshard.config.settings import LPM
+
+if TYPE_CHECKING:
+    from kvshard.config.engine import EngineConfig
+
+
+def _prefix_caching_report(config: EngineConfig) -> str:
+    if not config.cache.enable_prefix_caching:
+        return "Prefix caching: off (every prompt is computed in full)"
+    dcp = config.parallel.decode_context_parallel_size
+    # a block id names one physical block on every rank of the group: a hit must cover all of them
+    unit = (f"whole virtual blocks of {config.tokens_per_virtual_block} tokens "
+            f"(block size {config.cache.block_size} x dcp {dcp})" if dcp > 1
+            else f"whole blocks of {config.cache.block_size} tokens")
+    order = ("waiting requests with the longest cached prefix first (--scheduling-policy lpm)"
+             if config.scheduler.policy == LPM else "waiting requests in arrival order")
+    return f"Prefix caching: on, a shared prompt prefix is reused in {unit}; {order}"
+
+
+def startup_report(config: EngineConfig) -> str:
+    """What `serve` and `generate` print before the first request: the layout, KV accounting, prefix
+    caching, speculative decoding, and the numerics settings taken from the environment."""
+    p = config.parallel
+    lines = [
+        f"model: {config.model.path} ({config.model.architecture}, {'MLA' if config.model.is_mla else 'GQA'}, "
+        f"dtype {str(config.model.dtype).removeprefix('torch.')})",
+        f"ranks: {p.world_size} (tp={p.tensor_parallel_size}, dcp={p.decode_context_parallel_size}, "
+        f"interleave={p.dcp_kv_interleave_size}); DCP groups: {p.dcp_groups()}",
+        _attention_line(config),
+        f"KV cache dtype: {str(config.kv_cache_dtype).removeprefix('torch.')}; "
+        f"KV bytes per token per rank: {config.kv_bytes_per_token_per_rank:,.1f} "
+        f"({config.kv_bytes_per_slot:,} per slot, {config.model.num_layers} layers, "
+        f"{config.kv_heads_per_rank} KV head(s) per rank)",
+        f"KV blocks per rank: {config.num_kv_blocks:,} of {config.cache.block_size} tokens "
+        f"({config.num_kv_blocks * config.cache.block_size * config.kv_bytes_per_slot / 2**20:,.1f} MiB per rank)",
+        f"KV capacity: {config.kv_capacity_tokens:,} tokens",
+        f"Maximum concurrency for {config.scheduler.max_model_len:,} tokens per request: "
+        f"{config.max_concurrency:.2f}x",
+        f"KV copies of each token across the {p.world_size} rank(s): {config.kv_copies_per_token}"
+        + (" (replicated: raise --dcp to shard instead)" if config.kv_copies_per_token > 1 else ""),
+        _prefix_caching_report(config),
+    ]
+    if config.speculative is not None:
+        lines.append(config.speculative.describe())
+    lines.append(envs.numerics_report())  # last: which KVSHARD_* settings that change numerics are set
+    return "\n".join(lines)
+
+
+def _attention_line(config: EngineConfig) -> str:
+    p, model = config.parallel, config.model
+    heads = (f"{model.num_heads // p.attention_tp_size} query heads per DCP group, "
+             f"{config.query_heads_per_rank} computed per rank")
+    if p.decode_context_parallel_size == 1:
+        return f"attention: TP over all {p.world_size} rank(s), {heads}"
+    if p.attention_layout == HEAD_SPLIT:
+        how = "queries split over all ranks, all-gathered in the group"
+    else:
+        how = (f"every rank computes its group's queries (replicated projections: "
+               f"+{config.replicated_projection_bytes_per_rank / 2**20:,.2f} MiB per rank, no Q all-gather)")
+    return (f"attention layout: {p.attention_layout} (attention-TP A={p.attention_tp_size}; {heads}; {how}); "
+            f"DCP merge: --dcp-comm-backend {p.dcp_comm_backend}")
+
