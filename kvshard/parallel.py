@@ -1,6 +1,6 @@
 """Process groups (world = TP, DCP slices of it) and the collectives the model uses.
 
-World size equals the TP size: DCP reuses the TP ranks (DESIGN.md section 2).
+World size equals the TP size: DCP reuses the TP ranks (docs/design.md#parallel-layout).
 Every helper is the identity on a group of one, so a single-rank run needs no
 `torch.distributed` at all.
 """
@@ -58,7 +58,7 @@ class AttentionHeads:
 class ParallelState:
     """Who this process is: its rank in the world, in TP and in its DCP group.
 
-    Two tensor-parallel views of the same ranks (DESIGN.md section 2): the MLP, embeddings and
+    Two tensor-parallel views of the same ranks (docs/design.md#parallel-layout): the MLP, embeddings and
     LM head split over all `tp_size` ranks; attention splits its heads `attention_tp_size` =
     tp / dcp ways, one share per DCP group.
     """

@@ -1,4 +1,4 @@
-"""Attention-TP decoupled from MLP TP (DESIGN.md section 2): models whose heads the old rule
+"""Attention-TP decoupled from MLP TP (docs/design.md#parallel-layout): models whose heads the old rule
 (tp divides the query heads, dcp <= tp / kv_heads) refused now run with DCP, exactly.
 
 Each configuration starts its ranks once; the sharded runs must give transformers' greedy tokens

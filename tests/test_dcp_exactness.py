@@ -1,4 +1,4 @@
-"""DCP changes where K/V live, never the result (DESIGN.md section 8).
+"""DCP changes where K/V live, never the result (docs/design.md#verification).
 
 Every configuration runs the same greedy batch (prompts shorter and longer than
 one virtual block, mixed in one batch, some prefilled in chunks so that new

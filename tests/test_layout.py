@@ -1,4 +1,4 @@
-"""Slot mapping (DESIGN.md section 3): every token has exactly one home in its DCP group."""
+"""Slot mapping (docs/design.md#where-a-token-lives): every token has exactly one home in its DCP group."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The attention kernels and the LSE merge on their own (DESIGN.md section 8)."""
+"""The attention kernels and the LSE merge on their own (docs/design.md#verification)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Prefix caching (DESIGN.md section 9): block accounting under any sequence of events, and
+"""Prefix caching (docs/design.md#prefix-caching): block accounting under any sequence of events, and
 greedy outputs identical with and without the cache on every layout."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Relayout between two instances' KV layouts (DESIGN.md section 11): every (token, head) of the
+"""Relayout between two instances' KV layouts (docs/design.md#disaggregation-and-relayout): every (token, head) of the
 consumer is written exactly once, from a producer rank that holds it, at the slot the consumer's
 own layout gives it; a simulated transfer reproduces the cache the consumer would have built."""
 

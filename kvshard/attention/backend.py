@@ -1,4 +1,4 @@
-"""The DCP decode rhythm (DESIGN.md section 4), one call per attention layer.
+"""The DCP decode rhythm (docs/design.md#one-decode-step-of-attention), one call per attention layer.
 
 A DCP group of N ranks attends for its 1/A share of the heads (A = tp / N) and
 splits their KV along the sequence. First every rank writes the new tokens it

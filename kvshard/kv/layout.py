@@ -1,4 +1,4 @@
-"""Where a token's K/V lives inside a DCP group (DESIGN.md section 3).
+"""Where a token's K/V lives inside a DCP group (docs/design.md#where-a-token-lives).
 
 A *virtual block* covers `block_size * dcp` consecutive positions; each rank
 of the group holds one physical block of it, with the same block id on every

@@ -1,4 +1,4 @@
-"""Moving one request's KV from one instance's layout to another's (DESIGN.md section 11).
+"""Moving one request's KV from one instance's layout to another's (docs/design.md#disaggregation-and-relayout).
 
 Token p of a request lives, for each KV head h, on every producer rank that holds h
 and whose DCP rank is owner_P(p), at slot_P(p); it must land on every consumer rank

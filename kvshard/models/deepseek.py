@@ -1,6 +1,6 @@
 """DeepSeek-V2 / V3 decoders (Kimi K2 checkpoints are V3): Multi-head Latent Attention and MoE.
 
-MLA runs in its absorbed form (DESIGN.md section 4). The cache holds one latent
+MLA runs in its absorbed form (docs/design.md#one-decode-step-of-attention). The cache holds one latent
 per token, [c_kv | k_pe], shared by all heads; q_nope is taken into the latent
 space through W_UK, so attention scores are q_latent . [c_kv | k_pe] and the
 attention output is a latent that W_UV takes back to each head. The latent is a

@@ -1,6 +1,6 @@
 """Memory arithmetic of one TP/DCP layout: weights and KV per GPU, capacity, concurrency.
 
-DESIGN.md section 6: per-rank KV bytes per token = layers * bytes per token per layer / dcp,
+docs/design.md#kv-accounting: per-rank KV bytes per token = layers * bytes per token per layer / dcp,
 where a layer's bytes are those of the KV heads of one attention-TP rank (A = tp / dcp):
 max(1, kv_heads / A) heads for GQA, the latent for MLA. A rank stores a token it owns at
 full size (its `kv_slot_bytes`); DCP divides how many tokens each rank must own, so the
@@ -93,7 +93,7 @@ class MemoryPlan:
 
     @property
     def kv_capacity_tokens(self) -> int:
-        """Tokens one model replica (tp GPUs) can hold: DESIGN.md's blocks * B * N."""
+        """Tokens one model replica (tp GPUs) can hold: blocks * B * N (docs/design.md#kv-accounting)."""
         return self.kv_blocks_per_gpu * self.block_size * self.dcp
 
     def max_concurrency(self, tokens_per_request: int) -> int:

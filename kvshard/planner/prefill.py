@@ -17,7 +17,7 @@ of a TP group, the sum of four phases that do not overlap (as in a decode step):
   time grows linearly with L while the linear layers dominate, then quadratically;
 - TP: two ring all-reduces of c x hidden bf16 per layer;
 - DCP: the chunk's attention to the cached context uses the decode rhythm
-  (DESIGN.md section 5), i.e. the decode step's collectives with c query tokens.
+  (docs/design.md#prefill), i.e. the decode step's collectives with c query tokens.
 
 Efficiency: dense tensor peaks are not reached by real kernels. The FLOPs of both
 linear layers and attention run at `--prefill-efficiency` x the datasheet peak, a

@@ -18,7 +18,7 @@ from kvshard.planner.layout import AttentionLayout
 from kvshard.planner.memory import WeightBytes, linear_bytes_per_param, replicated_projection_params
 
 ACTIVATION_BYTES = 2  # hidden states, queries and attention outputs travel in bf16
-LSE_BYTES = 4  # the log-sum-exp is kept in float32 (DESIGN.md section 4)
+LSE_BYTES = 4  # the log-sum-exp is kept in float32 (docs/design.md#one-decode-step-of-attention)
 DEFAULT_COLLECTIVE_LATENCY_US = 10.0
 AG_RS, AG_RS_FUSED, A2A = "ag_rs", "ag_rs fused", "a2a"
 
@@ -75,7 +75,7 @@ class Collective:
 
 
 def dcp_merge_schemes(arch: ModelArch, layout: AttentionLayout) -> dict[str, list[Collective]]:
-    """The DCP collectives of one layer, per merge scheme (DESIGN.md section 4), ring
+    """The DCP collectives of one layer, per merge scheme (docs/design.md#one-decode-step-of-attention), ring
     or pairwise volumes per rank. H_g = query heads of the group, d_v = width of one
     head of attention output. The head-split layout first gathers the group's queries."""
     n = layout.dcp
@@ -119,7 +119,7 @@ def dcp_comm(arch: ModelArch, gpu: GpuSpec, layout: AttentionLayout, *, backend:
             + (a2a_latency_us if c.name.endswith("all-to-all") else collective_latency_us) * 1e-6
             for c in schemes[scheme])
 
-    # Ties go to the order of BACKEND_SCHEMES: ag_rs first, the rhythm of DESIGN.md.
+    # Ties go to the order of BACKEND_SCHEMES: ag_rs first, the rhythm of docs/design.md#one-decode-step-of-attention.
     best = min(BACKEND_SCHEMES[backend], key=seconds)
     return seconds(best), best, len(schemes[best])
 
