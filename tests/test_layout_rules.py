@@ -75,6 +75,13 @@ def head_split_groups_hold_one_kv_head(heads: int, kv: int, tp: int, dcp: int) -
     return True
 
 
+def group_kv_heads(heads: int, kv: int, mla: bool, tp: int, dcp: int) -> list[set[int]]:
+    """From first principles: the KV heads (MLA: the one latent) each DCP group's query heads read."""
+    groups, per_kv = tp // dcp, heads // kv
+    per_group = heads // groups
+    return [{0} if mla else {q // per_kv for q in range(g * per_group, (g + 1) * per_group)} for g in range(groups)]
+
+
 def test_the_engine_and_the_planner_accept_the_same_layouts_at_the_same_costs():
     compared = accepted = refused = 0
     for (heads, kv, dim, mla), tp in itertools.product(_models(), TPS):
@@ -101,7 +108,12 @@ def test_the_engine_and_the_planner_accept_the_same_layouts_at_the_same_costs():
                 assert len(config.parallel.dcp_groups()) == layout.attention_tp, case
                 assert config.kv_heads_per_rank == layout.kv_heads_per_rank(arch), case
                 assert config.query_heads_per_rank == layout.query_heads_per_rank(arch), case
-                assert config.kv_copies_per_token == rules.kv_copies_per_token(model.attention_shape, tp, dcp), case
+                # and what they say is so: a group stores the KV heads its queries read, once per token
+                held = group_kv_heads(heads, kv, mla, tp, dcp)
+                assert config.kv_heads_per_rank == len(held[0]), case
+                copies = {sum(k in group for group in held) for k in set().union(*held)}
+                assert copies == {config.kv_copies_per_token}, case
+                assert config.query_heads_per_rank == heads // (tp // dcp if kind == REPLICATED and dcp > 1 else tp)
     # the grid reaches both answers often, and every rule refuses somewhere
     assert compared > 5000 and accepted > 1000 and refused > 1000, (compared, accepted, refused)
 
