@@ -18,6 +18,7 @@ import torch
 
 from kvshard.config import EngineConfig
 from kvshard.engine.executor import EngineDeadError, Executor
+from kvshard.engine.kv_connector import KVConnectorBase
 from kvshard.engine.output_processor import OutputProcessor, Request
 from kvshard.engine.sampler import sample, top_logprobs, verify_drafts
 from kvshard.engine.scheduler import ScheduledBatch, Scheduler
@@ -67,7 +68,7 @@ class LLMEngine:
         self.spec_num_draft_tokens = 0
         self.spec_accepted_per_pos = [0] * (self.speculative.num_speculative_tokens if self.speculative else 0)
         self._lock = threading.RLock()  # add/abort may come from other threads than step
-        self.kv_connector = None  # disagg.connector.KVConnector when this instance prefills or decodes remotely
+        self.kv_connector: KVConnectorBase | None = None  # set by attach_kv_connector (engine/kv_connector.py)
 
     @property
     def runner(self):
@@ -134,8 +135,6 @@ class LLMEngine:
     def _finish_all(self, request: Request, reason: str) -> None:
         for seq in request.seqs:
             if not seq.is_finished:
-                if self.kv_connector is not None:
-                    self.kv_connector.forget(seq)  # a request whose KV is on its way: back in the queue to end
                 self.scheduler.finish(seq, reason)
 
     def has_unfinished_requests(self) -> bool:
@@ -145,7 +144,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return an output for every request that advanced or finished."""
         with self._lock:
-            failed = self.kv_connector.before_schedule() if self.kv_connector is not None else []
+            failed = self._kv_connector_step() if self.kv_connector is not None else []
             if self.speculative is not None:
                 self._propose()
             batch = self.scheduler.schedule()
@@ -272,8 +271,6 @@ class LLMEngine:
         self.generation_tokens_total += 1
         reason = self.output_processor.append_token(seq, token)
         if reason is not None:
-            if self.kv_connector is not None:
-                self.kv_connector.on_finish(seq)  # a producer keeps the KV for its consumer
             self.scheduler.finish(seq, reason)
 
     def _count_drafts(self, num_drafts: int, num_accepted: int) -> None:
@@ -328,9 +325,32 @@ class LLMEngine:
         with self._lock:
             self.scheduler.reset_prefix_cache()
 
+    # --- KV connector (engine/kv_connector.py) -----------------------------------------------
+    def attach_kv_connector(self, connector: KVConnectorBase) -> None:
+        """KV from and to other instances through `connector` (chosen at start-up), for requests added from now."""
+        with self._lock:
+            self.kv_connector = self.scheduler.connector = connector
+
+    def _kv_connector_step(self) -> list[RequestOutput]:
+        """Between two steps: the connector's engine-thread work, then what it finished; a request whose KV
+        could not be loaded ends with an error."""
+        self.kv_connector.between_steps()
+        outputs = []
+        for seq, error in self.scheduler.update_from_connector():
+            request = self.requests.pop(seq.request_id, None)
+            if request is None:
+                self.scheduler.finish(seq, "abort")
+                continue
+            request.error = f"fetching the prompt's KV failed: {error}"
+            self._finish_all(request, "error")
+            outputs.append(self.output_processor.output(request))
+        return outputs
+
     def shutdown(self) -> None:
         if self.kv_connector is not None:
-            self.kv_connector.close()  # held and reserved KV blocks go back
+            with self._lock:
+                self.kv_connector.close()  # kept and reserved KV blocks go back
+                self.scheduler.update_from_connector()
         self.executor.shutdown()
 
 

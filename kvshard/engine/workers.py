@@ -12,6 +12,7 @@ import time
 import traceback
 
 from kvshard.config import EngineConfig
+from kvshard.engine.kv_connector import RankTask
 from kvshard.engine.model_runner import ModelRunner
 from kvshard.engine.process_setup import configure_process
 from kvshard.engine.step_plan import HEARTBEAT
@@ -54,7 +55,7 @@ def run_worker(config: EngineConfig, rank: int, master: tuple[str, int], beats=N
                 break
             if plan == HEARTBEAT:
                 exchange_heartbeat(state)
-            elif callable(getattr(plan, "run_on_rank", None)):  # e.g. a KV transfer (disagg/transfer.py)
+            elif isinstance(plan, RankTask):  # e.g. a KV connector's share of a transfer (engine/kv_connector.py)
                 plan.run_on_rank(state, runner, device)
             else:
                 runner.execute(plan)
