@@ -27,7 +27,7 @@ fails, that request alone ends with an error and the scheduler frees its blocks.
 A preempted request recomputes its prompt: the producer no longer holds the KV.
 
 A transfer itself (transfer.py) runs on threads too: between two steps the engine
-thread only broadcasts a `RankTransfer` to its ranks, each of which runs its share
+thread only broadcasts a `TransferTask` to its ranks, each of which runs its share
 on a thread of its own and says in rank 0's store how it went; a thread of rank 0
 runs rank 0's share and waits for the others'. HTTP, DNS, store waits and the
 transfers never run on the engine thread nor under the engine's lock: a slow or
@@ -52,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationErro
 from kvshard.disagg.config import KVTransferConfig
 from kvshard.disagg.params import PullRequest, first_error
 from kvshard.disagg.secret import HEADER
-from kvshard.disagg.transfer import KVTransferPlan, PairGroups, RankTransfer, bound_store, run_transfer
+from kvshard.disagg.transfer import KVTransferPlan, PairGroups, TransferTask, bound_store, run_transfer
 from kvshard.engine.executor import EngineDeadError
 from kvshard.engine.kv_connector import KVConnectorBase
 from kvshard.kv.layout import DCPLayout
@@ -229,10 +229,11 @@ class KVConnector(KVConnectorBase):
         if url is None:  # the door checks this; a registration cannot be taken back, but be sure
             self._answer(fetch, f"producer {fetch.producer_id!r} is not one this consumer may pull from")
             return
-        order = self._order.setdefault(fetch.producer_id, deque())
-        order.append(fetch)
-        if order[0] is fetch:
-            fetch.turn.set()
+        with self._lock:
+            order = self._order.setdefault(fetch.producer_id, deque())
+            order.append(fetch)
+            if order[0] is fetch:
+                fetch.turn.set()
         generation = self._generation.setdefault(fetch.producer_id, 0)
         self._spawn(self._pull, fetch, url, generation)
 
@@ -290,7 +291,7 @@ class KVConnector(KVConnectorBase):
                     self._next_turn(fetch)
                     self._answer(fetch, fetch.error)
                 else:
-                    self._start_transfer(fetch.plan, lambda ok, f=fetch: self._post(self._received, (f, ok)))
+                    self._start_transfer(fetch.plan, lambda ok, f=fetch: self._receive_over(f, ok))
             except EngineDeadError:
                 raise
             except Exception as error:  # a bug in one fetch ends that request, not the engine
@@ -447,11 +448,17 @@ class KVConnector(KVConnectorBase):
             fetch.error = str(error)
         except Exception as error:  # whatever it is, it ends this request only
             fetch.error = f"fetching from {url} failed: {error!r}"
+        if fetch.error is not None:
+            self._next_turn(fetch)
         self._post(self._met, fetch)
 
-    def _received_one(self, fetch: _Fetch, ok: bool) -> None:
-        """Engine thread: every rank's receive is over; the fetch from this producer after it may go on."""
+    def _receive_over(self, fetch: _Fetch, ok: bool) -> None:
+        """Thread: every rank's receive is over; the fetch from this producer after it may meet it now."""
         self._next_turn(fetch)
+        self._post(self._received, (fetch, ok))
+
+    def _received_one(self, fetch: _Fetch, ok: bool) -> None:
+        """Engine thread: the load is answered."""
         if not ok:
             self._generation[fetch.producer_id] = self._generation.get(fetch.producer_id, 0) + 1
         self._answer(fetch, None if ok else "receiving the KV from the producer failed (it died or timed out)")
@@ -466,15 +473,16 @@ class KVConnector(KVConnectorBase):
         self._loaded[fetch.seq_id] = error
 
     def _next_turn(self, fetch: _Fetch) -> None:
-        """`fetch` is over: the next fetch from its producer may meet it."""
-        order = self._order.get(fetch.producer_id)
-        if order is None or fetch not in order:
-            return
-        order.remove(fetch)
-        if order:
-            order[0].turn.set()
-        else:
-            del self._order[fetch.producer_id]
+        """Any thread: `fetch` is over: the next fetch from its producer may meet it."""
+        with self._lock:
+            order = self._order.get(fetch.producer_id)
+            if order is None or fetch not in order:
+                return
+            order.remove(fetch)
+            if order:
+                order[0].turn.set()
+            else:
+                del self._order[fetch.producer_id]
 
     # --- both ---------------------------------------------------------------------------
     def _spawn(self, target: Callable, *args) -> None:
@@ -514,8 +522,8 @@ class KVConnector(KVConnectorBase):
             return
         self._spawn(self._transfer, task, done)
 
-    def _to_ranks(self, plan: KVTransferPlan) -> RankTransfer:
-        task = RankTransfer(plan, secrets.token_hex(8), self.rank_address)
+    def _to_ranks(self, plan: KVTransferPlan) -> TransferTask:
+        task = TransferTask(plan, secrets.token_hex(8), self.rank_address)
         if self.world_size > 1:
             executor = self.engine.executor
             executor.check_alive()
@@ -526,7 +534,7 @@ class KVConnector(KVConnectorBase):
     def rank_address(self) -> tuple[str, int] | None:
         return (self.config.kv_ip, self.rank_store.port) if self.rank_store is not None else None
 
-    def _transfer(self, task: RankTransfer, done: Callable[[bool], None]) -> None:
+    def _transfer(self, task: TransferTask, done: Callable[[bool], None]) -> None:
         """Thread: every rank moves its share; done(False) if any failed."""
         try:
             ok = self._on_every_rank(task)
@@ -535,7 +543,7 @@ class KVConnector(KVConnectorBase):
             ok = False
         done(ok)
 
-    def _on_every_rank(self, task: RankTransfer) -> bool:
+    def _on_every_rank(self, task: TransferTask) -> bool:
         executor = self.engine.executor
         ok = run_transfer(task.plan, 0, executor.runner.kv_caches, self.groups, executor.device)
         if self.world_size == 1:

@@ -1,6 +1,6 @@
 """The data plane of a KV transfer: every rank of both instances moves its own share.
 
-Rank 0 of each instance broadcasts a `RankTransfer` (a `KVTransferPlan` and where
+Rank 0 of each instance broadcasts a `TransferTask` (a `KVTransferPlan` and where
 to report) to its ranks between two steps, like a step plan; each rank runs its
 share on a thread of its own, so that its next step need not wait for another
 instance, and says in rank 0's store how it went. Each rank computes the relayout (kv/relayout.py) from both
@@ -59,7 +59,7 @@ REPORT_PREFIX = "kvshard-rank-transfer"
 
 
 @dataclass(frozen=True)
-class RankTransfer(RankTask):
+class TransferTask(RankTask):
     """What rank 0 broadcasts to its other ranks for one transfer: the plan, and where to say how it went."""
 
     plan: KVTransferPlan
