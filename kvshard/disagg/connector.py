@@ -235,7 +235,11 @@ class KVConnector(KVConnectorBase):
             if order[0] is fetch:
                 fetch.turn.set()
         generation = self._generation.setdefault(fetch.producer_id, 0)
-        self._spawn(self._pull, fetch, url, generation)
+        try:
+            self._spawn(self._pull, fetch, url, generation)
+        except Exception as error:  # e.g. no thread to be had: this request fails, not the engine
+            self._next_turn(fetch)
+            self._answer(fetch, f"the fetch could not start: {error!r}")
 
     def abort_load(self, seq: Sequence) -> None:
         """Its transfer still runs to its end (both sides keep a pair's order); then the blocks go back."""
