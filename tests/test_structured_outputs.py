@@ -217,6 +217,30 @@ def test_drafts_accepted_then_rolled_back_leave_the_masks_of_never_accepting_the
     assert allowed(grammar) == set(torch.isfinite(logits[0]).nonzero().flatten().tolist())
 
 
+def test_verification_rows_are_masked_after_the_drafts_before_them(manager, smollm2_tokenizer):
+    """Drafts from a model that ignores the constraint (a draft model's): the raw logits favour every draft,
+    one of which breaks the grammar; verification keeps the drafts before it, and the token it gets in its
+    place is one the grammar allows there, greedy or sampled."""
+    from kvshard.engine.sampler import verify_drafts
+
+    tok = smollm2_tokenizer
+    drafts = ids(tok, '{"name": 7')  # the 7 breaks the schema: a string must come
+    broken = drafts.index(ids(tok, "7")[-1])
+    for temperature in (0.0, 1.0):
+        for seed in range(3):
+            grammar = grammar_for(manager, SO(json=SCHEMA))
+            seq = SimpleNamespace(params=SamplingParams(temperature=temperature, structured_outputs=SO(json=SCHEMA)),
+                                  grammar=grammar, output_token_ids=[], prompt_token_ids=[1, 2, 3],
+                                  generator=torch.Generator().manual_seed(seed))
+            logits = torch.randn(len(drafts) + 1, PADDED_VOCAB, generator=torch.Generator().manual_seed(seed))
+            logits[range(len(drafts)), drafts] += 30.0  # every draft is the raw argmax of its row
+            [tokens] = verify_drafts(logits, [seq], [drafts], torch.Generator().manual_seed(0))
+            assert tokens[:broken] == drafts[:broken] and len(tokens) == broken + 1, tokens
+            for token in drafts[:broken]:
+                assert grammar.accept_token(token)
+            assert tokens[-1] in allowed(grammar) and tokens[-1] != drafts[broken]
+
+
 @pytest.mark.parametrize("constraint, field", [
     (dict(regex="(a"), "structured_outputs.regex"),
     (dict(json={"type": "nope"}), "structured_outputs.json"),
@@ -355,7 +379,8 @@ def test_a_request_waiting_for_its_grammar_holds_up_nobody(engines, monkeypatch)
         return compile_now(params)
 
     monkeypatch.setattr(engine.structured, "_compile", held)
-    good = SamplingParams(temperature=0, max_tokens=30, structured_outputs=SO(regex=r"held-[0-9]{3}"))
+    # ignore_eos: the terminated grammar, not the EOS, ends it
+    good = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, structured_outputs=SO(regex=r"held-[0-9]{3}"))
     bad = SamplingParams(temperature=0, max_tokens=30, structured_outputs=SO(regex=r"held-[0-9"))
     engine.add_request("good", "hello", good)
     engine.add_request("bad", "hello", bad)
