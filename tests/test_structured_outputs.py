@@ -241,6 +241,22 @@ def test_verification_rows_are_masked_after_the_drafts_before_them(manager, smol
             assert tokens[-1] in allowed(grammar) and tokens[-1] != drafts[broken]
 
 
+def test_masks_compose_with_the_other_logits_processors(manager, smollm2_tokenizer):
+    """A logit_bias of +100 and penalties do not bring back a token the grammar forbids, greedy or sampled."""
+    from kvshard.engine.sampler import sample
+
+    tok = smollm2_tokenizer
+    forbidden = ids(tok, "hello")[0]
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, logit_bias={forbidden: 100.0}, repetition_penalty=1.3,
+                                structured_outputs=SO(regex="(yes|no)"))
+        grammar = grammar_for(manager, params.structured_outputs)
+        seq = SimpleNamespace(params=params, grammar=grammar, output_token_ids=[], prompt_token_ids=[forbidden],
+                              generator=torch.Generator().manual_seed(1))
+        [token] = sample(torch.zeros(1, PADDED_VOCAB), [seq], torch.Generator().manual_seed(0))
+        assert token in allowed(grammar) and token != forbidden
+
+
 @pytest.mark.parametrize("constraint, field", [
     (dict(regex="(a"), "structured_outputs.regex"),
     (dict(json={"type": "nope"}), "structured_outputs.json"),
