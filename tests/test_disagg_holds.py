@@ -48,6 +48,7 @@ class Producer(KVConnector):
         config = KVTransferConfig.from_json('{"kv_role": "kv_producer", "kv_connector_extra_config": '
                                             f'{{"hold_timeout_s": {HOLD_S}, "transfer_timeout_s": {TRANSFER_S}}}}}')
         self.clock_ = Clock()
+        self.kept: dict = {}
         super().__init__(engine, config, "s" * 32, clock=self.clock_, start_store=False)
 
     @property
@@ -55,7 +56,10 @@ class Producer(KVConnector):
         return "127.0.0.1", 1
 
     def _spawn(self, target, *args) -> None:
-        self.jobs.append((target, args))
+        if target == self._transfer:  # the ranks' transfer: as if over at once
+            target(*args)
+        else:
+            self.jobs.append((target, args))
 
     def _meet(self, *args) -> None:
         if not self.meet_ok:
@@ -65,6 +69,29 @@ class Producer(KVConnector):
         if isinstance(self.transfer_ok, Exception):
             raise self.transfer_ok
         return self.transfer_ok
+
+    # the scheduler's side of the hooks (engine/scheduler.py), on the real pool: a request whose KV the
+    # connector keeps holds its blocks until get_finished lists it
+    def on_finish(self, seq) -> None:
+        seq.seq_id = seq.request_id
+        if self.request_finished(seq):
+            self.engine.pool.take(seq.block_table)
+            self.kept[seq.seq_id] = list(seq.block_table)
+
+    def before_schedule(self) -> list:
+        self.between_steps()
+        self._give_back()
+        return []
+
+    def close(self) -> None:
+        super().close()
+        self._give_back()
+
+    def _give_back(self) -> None:
+        loaded, saved = self.get_finished()
+        assert loaded == {}
+        for seq_id in saved:
+            self.engine.pool.free(self.kept.pop(seq_id))
 
 
 def pull_body(connector: Producer, transfer_id: str, num_tokens: int, change: dict | None = None) -> dict:

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvshard.engine import rank_messages, workers
-from kvshard.engine.rank_messages import HEARTBEAT, SHUTDOWN, Heartbeat, RankTask, Shutdown, check_message
+from kvshard.engine.kv_connector import RankTask
+from kvshard.engine.rank_messages import HEARTBEAT, SHUTDOWN, Heartbeat, Shutdown, check_message
 from kvshard.engine.step_plan import StepPlan
 from kvshard.parallel import single_rank_state
 
@@ -27,7 +28,7 @@ class Runner:
         self.ran.append(plan)
 
 
-class Task:
+class Task(RankTask):
     def __init__(self) -> None:
         self.calls = []
 

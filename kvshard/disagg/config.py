@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvshard.engine.kv_connector import registered_kv_connectors
 from kvshard.errors import ConfigError, json_object_setting
 
 ROLES = ("kv_producer", "kv_consumer")
@@ -16,7 +17,7 @@ EXTRA_FIELDS = {"hold_timeout_s", "transfer_timeout_s", "producers", "shared_sec
 @dataclass(frozen=True)
 class KVTransferConfig:
     kv_role: str  # kv_producer: prefill and keep the KV until fetched; kv_consumer: fetch it and decode
-    kv_connector: str = "KVShardConnector"  # the only connector: torch.distributed point-to-point
+    kv_connector: str = "KVShardConnector"  # a registered connector (engine/kv_connector.py); kvshard has this one
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     kv_ip: str = "127.0.0.1"  # where this instance's KV store and transfer sockets listen (loopback by default)
     kv_port: int = 0  # producer: the store's port; 0 picks a free one
@@ -55,9 +56,10 @@ class KVTransferConfig:
             raise ConfigError(f"--kv-transfer-config: unknown field(s) {unknown}; known: {sorted(known)}")
         if raw.get("kv_role") not in ROLES:
             raise ConfigError(f"--kv-transfer-config: kv_role must be one of {list(ROLES)}, got {raw.get('kv_role')!r}")
-        if raw.get("kv_connector", "KVShardConnector") != "KVShardConnector":
+        if raw.get("kv_connector", "KVShardConnector") not in registered_kv_connectors():
             raise ConfigError(f"--kv-transfer-config: kv_connector {raw['kv_connector']!r} is not available; "
-                              "kvshard has KVShardConnector (torch.distributed point-to-point)")
+                              f"registered: {registered_kv_connectors()} (KVShardConnector: torch.distributed "
+                              "point-to-point)")
         config = cls(**raw)
         extra = config.kv_connector_extra_config
         for name in ("hold_timeout_s", "transfer_timeout_s"):

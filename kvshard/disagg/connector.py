@@ -1,33 +1,37 @@
-"""Rank 0's side of disaggregated prefill/decode: which blocks are held, fetched, and when.
+"""Disaggregated prefill/decode behind the scheduler's KV-connector hooks (engine/kv_connector.py).
 
 Producer: a request that asks for it (`kv_transfer_params.do_remote_decode`) keeps
-its KV blocks when it finishes (one more reference in the pool), under the
-transfer id the proxy gave, until a consumer fetches them, the proxy releases
-them (the consumer refused the request, or its client left), `hold_timeout_s`
-passes, or the producer shuts down. A consumer's pull arrives over HTTP
+its KV blocks when it finishes (`request_finished` says True: the scheduler keeps
+them), under the transfer id the proxy gave, until a consumer fetches them, the
+proxy releases them (the consumer refused the request, or its client left),
+`hold_timeout_s` passes, or the producer shuts down; then `get_finished` lists it
+and the scheduler frees the blocks. A consumer's pull arrives over HTTP
 (`serve_pull`), is checked whole before the hold is claimed, and is answered at
 once with the producer's layout, blocks and a ticket; a thread then waits (at
 most `transfer_timeout_s`) until the consumer says, in the producer's store under
-that ticket, that it is there (as long as an unclaimed hold would wait), and
-only then does the engine thread run the send, between two steps. A consumer that never comes costs its hold, never the
-engine's time.
+that ticket, that it is there (as long as an unclaimed hold would wait), and only
+then is the send started, between two steps.
 
-Consumer: a request with `kv_transfer_params.do_remote_prefill` leaves the
-scheduler's queue for the connector's; a thread asks its producer (known by
-engine id: configured in `kv_connector_extra_config.producers`, or registered by
-the proxy) and meets it in the store, and between two steps the engine thread
-has every rank receive its share into the reserved blocks; the request then joins
-the running batch with all prompt tokens but the last computed, so its first step
-computes that token and samples the first output token as a colocated engine
-would. Pulls run side by side (each claims its hold at once), but a fetch meets
-its producer only once the fetch from that producer before it is over, so both
-sides run a pair's transfers in the same order. If anything fails, the blocks go back to the pool
-and that request alone ends with an error. A preempted request recomputes its
-prompt: the producer no longer holds the KV.
+Consumer: a request with `kv_transfer_params.do_remote_prefill` loads all its
+prompt's KV but the last token's (`get_num_external_tokens`); once the scheduler
+has reserved its blocks (`start_load`) a thread asks its producer (known by engine
+id: configured in `kv_connector_extra_config.producers`, or registered by the
+proxy) and meets it in the store; the receive is then started between two steps,
+and once every rank has its share the scheduler learns it from `get_finished`: the
+request joins the running batch with all prompt tokens but the last computed, so
+its first step computes that token and samples the first output token as a
+colocated engine would. Pulls run side by side (each claims its hold at once),
+but a fetch meets its producer only once the fetch from that producer before it
+is over, so both sides run a pair's transfers in the same order. If anything
+fails, that request alone ends with an error and the scheduler frees its blocks.
+A preempted request recomputes its prompt: the producer no longer holds the KV.
 
-Every pool operation and every transfer runs on the engine thread; HTTP, DNS and
-store waits run on threads of their own (no network wait inside `LLMEngine.step`
-but the transfer itself, once both sides are known to be there).
+A transfer itself (transfer.py) runs on threads too: between two steps the engine
+thread only broadcasts a `TransferTask` to its ranks, each of which runs its share
+on a thread of its own and says in rank 0's store how it went; a thread of rank 0
+runs rank 0's share and waits for the others'. HTTP, DNS, store waits and the
+transfers never run on the engine thread nor under the engine's lock: a slow or
+dead peer delays its own requests only.
 """
 
 from __future__ import annotations
@@ -48,16 +52,16 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationErro
 from kvshard.disagg.config import KVTransferConfig
 from kvshard.disagg.params import PullRequest, first_error
 from kvshard.disagg.secret import HEADER
-from kvshard.disagg.transfer import KVTransferPlan, PairGroups, bound_store, transfer_on_rank
+from kvshard.disagg.transfer import KVTransferPlan, PairGroups, TransferTask, bound_store, run_transfer
 from kvshard.engine.executor import EngineDeadError
-from kvshard.engine.sequence import Sequence, SequenceStatus
+from kvshard.engine.kv_connector import KVConnectorBase
 from kvshard.kv.layout import DCPLayout
 from kvshard.kv.relayout import InstanceLayout, kv_heads_of_ranks
-from kvshard.outputs import RequestOutput
 from kvshard.parallel import broadcast_from_driver
 
 if TYPE_CHECKING:
     from kvshard.engine.llm_engine import LLMEngine
+    from kvshard.engine.sequence import Sequence
 
 logger = logging.getLogger("kvshard.disagg")
 
@@ -74,6 +78,7 @@ class PullRefused(Exception):
 
 @dataclass
 class _Hold:
+    seq_id: int  # the finished request's, whose blocks the scheduler keeps
     blocks: list[int]
     num_tokens: int  # tokens whose KV the blocks hold
     deadline: float
@@ -84,10 +89,12 @@ class _Hold:
 class _Fetch:
     """Consumer: one request's KV on its way here."""
 
-    seq: Sequence
+    seq_id: int
+    request_id: str
     producer_id: str
     transfer_id: str
-    blocks: list[int] = field(default_factory=list)  # reserved once started
+    blocks: list[int]  # the scheduler's, reserved for the whole prompt
+    num_tokens: int  # whose KV comes
     plan: KVTransferPlan | None = None  # set by the thread once the producer is there
     error: str | None = None
     abandoned: bool = False  # its request ended (aborted) while the thread ran
@@ -135,11 +142,11 @@ def _layout_from_json(raw: dict) -> InstanceLayout:
     return InstanceLayout(DCPLayout(*values), tuple(range(a, b) for a, b in heads))
 
 
-class KVConnector:
-    """Attached to an `LLMEngine` as `engine.kv_connector`; the engine calls `before_schedule`,
-    `on_finish`, `forget` and `has_pending` from its step (engine thread, under its lock), and
-    `close` when it shuts down. `secret` is the deployment's (disagg/secret.py); `api_key` the key
-    this instance's peers ask for, if any."""
+class KVConnector(KVConnectorBase):
+    """The `KVShardConnector` (engine/kv_connector.py's hooks); attached with `LLMEngine.attach_kv_connector`.
+    `secret` is the deployment's (disagg/secret.py); `api_key` the key this instance's peers ask for, if any.
+    Reads the engine's configuration, and its executor's ranks and KV caches for the transfers; the
+    scheduler's queues, the block pool and the requests are the scheduler's and the engine's alone."""
 
     def __init__(self, engine: LLMEngine, config: KVTransferConfig, secret: str, api_key: str | None = None,
                  clock: Callable[[], float] = time.monotonic, start_store: bool = True) -> None:
@@ -150,33 +157,36 @@ class KVConnector:
         self.clock = clock
         self.layout = instance_layout(engine)
         self.signature = model_signature(engine)
+        self.world_size = engine.config.parallel.tensor_parallel_size
         self.groups = PairGroups()
         self.wake: Callable[[], None] = lambda: None  # set by the server: makes its engine loop look for work
         self._lock = threading.Lock()  # what HTTP handlers and threads hand to the engine thread
         # producer
         self._holds: dict[str, _Hold] = {}
         self._ready: deque[tuple[KVTransferPlan, str]] = deque()  # sends whose consumer is there
+        self._sent: deque[tuple[str, bool]] = deque()  # (transfer id, ok) of sends over
         self._dropped: deque[tuple[str, str]] = deque()  # (transfer id, reason) of claimed holds to free
         self._releases: deque[str] = deque()  # transfer ids the proxy released
         self._released: dict[str, float] = {}  # released before their hold was made: until when to remember
         self._nonces: dict[tuple[str, int], str] = {}  # per (consumer, generation): its group's unguessable name
+        self._saved: list[int] = []  # engine thread: seq_ids whose hold ended, for get_finished
         self.holds_total = 0
         self.freed: Counter[str] = Counter({reason: 0 for reason in FREE_REASONS})
         # consumer
         self.producers: dict[str, str] = dict(config.producers)  # engine id -> URL: whom this one may pull from
-        self._owned: dict[int, _Fetch] = {}  # by seq_id: requests in no scheduler queue while their KV comes
-        self._queue: deque[_Fetch] = deque()  # not started yet, in arrival order
+        self._fetches: dict[int, _Fetch] = {}  # by seq_id: loads started, not answered yet
         # per producer, fetches in the order they started: each meets its producer (and so transfers) only
         # once the one before it is over, so that both sides run a pair's transfers in the same order
         self._order: dict[str, deque[_Fetch]] = {}
-        self._done: deque[_Fetch] = deque()  # fetches whose thread finished
+        self._met: deque[_Fetch] = deque()  # fetches whose thread finished: the producer is there, or an error
+        self._received: deque[tuple[_Fetch, bool]] = deque()  # (fetch, ok) of receives over
+        self._loaded: dict[int, str | None] = {}  # engine thread: loads over, for get_finished
         self._generation: dict[str, int] = {}  # per producer, bumped after a failed transfer
         self.fetches: Counter[str] = Counter({"ok": 0, "failed": 0})
-        self.store = None
-        if config.is_producer and start_store:
-            # the rendezvous of every pair group this producer joins; consumer ranks connect as clients
-            self.store = bound_store(config.kv_ip, config.kv_port)
-        engine.kv_connector = self
+        self.store = None  # the producer's rendezvous of every pair group it joins
+        self.rank_store = None  # where this instance's ranks > 0 say how their share of a transfer went
+        if start_store and (config.is_producer or self.world_size > 1):
+            self.store = self.rank_store = bound_store(config.kv_ip, config.kv_port if config.is_producer else 0)
 
     @property
     def store_address(self) -> tuple[str, int]:
@@ -201,98 +211,109 @@ class KVConnector:
         with self._lock:
             self.producers[engine_id] = url.rstrip("/")
 
-    # --- engine hooks (engine thread) ----------------------------------------------------
-    def has_pending(self) -> bool:
-        """Work for the engine thread even when no request runs."""
-        now = self.clock()
-        with self._lock:
-            if self._ready or self._dropped or self._releases or self._done:
-                return True
-            if any(not h.claimed and h.deadline <= now for h in self._holds.values()):
-                return True
-        return any(self._startable(f) for f in self._queue)
+    # --- the scheduler's hooks (engine thread, under the engine's lock; none waits) --------------
+    def get_num_external_tokens(self, seq: Sequence) -> int:
+        """Consumer: a request with `do_remote_prefill` loads all its prompt's KV but the last token's."""
+        params = seq.params.kv_transfer_params or {}
+        if self.config.is_producer or not params.get("do_remote_prefill"):
+            return 0
+        return seq.num_tokens - 1
 
-    def on_finish(self, seq: Sequence) -> None:
-        """Producer: called as a sequence finishes normally, before its blocks are released."""
+    def start_load(self, seq: Sequence, blocks: list[int], num_tokens: int) -> None:
+        params = seq.params.kv_transfer_params or {}
+        fetch = _Fetch(seq.seq_id, seq.request_id, str(params.get("remote_engine_id")),
+                       str(params.get("transfer_id")), list(blocks), num_tokens)
+        self._fetches[seq.seq_id] = fetch
+        with self._lock:
+            url = self.producers.get(fetch.producer_id)
+        if url is None:  # the door checks this; a registration cannot be taken back, but be sure
+            self._answer(fetch, f"producer {fetch.producer_id!r} is not one this consumer may pull from")
+            return
+        with self._lock:
+            order = self._order.setdefault(fetch.producer_id, deque())
+            order.append(fetch)
+            if order[0] is fetch:
+                fetch.turn.set()
+        generation = self._generation.setdefault(fetch.producer_id, 0)
+        try:
+            self._spawn(self._pull, fetch, url, generation)
+        except Exception as error:  # e.g. no thread to be had: this request fails, not the engine
+            self._next_turn(fetch)
+            self._answer(fetch, f"the fetch could not start: {error!r}")
+
+    def abort_load(self, seq: Sequence) -> None:
+        """Its transfer still runs to its end (both sides keep a pair's order); then the blocks go back."""
+        fetch = self._fetches.get(seq.seq_id)
+        if fetch is not None:
+            fetch.abandoned = True
+
+    def request_finished(self, seq: Sequence) -> bool:
+        """Producer: a request with `do_remote_decode` keeps its blocks under its transfer id until a consumer
+        fetches them, the proxy releases them, or `hold_timeout_s` passes."""
         params = seq.params.kv_transfer_params or {}
         if not (self.config.is_producer and params.get("do_remote_decode")):
-            return
+            return False
         transfer_id = str(params.get("transfer_id") or seq.request_id)
         with self._lock:
             if transfer_id in self._holds:
                 logger.warning("transfer id %s is already held; its KV is not kept twice", transfer_id)
-                return
+                return False
             self.holds_total += 1
             if self._released.pop(transfer_id, None) is not None:
                 self.freed["released"] += 1  # the proxy gave up on it before it finished
-                return
-            self.engine.pool.take(seq.block_table)  # the finish drops the request's reference, this one stays
-            self._holds[transfer_id] = _Hold(list(seq.block_table), seq.num_computed_tokens,
+                return False
+            self._holds[transfer_id] = _Hold(seq.seq_id, list(seq.block_table), seq.num_computed_tokens,
                                              self.clock() + self.config.hold_timeout_s)
+        return True
 
-    def forget(self, seq: Sequence) -> None:
-        """A request ends (aborted, failed) while the connector holds it: back to the scheduler's queue,
-        so that `Scheduler.finish` ends it as any waiting request; blocks still receiving are freed once
-        the transfer is over."""
-        fetch = self._owned.pop(seq.seq_id, None)
-        if fetch is None:
-            return
-        if fetch in self._queue:
-            self._queue.remove(fetch)
-        else:
-            fetch.abandoned = True
-        self.engine.scheduler.waiting.append(seq)
+    def get_finished(self) -> tuple[dict[int, str | None], list[int]]:
+        loaded, self._loaded = self._loaded, {}
+        saved, self._saved = self._saved, []
+        return loaded, saved
 
-    def before_schedule(self) -> list[RequestOutput]:
-        """Run what waits for the engine thread; outputs of consumer requests whose fetch failed.
+    def has_pending(self) -> bool:
+        """Work for the engine thread even when no request runs."""
+        if self._loaded or self._saved:
+            return True
+        now = self.clock()
+        with self._lock:
+            if self._ready or self._sent or self._dropped or self._releases or self._met or self._received:
+                return True
+            return any(not h.claimed and h.deadline <= now for h in self._holds.values())
+
+    def between_steps(self) -> None:
+        """Free the holds that ended, start the transfers whose peer is there, answer the loads that are over.
         Nothing one transfer does raises out of here, but a dead engine (EngineDeadError)."""
         self._free_what_ended()
-        while True:
-            with self._lock:
-                if not self._ready:
-                    break
-                plan, transfer_id = self._ready.popleft()
-            ok = self._transfer(plan)
+        for plan, transfer_id in self._take(self._ready):
+            self._start_transfer(plan, lambda ok, t=transfer_id: self._post(self._sent, (t, ok)))
+        for transfer_id, ok in self._take(self._sent):
             self._free_hold(transfer_id, "fetched" if ok else "failed")
-        if self.config.is_producer:
-            return []
-        failed: list[RequestOutput] = []
-        while True:
-            with self._lock:
-                if not self._done:
-                    break
-                fetch = self._done.popleft()
+        for fetch in self._take(self._met):
             try:
-                output = self._finish_fetch(fetch)
+                if fetch.error is not None:
+                    self._next_turn(fetch)
+                    self._answer(fetch, fetch.error)
+                else:
+                    self._start_transfer(fetch.plan, lambda ok, f=fetch: self._receive_over(f, ok))
             except EngineDeadError:
                 raise
             except Exception as error:  # a bug in one fetch ends that request, not the engine
-                logger.exception("finishing the fetch of %s failed", fetch.seq.request_id)
-                output = next(iter(self._fail(fetch, f"{error!r}")), None)
-            if output is not None:
-                failed.append(output)
-        self._take_new_requests()
-        for fetch in [f for f in self._queue if self._startable(f)]:
-            if self._startable(fetch):  # an earlier start this round may have taken the producer or blocks
-                try:
-                    failed.extend(self._start_fetch(fetch))
-                except Exception as error:
-                    logger.exception("starting the fetch of %s failed", fetch.seq.request_id)
-                    self._next_turn(fetch)
-                    failed.extend(self._fail(fetch, f"{error!r}"))
-        return failed
+                logger.exception("finishing the fetch of %s failed", fetch.request_id)
+                self._next_turn(fetch)
+                self._answer(fetch, f"{error!r}")
+        for fetch, ok in self._take(self._received):
+            self._received_one(fetch, ok)
 
     def close(self) -> None:
-        """The engine shuts down: every hold and every reserved block goes back."""
+        """The engine shuts down: every hold and every reserved block is answered for, to go back."""
         with self._lock:
             holds, self._holds = self._holds, {}
         for hold in holds.values():
-            self.engine.pool.free(hold.blocks)
+            self._saved.append(hold.seq_id)
             self.freed["shutdown"] += 1
-        for fetch in list(self._owned.values()):
-            if fetch.blocks:
-                self.engine.pool.free(fetch.blocks)
-                fetch.blocks = []
+        for fetch in list(self._fetches.values()):
+            self._answer(fetch, "the server is shutting down")
 
     # --- producer -----------------------------------------------------------------------
     def _free_hold(self, transfer_id: str, reason: str) -> None:
@@ -302,7 +323,7 @@ class KVConnector:
             return
         if reason not in ("fetched", "released"):
             logger.warning("the KV of %s is freed: %s", transfer_id, reason)
-        self.engine.pool.free(hold.blocks)
+        self._saved.append(hold.seq_id)
         self.freed[reason] += 1
 
     def _free_what_ended(self) -> None:
@@ -389,42 +410,9 @@ class KVConnector:
         self.wake()
 
     # --- consumer -----------------------------------------------------------------------
-    def _take_new_requests(self) -> None:
-        """Requests that fetch their prompt's KV leave the scheduler's queue for the connector's."""
-        scheduler = self.engine.scheduler
-        for seq in [s for s in scheduler.waiting if (s.params.kv_transfer_params or {}).get("do_remote_prefill")]:
-            params = seq.params.kv_transfer_params
-            seq.params.kv_transfer_params = None  # fetched once: after a preemption the prompt is recomputed
-            scheduler.waiting.remove(seq)
-            fetch = _Fetch(seq, str(params.get("remote_engine_id")), str(params.get("transfer_id")))
-            self._owned[seq.seq_id] = fetch
-            self._queue.append(fetch)
-
-    def _startable(self, fetch: _Fetch) -> bool:
-        engine = self.engine
-        in_flight = sum(1 for f in self._owned.values() if f.blocks)
-        if len(engine.scheduler.running) + in_flight >= engine.config.scheduler.max_num_seqs:
-            return False
-        return engine.layout.num_virtual_blocks(fetch.seq.num_tokens) <= engine.pool.num_free
-
-    def _start_fetch(self, fetch: _Fetch) -> list[RequestOutput]:
-        self._queue.remove(fetch)
-        with self._lock:
-            url = self.producers.get(fetch.producer_id)
-        if url is None:  # the door checks this; a registration cannot be taken back, but be sure
-            return self._fail(fetch, f"producer {fetch.producer_id!r} is not one this consumer may pull from")
-        fetch.blocks = self.engine.pool.allocate(self.engine.layout.num_virtual_blocks(fetch.seq.num_tokens))
-        order = self._order.setdefault(fetch.producer_id, deque())
-        order.append(fetch)
-        if order[0] is fetch:
-            fetch.turn.set()
-        generation = self._generation.setdefault(fetch.producer_id, 0)
-        self._spawn(self._pull, fetch, url, generation)
-        return []
-
     def _pull(self, fetch: _Fetch, url: str, generation: int) -> None:
-        """Thread: ask the producer, then meet it in its store; the engine thread receives."""
-        num_tokens = fetch.seq.num_tokens - 1
+        """Thread: ask the producer, then meet it in its store; then the engine thread has the ranks receive."""
+        num_tokens = fetch.num_tokens
         try:
             headers = {HEADER: self.secret}
             if self.api_key:
@@ -464,68 +452,57 @@ class KVConnector:
             fetch.error = str(error)
         except Exception as error:  # whatever it is, it ends this request only
             fetch.error = f"fetching from {url} failed: {error!r}"
-        with self._lock:
-            self._done.append(fetch)
-        self.wake()
-
-    def _finish_fetch(self, fetch: _Fetch) -> RequestOutput | None:
-        """Engine thread: a fetch's thread is done; receive, then run the request (or fail it)."""
-        ok = fetch.error is None
-        try:
-            if ok:
-                ok = self._transfer(fetch.plan)
-                if not ok:
-                    self._generation[fetch.producer_id] = self._generation.get(fetch.producer_id, 0) + 1
-                    fetch.error = "receiving the KV from the producer failed (it died or timed out)"
-        finally:
+        if fetch.error is not None:
             self._next_turn(fetch)
-        self.fetches["ok" if ok else "failed"] += 1
-        if fetch.abandoned:
-            self.engine.pool.free(fetch.blocks)
-            return None
+        self._post(self._met, fetch)
+
+    def _receive_over(self, fetch: _Fetch, ok: bool) -> None:
+        """Thread: every rank's receive is over; the fetch from this producer after it may meet it now."""
+        self._next_turn(fetch)
+        self._post(self._received, (fetch, ok))
+
+    def _received_one(self, fetch: _Fetch, ok: bool) -> None:
+        """Engine thread: the load is answered."""
         if not ok:
-            return self._fail(fetch, fetch.error)[0]
-        seq = fetch.seq
-        del self._owned[seq.seq_id]
-        seq.block_table, seq.num_computed_tokens = fetch.blocks, fetch.plan.num_tokens
-        seq.status = SequenceStatus.RUNNING
-        self.engine.scheduler.running.append(seq)
-        return None
+            self._generation[fetch.producer_id] = self._generation.get(fetch.producer_id, 0) + 1
+        self._answer(fetch, None if ok else "receiving the KV from the producer failed (it died or timed out)")
+
+    def _answer(self, fetch: _Fetch, error: str | None) -> None:
+        """Engine thread: the load is over; the scheduler learns it from get_finished."""
+        if self._fetches.pop(fetch.seq_id, None) is None:
+            return  # answered already (at shutdown)
+        self.fetches["ok" if error is None else "failed"] += 1
+        if error is not None and not fetch.abandoned:
+            logger.warning("request %s: %s", fetch.request_id, error)
+        self._loaded[fetch.seq_id] = error
 
     def _next_turn(self, fetch: _Fetch) -> None:
-        """`fetch` is over: the next fetch from its producer may meet it."""
-        order = self._order.get(fetch.producer_id)
-        if order is None or fetch not in order:
-            return
-        order.remove(fetch)
-        if order:
-            order[0].turn.set()
-        else:
-            del self._order[fetch.producer_id]
-
-    def _fail(self, fetch: _Fetch, reason: str) -> list[RequestOutput]:
-        logger.warning("request %s: %s", fetch.seq.request_id, reason)
-        if fetch.blocks:
-            self.engine.pool.free(fetch.blocks)
-            fetch.blocks = []
-        seq, scheduler = fetch.seq, self.engine.scheduler
-        self._owned.pop(seq.seq_id, None)
-        if fetch in self._queue:
-            self._queue.remove(fetch)
-        if seq.status is SequenceStatus.WAITING and seq not in scheduler.waiting:
-            scheduler.waiting.append(seq)  # back in the scheduler's queue, so that it ends as any request
-        request = self.engine.requests.pop(seq.request_id, None)
-        if request is None:
-            if not seq.is_finished:
-                scheduler.finish(seq, "abort")
-            return []
-        request.error = f"fetching the prompt's KV failed: {reason}"
-        self.engine._finish_all(request, "error")
-        return [self.engine.output_processor.output(request)]
+        """Any thread: `fetch` is over: the next fetch from its producer may meet it."""
+        with self._lock:
+            order = self._order.get(fetch.producer_id)
+            if order is None or fetch not in order:
+                return
+            order.remove(fetch)
+            if order:
+                order[0].turn.set()
+            else:
+                del self._order[fetch.producer_id]
 
     # --- both ---------------------------------------------------------------------------
     def _spawn(self, target: Callable, *args) -> None:
         threading.Thread(target=target, args=args, name="kvshard-kv-transfer", daemon=True).start()
+
+    def _take(self, queue: deque) -> list:
+        with self._lock:
+            items = list(queue)
+            queue.clear()
+        return items
+
+    def _post(self, queue: deque, item) -> None:
+        """Any thread: hand `item` to the engine thread and wake it."""
+        with self._lock:
+            queue.append(item)
+        self.wake()
 
     def _meet(self, store: tuple[str, int], ticket: str, me: str, peer: str, timeout_s: float) -> None:
         """Say in the producer's store that this side is ready for the transfer under `ticket`, and wait
@@ -535,21 +512,47 @@ class KVConnector:
         client.set(f"kvshard-ready/{ticket}/{me}", "1")
         client.wait([f"kvshard-ready/{ticket}/{peer}"], timeout)
 
-    def _transfer(self, plan: KVTransferPlan) -> bool:
-        """Engine thread: both sides are there; every rank moves its share. False if it failed."""
+    def _start_transfer(self, plan: KVTransferPlan, done: Callable[[bool], None]) -> None:
+        """Engine thread, between two steps: the other ranks start their share (on threads of theirs), and a
+        thread runs rank 0's and waits for theirs; `done(ok)` once every rank's share is over. Waits for
+        no peer."""
         try:
-            return self._on_every_rank(plan)
+            task = self._to_ranks(plan)
         except EngineDeadError:
             raise
-        except Exception as error:  # a transfer's failure is that transfer's
-            logger.warning("KV transfer %s failed: %r", plan.group_name, error)
-            return False
+        except Exception as error:
+            logger.warning("KV transfer %s could not start: %r", plan.group_name, error)
+            done(False)
+            return
+        self._spawn(self._transfer, task, done)
 
-    def _on_every_rank(self, plan: KVTransferPlan) -> bool:
+    def _to_ranks(self, plan: KVTransferPlan) -> TransferTask:
+        task = TransferTask(plan, secrets.token_hex(8), self.rank_address)
+        if self.world_size > 1:
+            executor = self.engine.executor
+            executor.check_alive()
+            broadcast_from_driver(task, executor.parallel)
+        return task
+
+    @property
+    def rank_address(self) -> tuple[str, int] | None:
+        return (self.config.kv_ip, self.rank_store.port) if self.rank_store is not None else None
+
+    def _transfer(self, task: TransferTask, done: Callable[[bool], None]) -> None:
+        """Thread: every rank moves its share; done(False) if any failed."""
+        try:
+            ok = self._on_every_rank(task)
+        except Exception as error:  # a transfer's failure is that transfer's
+            logger.warning("KV transfer %s failed: %r", task.plan.group_name, error)
+            ok = False
+        done(ok)
+
+    def _on_every_rank(self, task: TransferTask) -> bool:
         executor = self.engine.executor
-        executor.check_alive()
-        broadcast_from_driver(plan, executor.parallel)
-        return transfer_on_rank(plan, executor.parallel, executor.runner.kv_caches, self.groups, executor.device)
+        ok = run_transfer(task.plan, 0, executor.runner.kv_caches, self.groups, executor.device)
+        if self.world_size == 1:
+            return ok
+        return task.wait_for_ranks(self.world_size) and ok
 
 
 class _FetchFailed(Exception):

@@ -1,7 +1,9 @@
 """The data plane of a KV transfer: every rank of both instances moves its own share.
 
-Rank 0 of each instance broadcasts a `KVTransferPlan` to its ranks (between steps,
-like a step plan); each rank computes the relayout (kv/relayout.py) from both
+Rank 0 of each instance broadcasts a `TransferTask` (a `KVTransferPlan` and where
+to report) to its ranks between two steps, like a step plan; each rank runs its
+share on a thread of its own, so that its next step need not wait for another
+instance, and says in rank 0's store how it went. Each rank computes the relayout (kv/relayout.py) from both
 layouts and block tables and posts its point-to-point sends (producer) or
 receives (consumer) on a process group that joins exactly the two instances'
 ranks: producer ranks 0..Tp-1, then consumer ranks Tp..Tp+Tc-1. The group is made
@@ -19,11 +21,13 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
+import threading
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from kvshard.engine.kv_connector import RankTask
 from kvshard.kv.cache import KVCacheLayer
 from kvshard.kv.relayout import InstanceLayout, RankTransfer, plan_relayout
 from kvshard.parallel import ParallelState
@@ -50,27 +54,66 @@ class KVTransferPlan:
         return plan_relayout(self.producer, self.producer_blocks, self.consumer, self.consumer_blocks,
                              self.num_tokens)
 
-    def run_on_rank(self, parallel: ParallelState, runner, device: torch.device) -> bool:
-        """A rank > 0 runs the plan rank 0 broadcast (engine/workers.py knows only this method)."""
-        return transfer_on_rank(self, parallel, runner.kv_caches, WORKER_GROUPS, device)
+
+REPORT_PREFIX = "kvshard-rank-transfer"
+
+
+@dataclass(frozen=True)
+class TransferTask(RankTask):
+    """What rank 0 broadcasts to its other ranks for one transfer: the plan, and where to say how it went."""
+
+    plan: KVTransferPlan
+    task_id: str  # unguessable: the report keys
+    report: tuple[str, int] | None  # rank 0's store (None when the instance has one rank)
+
+    def run_on_rank(self, parallel: ParallelState, runner, device: torch.device) -> None:
+        """A rank > 0 (engine/workers.py): its share runs on a thread; the rank goes back to its steps."""
+        threading.Thread(target=self._share, args=(parallel.rank, runner.kv_caches, device),
+                         name="kvshard-kv-transfer", daemon=True).start()
+
+    def _share(self, rank: int, kv_caches: list[KVCacheLayer], device: torch.device) -> None:
+        ok = run_transfer(self.plan, rank, kv_caches, WORKER_GROUPS, device)
+        try:
+            store = dist.TCPStore(self.report[0], self.report[1], is_master=False, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=self.plan.timeout_s))
+            store.set(f"{REPORT_PREFIX}/{self.task_id}/{rank}", "1" if ok else "0")
+        except Exception as error:  # rank 0 gives up waiting and fails the transfer
+            logger.warning("rank %d cannot report KV transfer %s: %s", rank, self.plan.group_name, error)
+
+    def wait_for_ranks(self, world_size: int) -> bool:
+        """Rank 0, off the engine thread: True if every rank > 0 moved its share. Each rank's share gives up
+        after about twice the plan's timeout (making the group, then the messages)."""
+        keys = [f"{REPORT_PREFIX}/{self.task_id}/{rank}" for rank in range(1, world_size)]
+        timeout = datetime.timedelta(seconds=2 * self.plan.timeout_s + 30)
+        try:
+            store = dist.TCPStore(self.report[0], self.report[1], is_master=False, wait_for_workers=False,
+                                  timeout=timeout)  # a connection of its own: waits on others' run side by side
+            store.wait(keys, timeout)
+            ok = all(store.get(key) == b"1" for key in keys)
+            for key in keys:
+                store.delete_key(key)
+            return ok
+        except Exception as error:
+            logger.warning("the ranks' shares of KV transfer %s never reported: %s", self.plan.group_name, error)
+            return False
 
 
 class PairGroups:
-    """This rank's process groups with other instances, by name, made on first use."""
+    """This rank's process groups with other instances, by name, made on first use. Threads of the rank
+    use it side by side: each group has a store connection of its own."""
 
     def __init__(self) -> None:
-        self._stores: dict[tuple[str, int], dist.TCPStore] = {}
+        self._lock = threading.Lock()
         self._groups: dict[str, dist.ProcessGroup] = {}
 
     def get(self, plan: KVTransferPlan, rank: int, device: torch.device) -> dist.ProcessGroup:
-        group = self._groups.get(plan.group_name)
+        with self._lock:
+            group = self._groups.get(plan.group_name)
         if group is not None:
             return group
         timeout = datetime.timedelta(seconds=plan.timeout_s)
-        store = self._stores.get(plan.store)
-        if store is None:
-            store = self._stores[plan.store] = dist.TCPStore(
-                plan.store[0], plan.store[1], is_master=False, timeout=timeout, wait_for_workers=False)
+        store = dist.TCPStore(plan.store[0], plan.store[1], is_master=False, timeout=timeout,
+                              wait_for_workers=False)
         size = plan.producer.tp + plan.consumer.tp
         member = rank if plan.is_producer else plan.producer.tp + rank
         prefixed = dist.PrefixStore(plan.group_name, store)
@@ -83,14 +126,15 @@ class PairGroups:
             options._timeout = timeout
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=plan.host)]  # not every interface
             group = dist.ProcessGroupGloo(prefixed, member, size, options)
-        self._groups[plan.group_name] = group
+        with self._lock:
+            self._groups[plan.group_name] = group
         return group
 
     def drop(self, plan: KVTransferPlan) -> None:
-        """Forget a group whose peer failed, and the store connection (the producer may have restarted):
+        """Forget a group whose peer failed, and its store connection (the producer may have restarted):
         the next transfer with that instance makes new ones."""
-        self._groups.pop(plan.group_name, None)
-        self._stores.pop(plan.store, None)
+        with self._lock:
+            self._groups.pop(plan.group_name, None)
 
 
 WORKER_GROUPS = PairGroups()  # a rank > 0's groups with the instances this one exchanges KV with
@@ -114,8 +158,11 @@ def bound_store(host: str, port: int) -> dist.TCPStore:
 
 def run_transfer(plan: KVTransferPlan, rank: int, kv_caches: list[KVCacheLayer], groups: PairGroups,
                  device: torch.device) -> bool:
-    """This rank's share of the transfer; False (and the group dropped) if a peer failed or timed out."""
+    """This rank's share of the transfer; False (and the group dropped) if a peer failed or timed out. Runs on
+    a thread of the rank's own (the CUDA device is per thread: set here)."""
     try:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         group = groups.get(plan, rank, device)
         works, received = [], []
         # the tag is the transfer's place in the whole plan, which both sides compute alike
@@ -138,17 +185,6 @@ def run_transfer(plan: KVTransferPlan, rank: int, kv_caches: list[KVCacheLayer],
         logger.warning("KV transfer %s failed on rank %d: %s", plan.group_name, rank, error)
         groups.drop(plan)
         return False
-
-
-def transfer_on_rank(plan: KVTransferPlan, parallel: ParallelState, kv_caches: list[KVCacheLayer], groups: PairGroups,
-                     device: torch.device) -> bool:
-    """Every rank of an instance runs this for the same plan; all get True only if every rank's share moved."""
-    ok = run_transfer(plan, parallel.rank, kv_caches, groups, device)
-    if parallel.world_size == 1:
-        return ok
-    flag = torch.tensor([1 if ok else 0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=parallel.control_group)
-    return bool(flag.item())
 
 
 def _tensors(layer: KVCacheLayer) -> list[torch.Tensor]:

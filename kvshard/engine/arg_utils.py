@@ -200,10 +200,6 @@ class EngineArgs:
             if f.metadata["positive"] and value is not None:
                 _check_positive(f.name, value)
         speculative = parse_speculative_config(self.speculative_config)
-        if self.kv_transfer_config is not None:
-            from kvshard.disagg.config import KVTransferConfig
-
-            KVTransferConfig.from_json(self.kv_transfer_config)  # a bad role or field fails before any rank starts
         model_config = load_model_config(self.model, self.dtype)
         interleave = _resolve_interleave(self.dcp_kv_interleave_size)
         tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size

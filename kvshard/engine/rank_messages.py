@@ -5,9 +5,9 @@ Rank 0 (the executor, kvshard/engine/executor.py) `send`s; every other rank (kvs
 
 - `StepPlan` (kvshard/engine/step_plan.py): run one step of the model on this rank's shard.
 - `Heartbeat`: run nothing, answer a round trip through every rank (the idle engine's liveness check).
-- `RankTask`: run a job between steps on every rank, e.g. a KV transfer of a disaggregated deployment
-  (`KVTransferPlan`, kvshard/disagg/transfer.py): any object with `run_on_rank(parallel, runner, device)`.
-  The engine names no feature here: a feature's message is its own type.
+- `RankTask` (kvshard/engine/kv_connector.py): run a job between steps on every rank, e.g. a KV
+  connector's share of a transfer (`TransferTask`, kvshard/disagg/transfer.py). The engine names no
+  feature here: a feature's message is its own subclass.
 - `Shutdown`: leave the loop; the rank shuts its process groups down and exits.
 
 Anything else is refused (`TypeError`) on either side, so that a message the ranks cannot act on fails
@@ -17,16 +17,11 @@ where it is sent. docs/design.md#ranks-and-steps has the picture.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, Union, runtime_checkable
+from typing import Any, Union
 
+from kvshard.engine.kv_connector import RankTask
 from kvshard.engine.step_plan import StepPlan
-from kvshard.parallel import broadcast_from_driver
-
-if TYPE_CHECKING:
-    import torch
-
-    from kvshard.engine.model_runner import ModelRunner
-    from kvshard.parallel import ParallelState
+from kvshard.parallel import ParallelState, broadcast_from_driver
 
 
 @dataclass(frozen=True)
@@ -41,13 +36,6 @@ class Shutdown:
 
 HEARTBEAT = Heartbeat()
 SHUTDOWN = Shutdown()
-
-
-@runtime_checkable
-class RankTask(Protocol):
-    """A job every rank runs between steps (rank 0 runs its own share itself)."""
-
-    def run_on_rank(self, parallel: ParallelState, runner: ModelRunner, device: torch.device) -> Any: ...
 
 
 RankMessage = Union[StepPlan, Heartbeat, RankTask, Shutdown]

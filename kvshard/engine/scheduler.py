@@ -25,6 +25,13 @@ once every decode has its token, the drafts take what is left of the token budge
 of the free blocks (a draft never preempts anyone), and the request computes its last
 token and the drafts in one step. `accept_drafts` then keeps the K/V of the accepted
 drafts and gives back the blocks only rejected drafts used.
+
+With a KV connector (engine/kv_connector.py) a request whose prompt's KV comes from
+another instance waits in `remote` until a sequence slot and blocks for its whole
+prompt are free; the blocks are then reserved and the request is `loading` (in no
+batch) until the connector says its KV is there, when it joins the running requests
+with those tokens computed. A finished request whose KV the connector sends keeps
+its blocks (`saving`) until the connector says they may go back.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvshard.config import LPM, SchedulerConfig
+from kvshard.engine.kv_connector import KVConnectorBase
 from kvshard.engine.sequence import Sequence, SequenceStatus
 from kvshard.kv.block_pool import BlockPool
 from kvshard.kv.layout import DCPLayout
@@ -70,23 +78,92 @@ class Scheduler:
         # preemption too), and of those found there
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # KV connector (engine/kv_connector.py); the requests it has in hand, by seq_id
+        self.connector: KVConnectorBase | None = None
+        self.remote: deque[tuple[Sequence, int]] = deque()  # waiting to load (seq, external tokens)
+        self.loading: dict[int, tuple[Sequence, int]] = {}  # blocks reserved, KV on its way
+        self.abandoned: dict[int, list[int]] = {}  # loads whose request ended: blocks freed once the load is over
+        self.saving: dict[int, list[int]] = {}  # finished requests whose blocks the connector sends
 
     # --- bookkeeping -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        external = self.connector.get_num_external_tokens(seq) if self.connector is not None else 0
+        if external > 0:
+            if not external < seq.num_tokens:
+                raise ValueError(f"a connector may provide at most {seq.num_tokens - 1} of this prompt's "
+                                 f"{seq.num_tokens} tokens, not {external}")
+            self.remote.append((seq, external))
+        else:
+            self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Work for the next step. A load that has no room yet waits for a running request or a load to end
+        (the connector's `has_pending` says when one does)."""
+        return bool(self.waiting or self.running) or any(self._can_load(seq) for seq, _ in self.remote)
+
+    def _can_load(self, seq: Sequence) -> bool:
+        return (len(self.running) + len(self.loading) < self.config.max_num_seqs
+                and self.layout.num_virtual_blocks(seq.num_tokens) <= self.pool.num_free)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End a sequence, whether it stopped, ran out of length or was aborted, and free its blocks."""
+        """End a sequence, whether it stopped, ran out of length or was aborted, and free its blocks (unless
+        the connector keeps them to send them, or is still loading into them)."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
+            if seq.seq_id in self.loading:
+                del self.loading[seq.seq_id]
+                self.abandoned[seq.seq_id] = seq.block_table
+                seq.block_table = []
+                self.connector.abort_load(seq)
+            elif seq in self.waiting:
+                self.waiting.remove(seq)
+            else:
+                self.remote = deque(item for item in self.remote if item[0] is not seq)
+        if (reason in ("stop", "length") and self.connector is not None and seq.block_table
+                and self.connector.request_finished(seq)):
+            self.saving[seq.seq_id] = seq.block_table
+            seq.block_table = []
         self._release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+    def update_from_connector(self) -> list[tuple[Sequence, str]]:
+        """Between two steps: loads that are over join the running requests (or are returned with why
+        they failed, still WAITING and in no queue, for the engine to end); saves that are over give
+        their blocks back."""
+        if self.connector is None:
+            return []
+        loaded, saved = self.connector.get_finished()
+        failed = []
+        for seq_id, error in loaded.items():
+            if seq_id in self.abandoned:
+                self.pool.free(self.abandoned.pop(seq_id))
+                continue
+            seq, external = self.loading.pop(seq_id)
+            if error is not None:
+                self.pool.free(seq.block_table)
+                seq.block_table = []
+                failed.append((seq, error))
+                continue
+            seq.num_computed_tokens = external
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        for seq_id in saved:
+            self.pool.free(self.saving.pop(seq_id))
+        return failed
+
+    def _start_loads(self) -> None:
+        """Reserve blocks for the whole prompt of each remote request that has a sequence slot and blocks,
+        in arrival order (one that does not fit lets later ones try), and let the connector load them."""
+        for item in list(self.remote):
+            seq, external = item
+            if not self._can_load(seq):
+                continue
+            self.remote.remove(item)
+            seq.block_table = self.pool.allocate(self.layout.num_virtual_blocks(seq.num_tokens))
+            self.loading[seq.seq_id] = (seq, external)
+            self.connector.start_load(seq, seq.block_table, external)
 
     def _release(self, seq: Sequence) -> None:
         self.pool.free(seq.block_table)
@@ -157,6 +234,10 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chosen: dict[int, tuple[Sequence, int]] = {}
 
+        # 0. Loads that have room start (they take no token budget: the connector fills their blocks).
+        if self.remote:
+            self._start_loads()
+
         # 1. Decodes, oldest first; preempt from the newest end when blocks run out.
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1 or budget == 0:
@@ -199,7 +280,10 @@ class Scheduler:
         if room and self.config.policy == LPM and self.enable_prefix_caching and len(self.waiting) > 1:
             self._longest_prefix_first()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]  # holds no block: new, or preempted and released
+            # holds no block: new, or preempted and released; one whose grammar compiles still is passed over
+            seq = next((s for s in self.waiting if not s.waits_for_grammar), None)
+            if seq is None:
+                break
             cached = self._cached_prefix(seq)
             hit = len(cached) * self.layout.tokens_per_virtual_block
             chunk = self._chunk(seq.num_tokens - hit, budget)
@@ -218,7 +302,7 @@ class Scheduler:
             if self.enable_prefix_caching:
                 self.prefix_cache_queries += seq.num_tokens
                 self.prefix_cache_hits += hit
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chosen[seq.seq_id] = (seq, chunk)

@@ -64,7 +64,7 @@ def handle_message(message: RankMessage, state, runner, device) -> bool:
             exchange_heartbeat(state)
         case StepPlan():
             runner.execute(message)
-        case _:  # a RankTask, e.g. a KV transfer (kvshard/disagg/transfer.py)
+        case _:  # a RankTask (engine/kv_connector.py), e.g. a KV connector's share of a transfer
             message.run_on_rank(state, runner, device)
     return True
 

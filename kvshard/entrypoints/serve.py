@@ -99,6 +99,8 @@ def run_serve(args: argparse.Namespace) -> int:
     for name in args.served_model_name or []:
         if not name.strip():
             raise ConfigError(f"--served-model-name {name!r}: a model name must not be empty")
+    if args.kv_transfer_config is not None:
+        _check_kv_transfer_port(args.kv_transfer_config)  # a bad role, field or port fails before any rank starts
     config = EngineArgs.from_cli_args(args).create_engine_config()
     launched = launcher_rank()
     master = None
@@ -117,8 +119,6 @@ def run_serve(args: argparse.Namespace) -> int:
     listener = _bind(args.host, args.port)
     if master is not None and world_size > 1:
         _reserve_rendezvous(master)
-    if args.kv_transfer_config is not None:
-        _check_kv_transfer_port(args.kv_transfer_config)
     return _serve(config, master, listener, args.served_model_name or [args.model], args.api_key,
                   args.kv_transfer_config, args)
 
@@ -184,13 +184,15 @@ def _serve(config: EngineConfig, master: tuple[str, int] | None, listener: socke
                               public_metrics=args.public_metrics)
         if kv_transfer_config is not None:
             from kvshard.disagg.config import KVTransferConfig
-            from kvshard.disagg.connector import KVConnector
             from kvshard.disagg.routes import attach_kv_transfer
             from kvshard.disagg.secret import deployment_secret
+            from kvshard.engine.kv_connector import create_kv_connector
 
             transfer_config = KVTransferConfig.from_json(kv_transfer_config)
             secret = deployment_secret(transfer_config.shared_secret)
-            attach_kv_transfer(server, KVConnector(engine, transfer_config, secret, api_key))
+            connector = create_kv_connector(transfer_config.kv_connector, engine, transfer_config, secret, api_key)
+            attach_kv_transfer(server, connector)
+            engine.attach_kv_connector(connector)
         host, port = listener.getsockname()[:2]
         url_host = f"[{host}]" if ":" in host else host
         print(f"kvshard: serving {', '.join(model_names)} at http://{url_host}:{port}/v1 "
