@@ -53,11 +53,11 @@ from kvshard.disagg.config import KVTransferConfig
 from kvshard.disagg.params import PullRequest, first_error
 from kvshard.disagg.secret import HEADER
 from kvshard.disagg.transfer import KVTransferPlan, PairGroups, TransferTask, bound_store, run_transfer
+from kvshard.engine import rank_messages
 from kvshard.engine.executor import EngineDeadError
 from kvshard.engine.kv_connector import KVConnectorBase
 from kvshard.kv.layout import DCPLayout
 from kvshard.kv.relayout import InstanceLayout, kv_heads_of_ranks
-from kvshard.parallel import broadcast_from_driver
 
 if TYPE_CHECKING:
     from kvshard.engine.llm_engine import LLMEngine
@@ -531,7 +531,7 @@ class KVConnector(KVConnectorBase):
         if self.world_size > 1:
             executor = self.engine.executor
             executor.check_alive()
-            broadcast_from_driver(task, executor.parallel)
+            rank_messages.send(task, executor.parallel)
         return task
 
     @property
