@@ -194,8 +194,9 @@ class LLMEngine:
         if not sampled:
             return []
         seqs = [batch.seqs[i] for i in sampled]
-        first_rows = [rows.requests[i].sampled_start for i in sampled]  # each request's first row among the logits
-        logit_rows = [row for i, first in zip(sampled, first_rows) for row in range(first, first + rows.requests[i].num_sampled)]
+        first_rows = [rows.requests[i].sampled_start for i in sampled]  # each one's first row among the logits
+        logit_rows = [row for i, first in zip(sampled, first_rows)
+                      for row in range(first, first + rows.requests[i].num_sampled)]
         outcomes = verify_drafts(logits[logit_rows], seqs, [batch.drafts[i] for i in sampled], self.default_generator,
                                  [draft_probs.get(seq.seq_id) for seq in seqs] if draft_probs else None)
         for i, outcome in zip(sampled, outcomes):
