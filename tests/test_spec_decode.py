@@ -186,9 +186,9 @@ def test_rejected_drafts_give_their_blocks_back_and_are_never_named():
     scheduler.add(seq)
     scheduler.mark_computed(scheduler.schedule())  # prefill of 7 tokens: 1 block
     seq.output_token_ids.append(100)  # 8 tokens, the last not computed
-    seq.spec_token_ids = list(range(200, 210))  # 10 drafts reach positions 8..17: 3 blocks
+    seq.num_spec_tokens = 10  # 10 drafts reach positions 8..17: 3 blocks
     batch = scheduler.schedule()
-    assert batch.query_lens == [11] and batch.drafts == [list(range(200, 210))]
+    assert batch.query_lens == [11] and batch.num_drafts == [10]
     assert len(seq.block_table) == 3 and pool.num_used == 3
     scheduler.mark_computed(batch)
     assert seq.num_computed_tokens == 8  # the drafts count only once accepted
@@ -208,7 +208,7 @@ def decoding_with_drafts(num_blocks: int, budget: int) -> tuple[Scheduler, Seque
     scheduler.add(seq)
     scheduler.mark_computed(scheduler.schedule())
     seq.output_token_ids.append(7)
-    seq.spec_token_ids = list(range(10))
+    seq.num_spec_tokens = 10
     return scheduler, seq
 
 
@@ -219,7 +219,7 @@ def decoding_with_drafts(num_blocks: int, budget: int) -> tuple[Scheduler, Seque
 def test_drafts_take_only_the_spare_budget_and_blocks(num_blocks, budget, num_drafts):
     scheduler, seq = decoding_with_drafts(num_blocks, budget)
     batch = scheduler.schedule()
-    assert batch.drafts == [list(range(num_drafts))] and batch.query_lens == [1 + num_drafts]
+    assert batch.num_drafts == [num_drafts] and batch.query_lens == [1 + num_drafts]
     assert len(seq.block_table) == scheduler.layout.num_virtual_blocks(8 + num_drafts)
 
 
@@ -231,7 +231,7 @@ def test_a_draft_never_preempts_another_request():
     scheduler.running.append(other)
     batch = scheduler.schedule()
     assert scheduler.num_preemptions == 0
-    assert batch.drafts == [[], []] and sorted(batch.query_lens) == [1, 1]
+    assert batch.num_drafts == [0, 0] and sorted(batch.query_lens) == [1, 1]
     assert len(other.block_table) == 2
 
 
@@ -381,7 +381,7 @@ def test_greedy_speculation_gives_the_tokens_of_plain_decoding(models, reference
                 max_model_len=MAX_MODEL_LEN, speculative_config=NGRAM) as llm:
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference[model]
         assert llm.engine.stats().spec_decode_num_draft_tokens > 0
-        llm.engine.proposer = ScriptedDrafts(PROMPTS, reference[model])
+        llm.engine.proposer.propose = ScriptedDrafts(PROMPTS, reference[model]).propose
         spans = record_accepted_spans(llm)
         generated = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         got = [o.outputs[0].token_ids for o in generated]
@@ -409,7 +409,7 @@ def test_greedy_speculation_gives_the_tokens_of_plain_decoding(models, reference
 def record_draft_proposals(llm: LLM) -> list[tuple[list[int], list[int]]]:
     """(the request's tokens, the drafts the draft model proposed after them), for every proposal."""
     proposals: list[tuple[list[int], list[int]]] = []
-    proposer = llm.engine.draft_model
+    proposer = llm.engine.proposer
     propose = proposer.propose
 
     def recording(seqs: list[Sequence], counts: list[int]):
@@ -430,8 +430,8 @@ class RecordedMtp:
     def __init__(self, llm: LLM) -> None:
         self.proposals: list[tuple[list[int], list[int]]] = []
         self.script: ScriptedDrafts | None = None
-        self.propose = llm.engine.mtp.propose
-        llm.engine.mtp.propose = self
+        self.propose = llm.engine.proposer.propose
+        llm.engine.proposer.propose = self
 
     def __call__(self, batch):
         contexts = [list(seq.all_token_ids) for seq in batch.seqs]
@@ -635,7 +635,7 @@ def test_abort_while_speculating_frees_every_block(models, reference):
     with LLM(models["gqa"], block_size=BLOCK, num_kv_blocks=64, max_model_len=MAX_MODEL_LEN,
              speculative_config=NGRAM) as llm:
         engine = llm.engine
-        engine.proposer = ScriptedDrafts(PROMPTS, reference["gqa"])
+        engine.proposer.propose = ScriptedDrafts(PROMPTS, reference["gqa"]).propose
         engine.add_request("kept", PROMPTS[0], GREEDY)
         engine.add_request("aborted", PROMPTS[2], GREEDY)
         while engine.stats().spec_decode_num_drafts < 4:

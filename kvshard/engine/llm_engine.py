@@ -1,11 +1,14 @@
 """The engine on rank 0: requests in, one scheduled step at a time, outputs out.
 
-A step: the scheduler picks tokens under the KV and token budgets -> the
-executor runs the step's plan on every rank (DCP attention inside) -> rank 0
-samples -> the output processor appends the tokens, detokenizes and applies the
-stop conditions -> sequences that stop release their blocks. With speculative
-decoding, drafts are proposed for the decoding requests before the scheduler
-runs, and verified after the step (`sampler.verify_drafts`).
+A step (`LLMEngine.step`) is schedule -> execute -> update from output: the
+scheduler picks tokens under the KV and token budgets (with speculative decoding,
+the proposer first asks room for drafts and then fills them in: one `Proposer`
+whatever the method, kvshard/spec_decode/proposer.py) -> each request's rows in
+the step are laid out once (`StepRows`) -> the executor runs the step's plan on
+every rank (DCP attention inside) -> rank 0 records prompt logprobs and samples,
+verifying drafts where there are some (`sampler.verify_drafts`, one path for
+every row) -> the output processor appends the tokens, detokenizes and applies
+the stop conditions -> sequences that stop release their blocks.
 """
 
 from __future__ import annotations
@@ -20,17 +23,15 @@ from kvshard.config import EngineConfig
 from kvshard.engine.executor import EngineDeadError, Executor
 from kvshard.engine.kv_connector import KVConnectorBase
 from kvshard.engine.output_processor import OutputProcessor, Request
-from kvshard.engine.sampler import sample, top_logprobs, verify_drafts
+from kvshard.engine.sampler import top_logprobs, verify_drafts
 from kvshard.engine.scheduler import ScheduledBatch, Scheduler
 from kvshard.engine.sequence import Sequence
-from kvshard.engine.step_plan import StepPlan
+from kvshard.engine.step_plan import StepPlan, StepRows
 from kvshard.engine.stats import EngineStats
 from kvshard.kv.block_pool import BlockPool
 from kvshard.outputs import RequestOutput
 from kvshard.sampling_params import SamplingParams, StructuredOutputsParams
-from kvshard.spec_decode.draft_model import DraftModelProposer
-from kvshard.spec_decode.mtp import MtpProposer
-from kvshard.spec_decode.ngram import NgramProposer
+from kvshard.spec_decode.proposer import Proposer, make_proposer
 from kvshard.structured.manager import StructuredOutputManager, result, timed_out
 
 __all__ = ["EngineDeadError", "LLMEngine"]
@@ -59,15 +60,9 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.steps = 0
         self.speculative = config.speculative
-        self.proposer: NgramProposer | None = None  # drafts from the request's tokens, before scheduling
-        self.draft_model: DraftModelProposer | None = None  # drafts from a model, once their blocks are held
-        self.mtp: MtpProposer | None = None  # drafts from the checkpoint's MTP module, likewise
-        if self.speculative is not None and self.speculative.method == "ngram":
-            self.proposer = NgramProposer(self.speculative.prompt_lookup_min, self.speculative.prompt_lookup_max)
-        elif self.speculative is not None and self.speculative.method == "mtp":
-            self.mtp = MtpProposer(self.executor, self.default_generator)
-        elif self.speculative is not None:
-            self.draft_model = DraftModelProposer(self.executor, self.default_generator)
+        self.num_speculative_tokens = self.speculative.num_speculative_tokens if self.speculative else 0
+        # drafts for decoding requests (n-gram, a draft model, the MTP module; none without speculation)
+        self.proposer: Proposer = make_proposer(self.speculative, self.executor, self.default_generator)
         # speculative decoding counters, as EngineStats names them
         self.spec_num_drafts = 0
         self.spec_num_draft_tokens = 0
@@ -174,25 +169,18 @@ class LLMEngine:
             failed = self._kv_connector_step() if self.kv_connector is not None else []
             if self._compiling:
                 failed += self._start_grammars()
-            if self.speculative is not None:
-                self._propose()
+            self._ask_for_drafts()
             batch = self.scheduler.schedule()
             if batch is None:
                 if self._compiling:  # nothing else to do: wait a little for a grammar rather than spin
                     self.structured.wait_any([future for future, _ in self._compiling.values()], 0.01)
                 self.executor.check_alive()
                 return failed
-            draft_probs = None
-            if self.draft_model is not None:
-                draft_probs = self._run_draft_model(batch)
-            elif self.mtp is not None:
-                draft_probs = self.mtp.propose(batch)
-            plan = StepPlan.from_batch(batch)
-            logits = self.executor.execute(self.mtp.target_plan(batch, plan) if self.mtp is not None else plan)
+            draft_probs = self.proposer.draft(batch)
+            rows = StepRows.from_batch(batch)
+            logits = self.executor.execute(StepPlan.from_batch(batch, rows, self.proposer.target_step(batch, rows)))
             self.steps += 1
-            logits = self._take_prompt_logprobs(batch, logits)
-            self.scheduler.mark_computed(batch)
-            return failed + self._process_samples(batch, logits, draft_probs)
+            return failed + self._update_from_output(batch, rows, logits, draft_probs)
 
     def _start_grammars(self) -> list[RequestOutput]:
         """Give the requests whose grammar compiled a matcher per sequence (the scheduler takes them from
@@ -217,84 +205,57 @@ class LLMEngine:
                 del self.requests[request_id]
         return outputs
 
-    def _propose(self) -> None:
-        """Drafts for every decoding request, never past max_tokens or max_model_len (the token after
-        the drafts must still fit)."""
-        k = self.speculative.num_speculative_tokens
+    def _ask_for_drafts(self) -> None:
+        """Let the proposer ask room for drafts for every decoding request, never past max_tokens or
+        max_model_len (the token after the drafts must still fit)."""
+        k = self.num_speculative_tokens
+        if not k:
+            return
         for seq in self.scheduler.running:
             if seq.num_uncomputed_tokens != 1:
                 continue
             room = self.config.scheduler.max_model_len - seq.num_tokens - 1
             if seq.params.max_tokens is not None:
                 room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
-            if self.proposer is not None:
-                seq.spec_token_ids = self.proposer.propose(seq.all_token_ids, min(k, room))
-                if seq.grammar is not None:  # only the drafts its output constraint allows
-                    seq.spec_token_ids = seq.spec_token_ids[: seq.grammar.validate_tokens(seq.spec_token_ids)]
-            else:  # a model fills in the drafts the scheduler found room for (`_run_draft_model`, MtpProposer)
-                drafts = max(0, min(k, room)) if self.mtp is None or self.mtp.can_draft(seq) else 0
-                seq.spec_token_ids = [-1] * drafts
+            seq.num_spec_tokens = self.proposer.wanted_drafts(seq, max(0, min(k, room)))
 
-    def _run_draft_model(self, batch: ScheduledBatch) -> dict[int, torch.Tensor | None]:
-        """Replace the scheduled placeholder drafts by the draft model's; their distributions by seq_id."""
-        chosen = [i for i, drafts in enumerate(batch.drafts) if drafts]
-        seqs = [batch.seqs[i] for i in chosen]
-        drafts, probs = self.draft_model.propose(seqs, [len(batch.drafts[i]) for i in chosen])
-        for i, request_drafts in zip(chosen, drafts):
-            batch.drafts[i] = request_drafts
-        return {batch.seqs[i].seq_id: p for i, p in zip(chosen, probs)}
+    def _update_from_output(self, batch: ScheduledBatch, rows: StepRows, logits: torch.Tensor | None,
+                            draft_probs: dict[int, torch.Tensor | None]) -> list[RequestOutput]:
+        """The step ran: record its prompt logprobs, count its tokens computed, then sample (and verify
+        drafts) and hand the new tokens to the output processor."""
+        if any(r.prompt_logprobs or r.num_sampled for r in rows.requests):
+            logits = logits.cpu()  # [prompt rows + sampled rows, V]; sampling and generators live on the host
+        self._take_prompt_logprobs(batch, rows, logits)
+        self.scheduler.mark_computed(batch)
+        return self._process_samples(batch, rows, logits, draft_probs)
 
-    def _take_prompt_logprobs(self, batch: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:
-        """Record the prompt logprobs that this step's prompt rows give (each request's rows come first,
-        in position order, as StepPlan.from_batch lays them out); returns the logits of the rows to sample."""
-        if all(seq.prompt_logprobs is None for seq in batch.seqs):
-            return logits
-        logits = logits.cpu()  # [prompt rows + sampled rows, V]
-        sampled_rows: list[int] = []
-        row = 0
-        for seq, ctx, n, do_sample, drafts in zip(batch.seqs, batch.context_lens, batch.query_lens, batch.sample,
-                                                  batch.drafts):
-            positions = seq.pending_prompt_logprobs(ctx, ctx + n)
+    def _take_prompt_logprobs(self, batch: ScheduledBatch, rows: StepRows, logits: torch.Tensor) -> None:
+        """Record the prompt logprobs that this step's prompt rows give."""
+        for seq, r in zip(batch.seqs, rows.requests):
+            positions = r.prompt_logprobs
             if positions:
                 # the logits at position p predict prompt token p + 1
                 next_tokens = seq.prompt_token_ids[positions.start + 1 : positions.stop + 1]
                 counts = [seq.params.prompt_logprobs] * len(positions)
-                seq.prompt_logprobs.extend(top_logprobs(logits[row : row + len(positions)], next_tokens, counts))
-                row += len(positions)
-            if do_sample:  # its last known token's row, then one per draft
-                sampled_rows.extend(range(row, row + 1 + len(drafts)))
-                row += 1 + len(drafts)
-        return logits[sampled_rows]  # [sampled rows, V]
+                seq.prompt_logprobs.extend(
+                    top_logprobs(logits[r.logits_start : r.logits_start + len(positions)], next_tokens, counts))
 
-    def _process_samples(self, batch: ScheduledBatch, logits: torch.Tensor | None,
-                         draft_probs: dict[int, torch.Tensor | None] | None = None) -> list[RequestOutput]:
+    def _process_samples(self, batch: ScheduledBatch, rows: StepRows, logits: torch.Tensor | None,
+                         draft_probs: dict[int, torch.Tensor | None]) -> list[RequestOutput]:
         """`draft_probs`: by seq_id, the distributions a draft model drew the drafts from."""
-        sampled = [(s, d) for s, d, do in zip(batch.seqs, batch.drafts, batch.sample) if do]
+        sampled = [i for i, r in enumerate(rows.requests) if r.num_sampled]
         if not sampled:
             return []
-        logits = logits.cpu()  # sampling and per-request generators live on the host
-        seqs = [seq for seq, _ in sampled]
-        first_rows: list[int] = []  # each request's first logits row: it has 1 + len(drafts) rows
-        row = 0
-        for _, drafts in sampled:
-            first_rows.append(row)
-            row += 1 + len(drafts)
-        outcomes: list[list[int] | Exception] = [[] for _ in sampled]
-        plain = [i for i, (_, drafts) in enumerate(sampled) if not drafts]
-        if plain:
-            tokens = sample(logits[[first_rows[i] for i in plain]], [seqs[i] for i in plain], self.default_generator)
-            for i, outcome in zip(plain, tokens):
-                outcomes[i] = outcome if isinstance(outcome, Exception) else [outcome]
-        speculating = [i for i, (_, drafts) in enumerate(sampled) if drafts]
-        if speculating:
-            rows = [r for i in speculating for r in range(first_rows[i], first_rows[i] + 1 + len(sampled[i][1]))]
-            verified = verify_drafts(logits[rows], [seqs[i] for i in speculating],
-                                     [sampled[i][1] for i in speculating], self.default_generator,
-                                     [draft_probs.get(seqs[i].seq_id) for i in speculating] if draft_probs else None)
-            for i, outcome in zip(speculating, verified):
-                outcomes[i] = outcome
-                if not isinstance(outcome, Exception):
-                    self._count_drafts(len(sampled[i][1]), len(outcome) - 1)
+        seqs = [batch.seqs[i] for i in sampled]
+        first_rows = [rows.requests[i].sampled_start for i in sampled]  # each one's first row among the logits
+        logit_rows = [row for i, first in zip(sampled, first_rows)
+                      for row in range(first, first + rows.requests[i].num_sampled)]
+        outcomes = verify_drafts(logits[logit_rows], seqs, [batch.drafts[i] for i in sampled], self.default_generator,
+                                 [draft_probs.get(seq.seq_id) for seq in seqs] if draft_probs else None)
+        for i, outcome in zip(sampled, outcomes):
+            if batch.drafts[i] and not isinstance(outcome, Exception):
+                self._count_drafts(len(batch.drafts[i]), len(outcome) - 1)
+        sampled = [(batch.seqs[i], batch.drafts[i]) for i in sampled]
         touched: dict[str, Request] = {}
         for i, ((seq, drafts), outcome) in enumerate(zip(sampled, outcomes)):
             request = touched[seq.request_id] = self.requests[seq.request_id]

@@ -1,12 +1,16 @@
 """Turn the last-position logits of a batch into next tokens, on rank 0.
 
-First the logits processors of the requests that ask for them (`process_logits`:
-bad_words, min_tokens, logit_bias, then the repetition, presence and frequency
-penalties, in vLLM's order); then greedy rows take the argmax, and the others are
-tempered, cut by min-p, top-k and top-p (per-row values, vectorised) and drawn with
-the request's own generator, so a seeded request gives the same tokens whatever
-else is in the batch. Log-probabilities are reported from the raw logits, as vLLM's
-default does.
+One path for every row (`_sample_requests`), plain or verifying drafts: a request's rows
+are its last known token's and one per draft (a plain request has the one). First the
+logits processors of the requests that ask for them (`process_logits`, the one place
+logits change before sampling: bad_words, min_tokens, logit_bias, then the repetition,
+presence and frequency penalties, in vLLM's order); then greedy rows take the argmax,
+and the others are tempered, cut by min-p, top-k and top-p (per-row values,
+vectorised) and drawn with the request's own generator (rejection sampling where
+drafts are verified), so a seeded request gives the same tokens whatever else is in
+the batch. Log-probabilities are reported from the raw logits, as vLLM's default does.
+`sample` (plain rows), `verify_drafts` (rows with drafts) and `sample_with_probs` (a
+draft model's own proposals, which no processor changes) are that path.
 """
 
 from __future__ import annotations
@@ -22,23 +26,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.
 
     A row that fails (a distribution with NaN, say) must fail alone: the other rows still get their token.
     """
-    logits = process_logits(logits, seqs)
-    outcomes: list[int | Exception] = logits.argmax(dim=-1).tolist()
-    random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-    if not random_rows:
-        return outcomes
-    params = [seqs[i].params for i in random_rows]
-    try:
-        probs = _filtered_probs(logits[random_rows], params)  # [r, V]
-    except Exception:  # not attributable to a row within the batch: each row alone says which one fails
-        probs = None
-    for j, i in enumerate(random_rows):
-        try:
-            row = probs[j] if probs is not None else _filtered_probs(logits[i : i + 1], [params[j]])[0]
-            outcomes[i] = _draw(row, seqs[i].generator or default_generator)
-        except Exception as error:
-            outcomes[i] = error
-    return outcomes
+    return [outcome if isinstance(outcome, Exception) else outcome[0][0]
+            for outcome in _sample_requests(logits, seqs, [[] for _ in seqs], default_generator)]
 
 
 def process_logits(logits: torch.Tensor, seqs: list[Sequence],
@@ -152,14 +141,14 @@ def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
 def sample_with_probs(logits: torch.Tensor, seqs: list[Sequence],
                       default_generator: torch.Generator) -> list[tuple[int, torch.Tensor | None]]:
     """logits [b, V] -> per row a token and, for sampled rows, the distribution [V] it was drawn from
-    (a draft model's q, which rejection sampling needs); greedy rows take the argmax."""
-    best = logits.argmax(dim=-1).tolist()
-    random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-    results: list[tuple[int, torch.Tensor | None]] = [(token, None) for token in best]
-    if random_rows:
-        probs = _filtered_probs(logits[random_rows], [seqs[i].params for i in random_rows])  # [r, V]
-        for row, i in zip(probs, random_rows):
-            results[i] = (_draw(row, seqs[i].generator or default_generator), row)
+    (a draft model's q, which rejection sampling needs); greedy rows take the argmax. No logits
+    processor applies (a proposal, not an output); a failing row raises."""
+    results: list[tuple[int, torch.Tensor | None]] = []
+    for outcome in _sample_requests(logits, seqs, [[] for _ in seqs], default_generator, processors=False):
+        if isinstance(outcome, Exception):
+            raise outcome
+        tokens, probs = outcome
+        results.append((tokens[0], probs[0] if probs is not None else None))
     return results
 
 
@@ -175,23 +164,32 @@ def verify_drafts(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[
     Otherwise rejection sampling against the distribution plain sampling draws from (temperature,
     top-k, top-p, filtered for all rows at once), so the tokens follow it whatever the drafts.
     `draft_probs[i]` [k_i, V]: the distributions request i's drafts were drawn from (None: chosen
-    deterministically, as n-gram drafts are).
+    deterministically, as n-gram drafts are). A request without drafts is a plain row: its one token.
     """
+    return [outcome if isinstance(outcome, Exception) else outcome[0]
+            for outcome in _sample_requests(logits, seqs, drafts, default_generator, draft_probs)]
+
+
+def _sample_requests(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],
+                     default_generator: torch.Generator, draft_probs: list[torch.Tensor | None] | None = None,
+                     processors: bool = True) -> list[tuple[list[int], torch.Tensor | None] | Exception]:
+    """The one sampling path (see `verify_drafts`): per request its tokens and, if it samples, the
+    filtered distributions [k_i + 1, V] of its rows (None if greedy), or the error it alone raised."""
     starts = [0]
     for request_drafts in drafts:
         starts.append(starts[-1] + len(request_drafts) + 1)
-    if any(seq.params.uses_logits_processors for seq in seqs):
+    if processors and any(seq.params.uses_logits_processors for seq in seqs):
         row_seqs = [seq for seq, request_drafts in zip(seqs, drafts) for _ in range(len(request_drafts) + 1)]
         before = [request_drafts[:j] for request_drafts in drafts for j in range(len(request_drafts) + 1)]
         logits = process_logits(logits, row_seqs, before)
     best = logits.argmax(dim=-1).tolist()
-    outcomes: list[list[int] | Exception] = []
+    outcomes: list[tuple[list[int], torch.Tensor | None] | Exception] = []
     for i, (seq, request_drafts) in enumerate(zip(seqs, drafts)):
         rows = best[starts[i] : starts[i + 1]]
         accepted = 0
         while accepted < len(request_drafts) and request_drafts[accepted] == rows[accepted]:
             accepted += 1
-        outcomes.append(request_drafts[:accepted] + [rows[accepted]])
+        outcomes.append((request_drafts[:accepted] + [rows[accepted]], None))
     random = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
     if not random:
         return outcomes
@@ -210,7 +208,8 @@ def verify_drafts(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[
             else:
                 request_probs = _filtered_probs(logits[starts[i] : starts[i + 1]], [seq.params] * count)
             q = draft_probs[i] if draft_probs is not None else None
-            outcomes[i] = rejection_sample(request_probs, drafts[i], q, seq.generator or default_generator)
+            outcomes[i] = (rejection_sample(request_probs, drafts[i], q, seq.generator or default_generator),
+                           request_probs)
         except Exception as error:
             outcomes[i] = error
         offset += count

@@ -20,10 +20,11 @@ still cached. Each virtual block is
 named once its K/V are all computed, so a block is shared only when it is full
 and no request writes into it again.
 
-With speculative decoding a decoding request carries drafts (`Sequence.spec_token_ids`):
-once every decode has its token, the drafts take what is left of the token budget and
-of the free blocks (a draft never preempts anyone), and the request computes its last
-token and the drafts in one step. `accept_drafts` then keeps the K/V of the accepted
+With speculative decoding a decoding request asks room for drafts (`Sequence.num_spec_tokens`,
+set by its proposer): once every decode has its token, the drafts take what is left of the
+token budget and of the free blocks (a draft never preempts anyone; `ScheduledBatch.num_drafts`),
+the proposer fills them in (`ScheduledBatch.drafts`, kvshard/spec_decode/proposer.py), and the
+request computes its last token and the drafts in one step. `accept_drafts` then keeps the K/V of the accepted
 drafts and gives back the blocks only rejected drafts used.
 
 With a KV connector (engine/kv_connector.py) a request whose prompt's KV comes from
@@ -37,7 +38,7 @@ its blocks (`saving`) until the connector says they may go back.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvshard.config import LPM, SchedulerConfig
 from kvshard.engine.kv_connector import KVConnectorBase
@@ -53,7 +54,13 @@ class ScheduledBatch:
     query_lens: list[int]  # tokens each request computes this step
     context_lens: list[int]  # tokens already in the cache before this step
     sample: list[bool]  # whether the step reaches the request's last token
-    drafts: list[list[int]]  # draft tokens each request verifies this step (after its last token)
+    num_drafts: list[int]  # draft slots each request verifies this step (after its last token)
+    # the drafts in those slots: written by the proposer once the batch is scheduled (Proposer.draft)
+    drafts: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.drafts:
+            self.drafts = [[] for _ in self.seqs]
 
     @property
     def num_tokens(self) -> int:
@@ -170,7 +177,7 @@ class Scheduler:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_named_blocks = 0
-        seq.spec_token_ids = []
+        seq.num_spec_tokens = 0
         seq.draft_num_computed_tokens = 0
 
     def reset_prefix_cache(self) -> None:
@@ -252,16 +259,16 @@ class Scheduler:
                 budget -= 1
 
         # 1b. Drafts, once every decode has its token: within the budget and the free blocks.
-        drafts: dict[int, list[int]] = {}
+        drafts: dict[int, int] = {}
         for seq, _ in list(chosen.values()):
-            if not seq.spec_token_ids or budget == 0:
+            if not seq.num_spec_tokens or budget == 0:
                 continue
             room = (len(seq.block_table) + self.pool.num_free) * self.layout.tokens_per_virtual_block - seq.num_tokens
-            wanted = seq.spec_token_ids[: min(budget, room)]
-            if wanted and self._grow(seq, seq.num_tokens + len(wanted)):
+            wanted = max(0, min(seq.num_spec_tokens, budget, room))
+            if wanted and self._grow(seq, seq.num_tokens + wanted):
                 drafts[seq.seq_id] = wanted
-                chosen[seq.seq_id] = (seq, 1 + len(wanted))
-                budget -= len(wanted)
+                chosen[seq.seq_id] = (seq, 1 + wanted)
+                budget -= wanted
 
         # 2. Running requests part-way through their prompt: next chunk, no preemption for them.
         for seq in self.running:
@@ -316,16 +323,16 @@ class Scheduler:
         seqs = [seq for seq, _ in items]
         query_lens = [n for _, n in items]
         context_lens = [s.num_computed_tokens for s in seqs]
-        step_drafts = [drafts.get(s.seq_id, []) for s in seqs]
-        sample = [s.num_computed_tokens + n - len(d) == s.num_tokens for s, n, d in zip(seqs, query_lens, step_drafts)]
+        step_drafts = [drafts.get(s.seq_id, 0) for s in seqs]
+        sample = [s.num_computed_tokens + n - d == s.num_tokens for s, n, d in zip(seqs, query_lens, step_drafts)]
         for seq in self.running:
-            seq.spec_token_ids = []  # proposed again for every step
+            seq.num_spec_tokens = 0  # asked again for every step
         return ScheduledBatch(seqs, query_lens, context_lens, sample, step_drafts)
 
     def mark_computed(self, batch: ScheduledBatch) -> None:
         """The step ran: the requests' known tokens are in the cache. Drafts count once accepted."""
-        for seq, n, step_drafts in zip(batch.seqs, batch.query_lens, batch.drafts):
-            seq.num_computed_tokens += n - len(step_drafts)
+        for seq, n, num_drafts in zip(batch.seqs, batch.query_lens, batch.num_drafts):
+            seq.num_computed_tokens += n - num_drafts
             if self.enable_prefix_caching:
                 self._name_full_blocks(seq)
 

@@ -39,7 +39,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []  # virtual block ids, shared by every rank of the DCP group
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
-        self.spec_token_ids: list[int] = []  # drafts proposed to follow all_token_ids, checked next step
+        self.num_spec_tokens = 0  # drafts its proposer asks room for in the next step (after all_token_ids)
         self.draft_num_computed_tokens = 0  # tokens whose K/V are in a draft model's cache
         self.block_hashes: list[BlockHash] = []  # names of the full virtual blocks of all_token_ids so far
         self.num_named_blocks = 0  # blocks of block_table named in the prefix cache, from the start

@@ -1,10 +1,55 @@
-"""What rank 0 tells every rank to run in one step, built from the scheduler's batch."""
+"""What rank 0 tells every rank to run in one step, built from the scheduler's batch; and where each
+request's rows lie in it (`StepRows`, worked out once per step and read by everything after)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from kvshard.engine.scheduler import ScheduledBatch
+
+@dataclass(frozen=True)
+class RequestRows:
+    """One request's rows in a step."""
+
+    start: int  # its first row in the step's flat batch (it has query_len rows from there)
+    prompt_logprobs: range  # prompt positions whose logprobs this step gives (Sequence.pending_prompt_logprobs)
+    logits_start: int  # its first row among the logits rank 0 gets: its prompt-logprob rows, then its sampled ones
+    num_sampled: int  # rows it samples from: 0, or its last known token's and one per draft
+
+    @property
+    def sampled_start(self) -> int:
+        """Its first sampled row among the logits rank 0 gets."""
+        return self.logits_start + len(self.prompt_logprobs)
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """Every request's rows in a step, in the batch's order, and the flat batch they make."""
+
+    requests: list[RequestRows]
+    token_ids: list[int]  # the step's tokens, flattened: per request its known tokens, then its drafts
+    # rows of the flat batch whose logits rank 0 needs: per request, the prompt positions its prompt
+    # logprobs still lack, then the rows it samples from (its last known token, and each of its drafts)
+    logit_rows: list[int]
+
+    @classmethod
+    def from_batch(cls, batch: ScheduledBatch) -> StepRows:
+        requests: list[RequestRows] = []
+        token_ids: list[int] = []
+        logit_rows: list[int] = []
+        for seq, ctx, n, do_sample, drafts in zip(batch.seqs, batch.context_lens, batch.query_lens, batch.sample,
+                                                  batch.drafts):
+            start = len(token_ids)
+            positions = seq.pending_prompt_logprobs(ctx, ctx + n)
+            num_sampled = 1 + len(drafts) if do_sample else 0
+            requests.append(RequestRows(start, positions, len(logit_rows), num_sampled))
+            logit_rows.extend(start + p - ctx for p in positions)
+            token_ids.extend(seq.all_token_ids[ctx : ctx + n - len(drafts)])
+            token_ids.extend(drafts)
+            # with drafts, every row from the last known token on gives the next token's logits
+            logit_rows.extend(range(start + n - num_sampled, start + n))
+        return cls(requests, token_ids, logit_rows)
+
 
 @dataclass(frozen=True)
 class StepPlan:
@@ -14,34 +59,20 @@ class StepPlan:
     query_lens: list[int]
     context_lens: list[int]
     block_tables: list[list[int]]
-    # rows of the flat batch whose logits rank 0 needs: per request, the prompt positions its prompt
-    # logprobs still lack (Sequence.pending_prompt_logprobs), then the rows it samples from (its last
-    # known token, and each of its drafts when it verifies some)
-    sample_rows: list[int]
-    draft: bool = False  # run the speculative draft model or MTP module (and its cache) instead of the target
-    # MTP, target steps: the token after each row in its request (a draft where one follows), -1 where the
-    # step samples it: the MTP module writes the cache entry of every row with a next token; and the rows
-    # whose last-layer states the ranks keep for the next draft pass (kvshard/spec_decode/mtp.py)
-    next_token_ids: list[int] | None = None
-    keep_rows: list[int] | None = None
-    # MTP, draft steps: each request's row among the states the ranks kept last
-    hidden_rows: list[int] | None = None
+    sample_rows: list[int]  # rows of the flat batch whose logits rank 0 gets back (StepRows.logit_rows)
+    draft: bool = False  # run the speculative proposer's module (and its cache) instead of the target
+    # what the proposer's module on the ranks needs of this step, in its own typed object (e.g.
+    # spec_decode/mtp.py's MtpTargetRows and MtpDraftRows); None for every other method
+    spec: object | None = None
 
     @classmethod
-    def from_batch(cls, batch: ScheduledBatch) -> StepPlan:
-        token_ids: list[int] = []
-        sample_rows: list[int] = []
-        for seq, ctx, n, do_sample, drafts in zip(batch.seqs, batch.context_lens, batch.query_lens, batch.sample,
-                                                  batch.drafts):
-            sample_rows.extend(len(token_ids) + p - ctx for p in seq.pending_prompt_logprobs(ctx, ctx + n))
-            token_ids.extend(seq.all_token_ids[ctx : ctx + n - len(drafts)])
-            token_ids.extend(drafts)
-            if do_sample:  # with drafts, every row from the last known token on gives the next token's logits
-                sample_rows.extend(range(len(token_ids) - 1 - len(drafts), len(token_ids)))
+    def from_batch(cls, batch: ScheduledBatch, rows: StepRows | None = None, spec: object | None = None) -> StepPlan:
+        rows = rows if rows is not None else StepRows.from_batch(batch)
         return cls(
-            token_ids=token_ids,
+            token_ids=rows.token_ids,
             query_lens=batch.query_lens,
             context_lens=batch.context_lens,
             block_tables=[list(s.block_table) for s in batch.seqs],
-            sample_rows=sample_rows,
+            sample_rows=rows.logit_rows,
+            spec=spec,
         )

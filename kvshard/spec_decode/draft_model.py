@@ -9,18 +9,44 @@ draft 1/N of its cache per rank too. Each rank holds both caches for every block
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable
+
 import torch
 
-from kvshard.engine.executor import Executor
 from kvshard.engine.sampler import sample_with_probs
 from kvshard.engine.sequence import Sequence
 from kvshard.engine.step_plan import StepPlan
+from kvshard.kv.cache import allocate_kv_cache, kv_cache_spec
+from kvshard.models.registry import model_class
+
+if TYPE_CHECKING:
+    from kvshard.attention.metadata import AttentionMetadata
+    from kvshard.config import EngineConfig
+    from kvshard.engine.executor import Executor
+    from kvshard.engine.scheduler import ScheduledBatch
+    from kvshard.engine.step_plan import StepRows
+    from kvshard.parallel import ParallelState
 
 
 class DraftModelProposer:
+    """Rank 0's side (a `Proposer`, proposer.py): drafts from the draft model once their blocks are held."""
+
     def __init__(self, executor: Executor, default_generator: torch.Generator) -> None:
         self.executor = executor
         self.default_generator = default_generator
+
+    def wanted_drafts(self, seq: Sequence, limit: int) -> int:
+        return limit
+
+    def draft(self, batch: ScheduledBatch) -> dict[int, torch.Tensor | None]:
+        chosen = [i for i, count in enumerate(batch.num_drafts) if count]
+        drafts, probs = self.propose([batch.seqs[i] for i in chosen], [batch.num_drafts[i] for i in chosen])
+        for i, request_drafts in zip(chosen, drafts):
+            batch.drafts[i] = request_drafts
+        return {batch.seqs[i].seq_id: p for i, p in zip(chosen, probs)}
+
+    def target_step(self, batch: ScheduledBatch, rows: StepRows) -> None:
+        return None
 
     def propose(self, seqs: list[Sequence], counts: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """`counts[i]` drafts for each request, whose block table already covers them; for sampled
@@ -56,3 +82,22 @@ class DraftModelProposer:
                     probs[i].append(row_probs)
                 seqs[i].draft_num_computed_tokens = seqs[i].num_tokens + step
         return drafts, [torch.stack(p) if p else None for p in probs]
+
+
+class DraftModelModule:
+    """Every rank's side (a `DraftModule`): the draft model's shard and its cache."""
+
+    def __init__(self, config: EngineConfig, parallel: ParallelState, device: torch.device,
+                 metadata: Callable[..., AttentionMetadata], load: Callable) -> None:
+        draft = config.speculative.draft_model_config
+        cls = model_class(draft.architecture)
+        self.model = load(lambda: cls(draft.hf_config, draft.dtype, parallel), draft)
+        self.kv_caches = allocate_kv_cache(kv_cache_spec(draft, config.parallel.attention_tp_size),
+                                           config.num_kv_blocks, config.cache.block_size, draft.dtype, device)
+
+    def run_draft(self, plan: StepPlan, input_ids: torch.Tensor, meta: AttentionMetadata,
+                  rows: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(self.model(input_ids, meta, self.kv_caches)[rows])
+
+    def after_target(self, plan: StepPlan, states: torch.Tensor) -> None:
+        pass  # the draft model reads the tokens, not the target's states

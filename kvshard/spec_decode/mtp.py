@@ -7,7 +7,8 @@ target step also writes the entries of every row whose next token it knows (prom
 and each row followed by a draft: valid as far as the drafts are accepted), and the ranks
 keep the states of the rows the next step's drafts start from (each sampled request's last
 known token and drafts: one of them is the last accepted). Nothing but row indices crosses
-from rank 0: the states are replicated over TP, and stay on the ranks.
+from rank 0 (in `MtpTargetRows` and `MtpDraftRows`, the only MTP data a StepPlan carries): the
+states are replicated over TP, and stay on the ranks.
 
 Drafting a request whose tokens end at position m (m = num_tokens - 1): pass 0 writes the
 entry at m - 1 (kept state at m - 1, token m) and its output gives draft 1; pass j > 0
@@ -20,14 +21,41 @@ it, which a block's hash does not name, so prefix caching is off with MTP.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from kvshard.engine.executor import Executor
 from kvshard.engine.sampler import sample_with_probs
-from kvshard.engine.scheduler import ScheduledBatch
 from kvshard.engine.sequence import Sequence
 from kvshard.engine.step_plan import StepPlan
+from kvshard.kv.cache import allocate_kv_cache
+from kvshard.models.deepseek import DeepseekMultiTokenPredictor
+
+if TYPE_CHECKING:
+    from kvshard.attention.metadata import AttentionMetadata
+    from kvshard.config import EngineConfig
+    from kvshard.engine.executor import Executor
+    from kvshard.engine.scheduler import ScheduledBatch
+    from kvshard.engine.step_plan import StepRows
+    from kvshard.parallel import ParallelState
+
+
+@dataclasses.dataclass(frozen=True)
+class MtpTargetRows:
+    """A target step's `StepPlan.spec`: which MTP cache entries it writes, which states the ranks keep."""
+
+    # per request, its first rows whose next token the step knows (each row but a sampled last one:
+    # a prompt chunk's last row is followed by the next chunk's first token, a row by the draft after it)
+    num_known: list[int]
+    next_token_ids: list[int]  # the token after each of those rows, request by request
+    keep_rows: list[int]  # rows whose last-layer states the next draft pass starts from
+
+
+@dataclasses.dataclass(frozen=True)
+class MtpDraftRows:
+    """A draft pass's `StepPlan.spec`: each request's row among the states the ranks kept last."""
+
+    hidden_rows: list[int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +66,8 @@ class _Kept:
 
 
 class MtpProposer:
+    """Rank 0's side (a `Proposer`, proposer.py)."""
+
     def __init__(self, executor: Executor, default_generator: torch.Generator) -> None:
         self.executor = executor
         self.default_generator = default_generator
@@ -51,27 +81,33 @@ class MtpProposer:
         offset = seq.num_tokens - 2 - kept.position
         return kept.row + offset if 0 <= offset < kept.num_rows else None
 
-    def can_draft(self, seq: Sequence) -> bool:
-        return self._kept_row(seq) is not None
+    def wanted_drafts(self, seq: Sequence, limit: int) -> int:
+        """Drafts only from a state the ranks kept (none right after a prefill chunk or a preemption)."""
+        return limit if self._kept_row(seq) is not None else 0
 
-    def target_plan(self, batch: ScheduledBatch, plan: StepPlan) -> StepPlan:
-        """`plan` (the target step of `batch`) with the MTP rows: each row's next token, the rows to keep."""
+    def draft(self, batch: ScheduledBatch) -> dict[int, torch.Tensor | None]:
+        return self.propose(batch)
+
+    def target_step(self, batch: ScheduledBatch, rows: StepRows) -> MtpTargetRows:
+        """The MTP rows of the target step of `batch`: each row's next token, the rows to keep."""
+        num_known: list[int] = []
         next_token_ids: list[int] = []
         keep_rows: list[int] = []
         kept: dict[int, _Kept] = {}
-        for seq, ctx, n, do_sample, drafts in zip(batch.seqs, batch.context_lens, batch.query_lens, batch.sample,
-                                                  batch.drafts):
-            tokens = seq.all_token_ids[ctx : ctx + n - len(drafts)] + drafts
-            # a prompt chunk's last row is followed by the next chunk's first token
-            next_token_ids += tokens[1:] + [seq.all_token_ids[ctx + n] if ctx + n < seq.num_tokens else -1]
-            if do_sample:  # as StepPlan.from_batch lays out the rows rank 0 samples
-                kept[seq.seq_id] = _Kept(len(keep_rows), ctx + n - 1 - len(drafts), 1 + len(drafts))
-                keep_rows += range(len(next_token_ids) - 1 - len(drafts), len(next_token_ids))
+        for seq, ctx, n, r in zip(batch.seqs, batch.context_lens, batch.query_lens, rows.requests):
+            following = rows.token_ids[r.start + 1 : r.start + n]
+            if ctx + n < seq.num_tokens:  # a prompt chunk's last row: the next chunk's first token follows
+                following.append(seq.all_token_ids[ctx + n])
+            num_known.append(len(following))
+            next_token_ids += following
+            if r.num_sampled:  # its last known token's row and one per draft
+                kept[seq.seq_id] = _Kept(len(keep_rows), ctx + n - r.num_sampled, r.num_sampled)
+                keep_rows += range(r.start + n - r.num_sampled, r.start + n)
         self.kept = kept
-        return dataclasses.replace(plan, next_token_ids=next_token_ids, keep_rows=keep_rows)
+        return MtpTargetRows(num_known, next_token_ids, keep_rows)
 
     def propose(self, batch: ScheduledBatch) -> dict[int, torch.Tensor | None]:
-        """Replace the scheduled placeholder drafts by the MTP module's (in `batch.drafts`); returns, by
+        """Write the MTP module's drafts into `batch.drafts` (`batch.num_drafts` of them); returns, by
         seq_id, the distributions [drafts, V] sampled drafts were drawn from (None if greedy). Every
         decoding request with kept states takes pass 0, with drafts or not, so its cache stays whole."""
         active: list[int] = []  # indices into the batch
@@ -81,17 +117,17 @@ class MtpProposer:
             if row is not None and batch.context_lens[i] == seq.num_tokens - 1:
                 active.append(i)
                 rows.append(row)
-        missing = [i for i, drafts in enumerate(batch.drafts) if drafts and i not in active]
+        missing = [i for i, count in enumerate(batch.num_drafts) if count and i not in active]
         assert not missing, "drafts were scheduled for requests whose MTP states are not kept"
         drafts: dict[int, list[int]] = {i: [] for i in active}
         probs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
         step = 0
         while active:
             seqs = [batch.seqs[i] for i in active]
-            wanted = [j for j, i in enumerate(active) if len(batch.drafts[i]) > step]
+            wanted = [j for j, i in enumerate(active) if batch.num_drafts[i] > step]
             token_ids = [seq.all_token_ids[-1] if step == 0 else drafts[i][-1] for i, seq in zip(active, seqs)]
             plan = StepPlan(token_ids, [1] * len(active), [seq.num_tokens - 2 + step for seq in seqs],
-                            [list(seq.block_table) for seq in seqs], wanted, draft=True, hidden_rows=rows)
+                            [list(seq.block_table) for seq in seqs], wanted, draft=True, spec=MtpDraftRows(rows))
             logits = self.executor.execute(plan).cpu()  # [len(wanted), V]
             for j, (token, row_probs) in zip(wanted, sample_with_probs(logits, [seqs[j] for j in wanted],
                                                                          self.default_generator)):
@@ -99,10 +135,51 @@ class MtpProposer:
                 if row_probs is not None:
                     probs[active[j]].append(row_probs)
             # the next pass: the requests that want another draft, from their rows of this pass's output
-            rows = [j for j in wanted if len(batch.drafts[active[j]]) > step + 1]
+            rows = [j for j in wanted if batch.num_drafts[active[j]] > step + 1]
             active = [active[j] for j in rows]
             step += 1
         for i, request_drafts in drafts.items():
-            if batch.drafts[i]:
+            if batch.num_drafts[i]:
                 batch.drafts[i] = request_drafts
         return {batch.seqs[i].seq_id: torch.stack(p) if p else None for i, p in probs.items()}
+
+
+class MtpModule:
+    """Every rank's side (a `DraftModule`): the MTP layer, its one-layer cache, and the target's
+    last-layer states the next draft pass starts from."""
+
+    def __init__(self, config: EngineConfig, parallel: ParallelState, device: torch.device,
+                 metadata: Callable[..., AttentionMetadata], load: Callable) -> None:
+        target = config.model
+        self.module = load(lambda: DeepseekMultiTokenPredictor(target.hf_config, target.dtype, parallel), target)
+        self.kv_caches = allocate_kv_cache(config.mtp_kv_cache_spec, config.num_kv_blocks, config.cache.block_size,
+                                           target.dtype, device)
+        self.metadata = metadata
+        self.device = device
+        self.hidden: torch.Tensor | None = None  # [rows, D]: the states the next draft pass reads
+
+    def run_draft(self, plan: StepPlan, input_ids: torch.Tensor, meta: AttentionMetadata,
+                  rows: torch.Tensor) -> torch.Tensor:
+        hidden = self.module(input_ids, self.hidden[plan.spec.hidden_rows], meta, self.kv_caches[0])  # [t, D]
+        self.hidden = hidden  # the next draft starts from this one's output
+        return self.module.compute_logits(hidden[rows])
+
+    def after_target(self, plan: StepPlan, states: torch.Tensor) -> None:
+        """Write the MTP cache entry of every row whose next token the plan gives (with the target's
+        states of this step: exact as far as the drafts they follow are accepted, and rewritten from the
+        first rejected one on), and keep the rows the next draft pass starts from. The states are
+        replicated over TP after the last all-reduce, so every rank has them: nothing is sent."""
+        spec: MtpTargetRows = plan.spec
+        context_lens, query_lens, block_tables, known_rows, start = [], [], [], [], 0
+        for ctx, n, table, known in zip(plan.context_lens, plan.query_lens, plan.block_tables, spec.num_known):
+            if known:
+                context_lens.append(ctx)
+                query_lens.append(known)
+                block_tables.append(table)
+                known_rows += range(start, start + known)
+            start += n
+        if known_rows:
+            meta = self.metadata(context_lens, query_lens, block_tables)
+            next_ids = torch.tensor(spec.next_token_ids, dtype=torch.long, device=self.device)
+            self.module(next_ids, states[known_rows], meta, self.kv_caches[0])
+        self.hidden = states[spec.keep_rows]  # [kept rows, D]
