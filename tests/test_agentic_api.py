@@ -1,0 +1,323 @@
+"""Agents' API: tool calling, structured-output fields, the Responses API, /tokenize and /detokenize.
+
+Three layers, cheapest first: the tool-call parsers of the four formats on whole texts and on streams cut at
+every character; the request fields checked by the app in this process, whose engine loop never runs (a bad
+request that reached the engine would hang, so each 400 also shows it stopped at the door); and one shared
+`kvshard serve smollm2-135m-instruct` (hermes parser) spoken to by the official `openai` client. Tests that need
+the grammar engine (constraints enforced while sampling) skip, saying so, on an engine without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import pytest
+
+from kvshard.entrypoints.openai.protocol import APIError, ChatCompletionRequest, _parse
+from kvshard.entrypoints.openai.serving_chat import chat_message, shipped_template, tool_constraint
+from kvshard.entrypoints.openai.tool_parsers import (NamedToolParser, RequiredToolParser, ToolCallStream,
+                                                     get_tool_parser)
+from kvshard.sampling_params import MAX_CONSTRAINT_CHARS
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+           "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "The time in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+ARGS = '{"city": "Pa\\"ris", "days": [1, {"a": "}"}]}'  # a quote, nesting and a brace inside a string
+
+FORMATS = {
+    "hermes": (f'Let me look.\n<tool_call>\n{{"name": "get_weather", "arguments": {ARGS}}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "get_time", "arguments": {"city": "Rome"}}\n</tool_call>', "Let me look."),
+    "llama3_json": (f'<|python_tag|>{{"name": "get_weather", "parameters": {ARGS}}}; '
+                    '{"name": "get_time", "parameters": {"city": "Rome"}}', None),
+    "deepseek_v3": ("Let me look.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+                    f"```json\n{ARGS}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n"
+                    '```json\n{"city": "Rome"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "Let me look."),
+    "kimi_k2": ("Let me look.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+                f"<|tool_call_argument_begin|>{ARGS}<|tool_call_end|><|tool_call_begin|>functions.get_time:1"
+                '<|tool_call_argument_begin|>{"city": "Rome"}<|tool_call_end|><|tool_calls_section_end|>',
+                "Let me look."),
+}
+PLAIN = "The capital of France is <b>Paris</b>; 1 < 2 and {braces} stay text."
+
+
+def streamed(parser, text: str, max_calls: int | None = None) -> tuple[str, list[dict], list[list[dict]]]:
+    """Feed `text` cut after every character; the content, the calls reassembled from the deltas, the deltas."""
+    stream = ToolCallStream(parser, max_calls)
+    content, calls, all_deltas = "", [], []
+    for end, final in [(end, False) for end in range(1, len(text) + 1)] + [(len(text), True)]:
+        piece, deltas = stream.feed(text[:end], final)
+        content += piece
+        all_deltas.append(deltas)
+        for delta in deltas:
+            if "id" in delta:  # a call's first delta, the only one with id, type and name
+                assert delta["index"] == len(calls) and delta["type"] == "function"
+                calls.append({"id": delta["id"], "name": delta["function"]["name"], "arguments": ""})
+            else:
+                assert set(delta) == {"index", "function"} and set(delta["function"]) == {"arguments"}
+            calls[delta["index"]]["arguments"] += delta["function"]["arguments"]
+    return content, calls, all_deltas
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_parser_reads_calls_whole_and_streamed(name):
+    parser = get_tool_parser(name)
+    text, content = FORMATS[name]
+    message, finish = chat_message(text, "stop", parser, "auto", None)
+    assert finish == "tool_calls"
+    assert message["content"] == content
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
+    assert calls == [("get_weather", json.loads(ARGS)), ("get_time", {"city": "Rome"})]
+    if name == "kimi_k2":  # the format's own ids
+        assert [c["id"] for c in message["tool_calls"]] == ["functions.get_weather:0", "functions.get_time:1"]
+    # streamed, cut after every character: the same content and the same arguments, fragment by fragment
+    streamed_content, streamed_calls, deltas = streamed(parser, text)
+    assert streamed_content == (content or "")
+    assert [(c["name"], c["arguments"]) for c in streamed_calls] == \
+        [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+    assert sum(len(d) for d in deltas) > 4  # the arguments came in fragments, not at the end in one piece
+    # parallel_tool_calls false: the first call only
+    assert len(chat_message(text, "stop", parser, "auto", 1)[0]["tool_calls"]) == 1
+    assert len(streamed(parser, text, max_calls=1)[1]) == 1
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_parser_leaves_text_without_calls_alone(name):
+    parser = get_tool_parser(name)
+    assert chat_message(PLAIN, "stop", parser, "auto", None) == ({"role": "assistant", "content": PLAIN}, "stop")
+    assert streamed(parser, PLAIN)[:2] == (PLAIN, [])
+    # a call cut off by max_tokens keeps finish_reason "length"
+    text = FORMATS[name][0]
+    assert chat_message(text[: len(text) // 2], "length", parser, "auto", None)[1] == "length"
+
+
+def test_required_and_named_outputs():
+    array = '[{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}, {"name": "get_time", ' \
+            '"parameters": {"city": "Rome"}}]'
+    message, finish = chat_message(array, "stop", RequiredToolParser(), "required", None)
+    assert finish == "tool_calls" and message["content"] is None
+    assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [{"city": "Oslo", "days": 2},
+                                                                                      {"city": "Rome"}]
+    assert [c["name"] for c in streamed(RequiredToolParser(), array)[1]] == ["get_weather", "get_time"]
+    message, finish = chat_message('{"city": "Oslo", "days": 2}', "stop", NamedToolParser("get_weather"), "named",
+                                   None)
+    assert finish == "stop"  # as OpenAI answers a named function
+    assert message["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 2}'}
+
+
+def test_tool_constraints_are_the_tools_schemas():
+    from kvshard.entrypoints.openai.api_server import check_compiles
+
+    request = _parse(ChatCompletionRequest, json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                                        "tools": TOOLS}).encode())
+    named = tool_constraint(request.tools, "named", "get_time", True)
+    assert named.json == TOOLS[1]["function"]["parameters"]
+    required = tool_constraint(request.tools, "required", None, True).json
+    assert required["minItems"] == 1 and "maxItems" not in required
+    assert [c["properties"]["name"]["enum"] for c in required["items"]["anyOf"]] == [["get_weather"], ["get_time"]]
+    assert required["items"]["anyOf"][0]["properties"]["parameters"] == WEATHER
+    assert tool_constraint(request.tools, "required", None, False).json["maxItems"] == 1
+    assert tool_constraint(request.tools, "auto", None, True) is None
+    for mode, name in (("named", "get_weather"), ("required", None)):
+        check_compiles(tool_constraint(request.tools, mode, name, False))  # xgrammar takes them
+
+
+def test_field_mapping_to_structured_outputs():
+    def constraint(**fields):
+        body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **fields}
+        return _parse(ChatCompletionRequest, json.dumps(body).encode()).constraint()
+
+    got, field = constraint(response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER,
+                                                                                     "strict": True}})
+    assert (got.json, field) == (WEATHER, "response_format.json_schema.schema")
+    assert constraint(response_format={"type": "json_object"})[0].json_object is True
+    assert constraint(response_format={"type": "text"}) == (None, None)
+    assert constraint(structured_outputs={"regex": "[a-z]+"})[0].regex == "[a-z]+"
+    assert constraint(structured_outputs={"choice": ["yes", "no"]})[0].choice == ["yes", "no"]
+    assert constraint(guided_json=WEATHER) [0].json == WEATHER
+    assert (constraint(guided_regex="a+")[0].regex, constraint(guided_regex="a+")[1]) == ("a+", "guided_regex")
+    assert constraint(guided_choice=["a", "b"])[0].choice == ["a", "b"]
+    assert constraint(guided_grammar='root ::= "a"')[0].grammar == 'root ::= "a"'
+    for fields, param in [({"guided_json": {}}, "guided_json"), ({"guided_choice": []}, "guided_choice"),
+                          ({"structured_outputs": {"json": WEATHER, "regex": "a"}}, "structured_outputs"),
+                          ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
+                          ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+                          ({"response_format": {"type": "json_schema", "json_schema": {"name": "w"}}},
+                           "response_format.json_schema.schema"),
+                          ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+                           "response_format.json_schema.schema"),
+                          ({"response_format": {"type": "yaml"}}, "response_format.type")]:
+        with pytest.raises(APIError) as error:
+            constraint(**fields)
+        assert (error.value.status, error.value.param) == (400, param), (fields, error.value.message)
+
+
+# --- the app in this process: what is refused at the door ----------------------------------------------------
+
+DEMO = "kvshard-demo-gqa"
+
+
+@pytest.fixture(scope="module")
+def app_server():
+    from kvshard.engine.arg_utils import EngineArgs
+    from kvshard.engine.llm_engine import LLMEngine
+    from kvshard.entrypoints.openai_server import OpenAIServer
+
+    engine = LLMEngine(EngineArgs(model=DEMO, max_model_len=256, kv_cache_memory="16MiB").create_engine_config())
+    yield OpenAIServer(engine, [DEMO], enable_auto_tool_choice=True, tool_call_parser="hermes")
+    engine.shutdown()
+
+
+def call(server, requests, timeout: float = 120):
+    """`requests(client)` against the app in a thread of its own: the engine loop never runs here, so a request
+    that reached the engine hangs and fails the test instead of answering."""
+    result = {}
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=server.app), base_url="http://app",
+                                     timeout=60) as client:
+            return await requests(client)
+
+    def thread() -> None:
+        try:
+            result["value"] = asyncio.run(run())
+        except BaseException as error:
+            result["error"] = error
+
+    worker = threading.Thread(target=thread, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    assert not worker.is_alive(), "the request reached the engine"
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+MESSAGES = [{"role": "user", "content": "What is the weather in Oslo?"}]
+CHAT_REFUSALS = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}},
+     "response_format.json_schema.schema"),  # an invalid schema
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+     "response_format.json_schema.schema"),  # an empty schema
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_news"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),  # tool_choice without tools
+    ({"tools": []}, "tools"),
+    ({"structured_outputs": {"regex": "a+("}}, "structured_outputs"),  # a regex that does not compile
+    ({"guided_regex": "(?P<x>a)"}, "guided_regex"),  # one the grammar backend's regex dialect does not take
+    ({"guided_grammar": "root ::= " + " | ".join(['"a"'] * (MAX_CONSTRAINT_CHARS // 6))}, "guided_grammar"),
+    ({"guided_grammar": 'root ::= "a" | b'}, "guided_grammar"),  # an undefined rule
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "tool", "content": "sunny"}]}, "messages.0.tool_call_id"),
+]
+
+
+def test_bad_chat_requests_are_400s_naming_the_field(app_server):
+    async def requests(client):
+        answers = []
+        for fields, _ in CHAT_REFUSALS:
+            body = {"model": DEMO, "messages": MESSAGES, "max_tokens": 4, **fields}
+            answers.append(await client.post("/v1/chat/completions", json=body))
+        return answers
+
+    for (fields, param), answer in zip(CHAT_REFUSALS, call(app_server, requests)):
+        assert answer.status_code == 400, (fields, answer.text)
+        error = answer.json()["error"]
+        assert error["param"] == param and error["type"] == "invalid_request_error", (fields, error)
+
+
+def test_auto_tool_choice_needs_a_parser(app_server):
+    from kvshard.entrypoints.openai_server import OpenAIServer
+
+    plain = OpenAIServer.__new__(OpenAIServer)
+    plain.__dict__.update(app_server.__dict__)
+    plain.tool_parser = None
+    plain.app = plain._build_app()
+
+    async def requests(client):
+        return await client.post("/v1/chat/completions", json={"model": DEMO, "messages": MESSAGES, "tools": TOOLS})
+
+    answer = call(plain, requests)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "tool_choice"
+    assert "--enable-auto-tool-choice" in answer.json()["error"]["message"]
+
+
+RESPONSES_REFUSALS = [
+    ({"input": "hi", "previous_response_id": "resp_unknown"}, "previous_response_id"),
+    ({"input": [{"type": "computer_call", "id": "x"}]}, "input.0.type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format.schema"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+      "tool_choice": {"type": "function", "name": "g"}}, "tool_choice"),
+    ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
+]
+
+
+def test_bad_responses_requests_are_400s_naming_the_field(app_server):
+    async def requests(client):
+        return [await client.post("/v1/responses", json={"model": DEMO, **fields}) for fields, _ in RESPONSES_REFUSALS]
+
+    for (fields, param), answer in zip(RESPONSES_REFUSALS, call(app_server, requests)):
+        assert answer.status_code == 400, (fields, answer.text)
+        assert answer.json()["error"]["param"] == param, (fields, answer.json())
+
+
+def test_tokenize_and_detokenize(app_server):
+    tokenizer = app_server.tokenizer
+
+    async def requests(client):
+        return (await client.post("/tokenize", json={"model": DEMO, "prompt": "Hello world"}),
+                await client.post("/tokenize", json={"prompt": "Hello world", "add_special_tokens": False,
+                                                     "return_token_strs": True}),
+                await client.post("/tokenize", json={"messages": MESSAGES}),
+                await client.post("/detokenize", json={"tokens": tokenizer.encode("Hello world",
+                                                                                  add_special_tokens=False)}),
+                await client.post("/detokenize", json={"tokens": [10**9]}),
+                await client.post("/tokenize", json={"model": "other", "prompt": "x"}))
+
+    tokens, plain, chat, text, bad, other = call(app_server, requests)
+    assert tokens.json()["tokens"] == tokenizer.encode("Hello world")
+    assert tokens.json()["count"] == len(tokens.json()["tokens"]) and tokens.json()["max_model_len"] == 256
+    assert plain.json()["tokens"] == tokenizer.encode("Hello world", add_special_tokens=False)
+    assert plain.json()["token_strs"] == tokenizer.convert_ids_to_tokens(plain.json()["tokens"])
+    want = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert chat.json()["tokens"] == tokenizer.encode(want, add_special_tokens=False)
+    assert text.json() == {"prompt": "Hello world"}
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert other.status_code == 404
+
+
+def test_shipped_template_renders_as_smollm2s_own_without_tools(app_server):
+    """Without tools the shipped template is SmolLM2's own (the same prompt, so the same answers); with them it
+    lists the tools and renders calls and their results in the hermes format."""
+    own = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>"
+           "system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
+           "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    ours = shipped_template(own)
+    assert ours is not None and shipped_template("{{ tools }}<|im_start|>SmolLM") is None
+    tokenizer = app_server.tokenizer  # any Hugging Face tokenizer renders a given template the same way
+    for conversation in ([{"role": "user", "content": "Hi"}],
+                         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                          {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]):
+        for prompt in (True, False):
+            assert tokenizer.apply_chat_template(conversation, chat_template=ours, tokenize=False,
+                                                 add_generation_prompt=prompt) == \
+                tokenizer.apply_chat_template(conversation, chat_template=own, tokenize=False,
+                                              add_generation_prompt=prompt)
+    turn = [{"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    text = tokenizer.apply_chat_template(turn, tools=[t for t in TOOLS], chat_template=ours, tokenize=False,
+                                         add_generation_prompt=True)
+    assert '"name": "get_weather"' in text and "<tools>" in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>' in text
+    assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n" in text
