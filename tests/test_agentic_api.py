@@ -321,3 +321,185 @@ def test_shipped_template_renders_as_smollm2s_own_without_tools(app_server):
     assert '"name": "get_weather"' in text and "<tools>" in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>' in text
     assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n" in text
+
+
+# --- one real server, the official openai client --------------------------------------------------------------
+
+SMOL = "smollm2-135m-instruct"
+# tp=1: the serving layer is the same at every layout (tests/test_smollm2_server.py runs SmolLM2 at tp=2, dcp=2)
+SMOL_ARGS = [SMOL, "--max-model-len", "2048", "--kv-cache-memory", "128MiB", "--enable-auto-tool-choice",
+             "--tool-call-parser", "hermes"]
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]
+SMOL_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather forecast in a city",
+                                                "parameters": WEATHER}},
+              {"type": "function", "function": {"name": "get_time", "description": "The local time in a city",
+                                                "parameters": {"type": "object",
+                                                               "properties": {"city": {"type": "string"}},
+                                                               "required": ["city"], "additionalProperties": False}}}]
+GREEDY = dict(model=SMOL, temperature=0)
+
+
+def grammar_engine() -> bool:
+    from kvshard.engine.llm_engine import LLMEngine
+
+    return hasattr(LLMEngine, "check_structured_outputs")
+
+
+needs_grammar = pytest.mark.skipif(not grammar_engine(), reason="the engine does not enforce output constraints yet "
+                                                                 "(no grammar backend in this tree)")
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory):
+    from kvshard.errors import ConfigError
+    from kvshard.models.fetch import fetch_gguf_model
+    from server_harness import Server
+
+    try:
+        fetch_gguf_model(SMOL)
+    except ConfigError as error:
+        pytest.skip(f"SmolLM2 not fetchable here: {error}")
+    running = Server(SMOL_ARGS, tmp_path_factory.mktemp("smol") / "log", startup_timeout=600)
+    yield running
+    assert running.stop() == 0, running.log
+
+
+def tokenized(smol, **body) -> list[int]:
+    return smol.http.post("/tokenize", json={"model": SMOL, **body}).json()["tokens"]
+
+
+def test_second_turn_renders_the_call_and_its_result(smol):
+    turn = WEATHER_QUESTION + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": '{"city": "Paris", "days": 3}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 22 C"}]
+    reply = smol.client().chat.completions.create(messages=turn, tools=SMOL_TOOLS, max_tokens=12, **GREEDY)
+    assert reply.choices[0].message.content and reply.choices[0].finish_reason in ("stop", "length")
+    tokens = tokenized(smol, messages=turn, tools=SMOL_TOOLS)
+    assert reply.usage.prompt_tokens == len(tokens)  # the prompt it answered is the one rendered here
+    prompt = smol.http.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
+    assert '<tools>\n{"name": "get_weather"' in prompt
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>' in prompt
+    assert "<tool_response>\nsunny, 22 C\n</tool_response><|im_end|>\n<|im_start|>assistant\n" in prompt
+
+
+def test_responses_conversation_and_stream(smol):
+    client = smol.client()
+    first = client.responses.create(model=SMOL, input="What is the capital of France?", temperature=0,
+                                    instructions="Answer in one short sentence.", max_output_tokens=16)
+    assert first.status in ("completed", "incomplete") and first.output_text
+    assert first.output[0].type == "message" and first.output[0].role == "assistant"
+    second = client.responses.create(model=SMOL, input="And of Italy?", previous_response_id=first.id,
+                                     temperature=0, max_output_tokens=16)
+    # the first question and answer are in the second's prompt (the instructions are not carried over)
+    assert second.usage.input_tokens > first.usage.input_tokens - 10 + first.usage.output_tokens
+    # a function call and its output sent back as input items: the model answers from them
+    items = [{"role": "user", "content": "What is the weather in Paris?"},
+             {"type": "function_call", "call_id": "call_9", "name": "get_weather",
+              "arguments": '{"city": "Paris", "days": 1}'},
+             {"type": "function_call_output", "call_id": "call_9", "output": "sunny, 22 C"}]
+    answer = client.responses.create(model=SMOL, input=items, temperature=0, max_output_tokens=12,
+                                     tools=[{"type": "function", "name": "get_weather", "parameters": WEATHER}])
+    assert answer.output_text
+    # streamed: OpenAI's event sequence, and the same text as the same request not streamed
+    events = list(client.responses.create(model=SMOL, input="What is the capital of France?", temperature=0,
+                                          instructions="Answer in one short sentence.", max_output_tokens=16,
+                                          stream=True))
+    kinds = [event.type for event in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed" if first.status == "completed" else "response.incomplete"]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert "".join(event.delta for event in events if event.type == "response.output_text.delta") == \
+        events[-1].response.output_text == first.output_text
+
+
+def test_bad_requests_leave_the_server_healthy(smol):
+    client = smol.client()
+    reference = client.chat.completions.create(messages=WEATHER_QUESTION, max_tokens=8, **GREEDY)
+    for fields, param in CHAT_REFUSALS[:7] + [({"tools": SMOL_TOOLS, "tool_choice": {
+            "type": "function", "function": {"name": "get_news"}}}, "tool_choice")]:
+        answer = smol.http.post("/v1/chat/completions", json={"model": SMOL, "messages": WEATHER_QUESTION, **fields})
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
+    assert smol.http.get("/health").status_code == 200
+    again = client.chat.completions.create(messages=WEATHER_QUESTION, max_tokens=8, **GREEDY)
+    assert again.choices[0].message.content == reference.choices[0].message.content
+
+
+def weather_args(arguments: str) -> dict:
+    """Arguments that validate against WEATHER (pydantic, strictly)."""
+    from pydantic import BaseModel, ConfigDict
+
+    class Weather(BaseModel):
+        model_config = ConfigDict(extra="forbid", strict=True)
+        city: str
+        days: int
+
+    return Weather.model_validate_json(arguments).model_dump()
+
+
+@needs_grammar
+def test_required_and_named_tool_calls_validate(smol):
+    client = smol.client()
+    required = client.chat.completions.create(messages=WEATHER_QUESTION, tools=SMOL_TOOLS, tool_choice="required",
+                                              parallel_tool_calls=False, max_tokens=60, **GREEDY)
+    choice = required.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.id
+    if call.function.name == "get_weather":
+        weather_args(call.function.arguments)
+    else:
+        assert set(json.loads(call.function.arguments)) == {"city"}
+    named = dict(messages=WEATHER_QUESTION, tools=SMOL_TOOLS, max_tokens=40,
+                 tool_choice={"type": "function", "function": {"name": "get_weather"}}, **GREEDY)
+    whole = client.chat.completions.create(**named)
+    assert whole.choices[0].finish_reason == "stop"
+    assert whole.choices[0].message.tool_calls[0].function.name == "get_weather"
+    args = weather_args(whole.choices[0].message.tool_calls[0].function.arguments)
+    # streamed, reassembled by the SDK's own stream helper: the same call
+    with client.chat.completions.stream(**named) as stream:
+        final = stream.get_final_completion()
+    streamed_call = final.choices[0].message.tool_calls[0]
+    assert streamed_call.function.name == "get_weather" and weather_args(streamed_call.function.arguments) == args
+
+
+@needs_grammar
+def test_parse_with_pydantic_models_and_responses_with_a_function_tool(smol):
+    from enum import Enum
+
+    from pydantic import BaseModel
+
+    class Unit(str, Enum):
+        celsius = "celsius"
+        fahrenheit = "fahrenheit"
+
+    class Day(BaseModel):
+        name: str
+        high: int
+
+    class Forecast(BaseModel):
+        city: str
+        unit: Unit
+        days: list[Day]
+        note: str | None
+
+    class Capital(BaseModel):
+        country: str
+        capital: str
+
+    client = smol.client()
+    for model, question in ((Capital, "What is the capital of France?"),
+                            (Forecast, "Give a two-day weather forecast for Paris.")):
+        reply = client.chat.completions.parse(messages=[{"role": "user", "content": question}], response_format=model,
+                                              max_tokens=120, **GREEDY)
+        assert reply.choices[0].finish_reason == "stop", reply.choices[0].message.content
+        assert isinstance(reply.choices[0].message.parsed, model)
+    response = client.responses.create(model=SMOL, input="What is the weather in Paris for 2 days?", temperature=0,
+                                       tools=[{"type": "function", "name": "get_weather", "parameters": WEATHER,
+                                               "strict": True}], tool_choice="required", max_output_tokens=60)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert len(calls) >= 1 and calls[0].name == "get_weather" and calls[0].call_id
+    weather_args(calls[0].arguments)
