@@ -330,12 +330,14 @@ SMOL = "smollm2-135m-instruct"
 SMOL_ARGS = [SMOL, "--max-model-len", "2048", "--kv-cache-memory", "128MiB", "--enable-auto-tool-choice",
              "--tool-call-parser", "hermes"]
 WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]
+# strict, as the SDK's stream and parse helpers ask of the tools they reassemble
 SMOL_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather forecast in a city",
-                                                "parameters": WEATHER}},
+                                                "parameters": WEATHER, "strict": True}},
               {"type": "function", "function": {"name": "get_time", "description": "The local time in a city",
                                                 "parameters": {"type": "object",
                                                                "properties": {"city": {"type": "string"}},
-                                                               "required": ["city"], "additionalProperties": False}}}]
+                                                               "required": ["city"], "additionalProperties": False},
+                                                "strict": True}}]
 GREEDY = dict(model=SMOL, temperature=0)
 
 

@@ -362,6 +362,9 @@ class ServingBase:
         try:
             await asyncio.to_thread(check, constraint)
         except (ValueError, RuntimeError) as error:
-            # the backend's own words, without its source location ("[time] file.cc:line: ")
+            # the backend's own words, without its source location ("[time] file.cc:line: "), said of the field
+            # the request used ("structured_outputs.json could not be compiled: ..." of response_format's schema)
             message = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(error).strip()) or type(error).__name__
-            raise APIError(400, f"{param}: {message}", param) from None
+            engine_words = re.match(r"structured_outputs(?:\.\w+)? (.*)", message, re.S)
+            text = f"{param} {engine_words.group(1)}" if engine_words else f"{param}: {message}"
+            raise APIError(400, text, param) from None
