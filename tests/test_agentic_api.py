@@ -455,6 +455,13 @@ def test_required_and_named_tool_calls_validate(smol):
         weather_args(call.function.arguments)
     else:
         assert set(json.loads(call.function.arguments)) == {"city"}
+    # the same, streamed and reassembled by the SDK's own stream helper
+    with client.chat.completions.stream(messages=WEATHER_QUESTION, tools=SMOL_TOOLS, tool_choice="required",
+                                        parallel_tool_calls=False, max_tokens=60, **GREEDY) as stream:
+        final = stream.get_final_completion()
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in final.choices[0].message.tool_calls] == \
+        [(call.function.name, call.function.arguments)]
     named = dict(messages=WEATHER_QUESTION, tools=SMOL_TOOLS, max_tokens=40,
                  tool_choice={"type": "function", "function": {"name": "get_weather"}}, **GREEDY)
     whole = client.chat.completions.create(**named)
@@ -505,3 +512,14 @@ def test_parse_with_pydantic_models_and_responses_with_a_function_tool(smol):
     calls = [item for item in response.output if item.type == "function_call"]
     assert len(calls) >= 1 and calls[0].name == "get_weather" and calls[0].call_id
     weather_args(calls[0].arguments)
+    # streamed: the call's item, its argument fragments adding up to the same arguments
+    events = list(client.responses.create(model=SMOL, input="What is the weather in Paris for 2 days?",
+                                          temperature=0, tools=[{"type": "function", "name": "get_weather",
+                                                                 "parameters": WEATHER, "strict": True}],
+                                          tool_choice="required", max_output_tokens=60, stream=True))
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert added[0].type == "function_call" and added[0].name == "get_weather"
+    fragments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
+    assert fragments == done[0] == calls[0].arguments
+    assert events[-1].type == "response.completed" and events[-1].response.output[0].arguments == fragments
