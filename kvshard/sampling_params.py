@@ -194,7 +194,7 @@ class SamplingParams:
     def uses_logits_processors(self) -> bool:
         """Whether the sampler must change this request's logits before it chooses (greedy or not)."""
         return bool(self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
-                    or self.min_tokens or self.logit_bias or self.bad_words)
+                    or self.min_tokens or self.logit_bias or self.bad_words or self.structured_outputs)
 
     def prepare(self, tokenizer, eos_token_ids, vocab_size: int) -> None:
         """Resolve what needs the model: the tokens of `bad_words` (as vLLM: each word with and without a

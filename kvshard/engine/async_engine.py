@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from kvshard.engine.llm_engine import EngineDeadError, LLMEngine
 from kvshard.metrics import ServerMetrics
 from kvshard.outputs import RequestOutput
-from kvshard.sampling_params import SamplingParams
+from kvshard.sampling_params import SamplingParams, StructuredOutputsParams
+from kvshard.structured.manager import COMPILE_TIMEOUT_S, too_slow
 
 logger = logging.getLogger("kvshard.engine")
 
@@ -138,6 +139,19 @@ class AsyncLLMEngine:
         finally:
             if not finished:  # the client left, or the engine failed: free the KV blocks
                 self.abort(request_id)
+
+    async def check_structured_outputs(self, params: SamplingParams | StructuredOutputsParams) -> None:
+        """Compile the request's output constraint off the engine thread (or find it compiled) and wait for it
+        without blocking the event loop: ValueError naming the field when it does not compile, is too large
+        or takes too long. Await it before `generate`, so a bad constraint never reaches the engine loop."""
+        constraint = params.structured_outputs if isinstance(params, SamplingParams) else params
+        if constraint is None:
+            return
+        future = self.engine.structured.submit(constraint)  # shared with other requests: never cancelled here
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), COMPILE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise too_slow(constraint) from None
 
     def wake(self) -> None:
         self._commands.put(_Wake())

@@ -26,10 +26,11 @@ from kvshard.engine.step_plan import StepPlan
 from kvshard.engine.stats import EngineStats
 from kvshard.kv.block_pool import BlockPool
 from kvshard.outputs import RequestOutput
-from kvshard.sampling_params import SamplingParams
+from kvshard.sampling_params import SamplingParams, StructuredOutputsParams
 from kvshard.spec_decode.draft_model import DraftModelProposer
 from kvshard.spec_decode.mtp import MtpProposer
 from kvshard.spec_decode.ngram import NgramProposer
+from kvshard.structured.manager import StructuredOutputManager, result, timed_out
 
 __all__ = ["EngineDeadError", "LLMEngine"]
 
@@ -48,6 +49,10 @@ class LLMEngine:
                                    fixed_chunks=config.batch_invariant)
         self.output_processor = OutputProcessor(self.tokenizer, config.model.hf_config, config.scheduler.max_model_len)
         self.requests: dict[str, Request] = {}
+        # structured outputs: grammars compile off this thread; requests waiting for theirs, by id
+        self.structured = StructuredOutputManager(self.tokenizer, config.model.hf_config.vocab_size,
+                                                  self.output_processor.eos_token_ids)
+        self._compiling: dict[str, tuple] = {}  # request id -> (future, when submitted)
         self.default_generator = torch.Generator().manual_seed(config.seed)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -75,8 +80,17 @@ class LLMEngine:
         return self.executor.runner
 
     # --- requests ---------------------------------------------------------------------
-    def validate_prompt(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        """Tokenize and check a prompt; ValueError says what is wrong."""
+    def check_structured_outputs(self, params: SamplingParams | StructuredOutputsParams) -> None:
+        """Compile the output constraint (or find it compiled) and wait for it, from any thread but the
+        engine's: ValueError naming the field when it does not compile, is too large or takes too long."""
+        constraint = params.structured_outputs if isinstance(params, SamplingParams) else params
+        if constraint is not None:
+            self.structured.check(constraint)
+
+    def validate_prompt(self, prompt: str | list[int], params: SamplingParams,
+                        wait_for_grammar: bool = True) -> list[int]:
+        """Tokenize and check a prompt, and the output constraint (compiled here unless `wait_for_grammar`
+        is False); ValueError says what is wrong."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -98,6 +112,11 @@ class LLMEngine:
                 f"({len(token_ids)} in the prompt, {params.max_tokens} for the completion). "
                 "Please reduce the prompt or max_tokens."
             )
+        if params.structured_outputs is not None and (params.kv_transfer_params or {}).get("do_remote_prefill"):
+            raise ValueError("structured_outputs cannot be combined with kv_transfer_params.do_remote_prefill: "
+                             "a request whose prompt's KV comes from a producer runs unconstrained")
+        if wait_for_grammar:
+            self.check_structured_outputs(params)
         return token_ids
 
     def add_request(
@@ -105,7 +124,12 @@ class LLMEngine:
     ) -> None:
         """Queue a request (`stream` is accepted for callers that stream; text is always kept current)."""
         params.validate()
-        token_ids = self.validate_prompt(prompt, params)
+        token_ids = self.validate_prompt(prompt, params, wait_for_grammar=False)  # never waits on this thread
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.structured.submit(params.structured_outputs)
+            if grammar.done() and grammar.exception() is not None:
+                raise grammar.exception()
         with self._lock:
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -120,12 +144,15 @@ class LLMEngine:
             )
             for seq in seqs:
                 self.scheduler.add(seq)
+            if grammar is not None:
+                self._compiling[request_id] = (grammar, time.monotonic())
             self.prompt_tokens_total += len(token_ids) * params.n
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its blocks; unknown or finished ids are ignored."""
         with self._lock:
             request = self.requests.pop(request_id, None)
+            self._compiling.pop(request_id, None)
             if request is None:
                 return
             self._finish_all(request, "abort")
@@ -146,10 +173,14 @@ class LLMEngine:
         """Run one scheduled step; return an output for every request that advanced or finished."""
         with self._lock:
             failed = self.kv_connector.before_schedule() if self.kv_connector is not None else []
+            if self._compiling:
+                failed += self._start_grammars()
             if self.speculative is not None:
                 self._propose()
             batch = self.scheduler.schedule()
             if batch is None:
+                if self._compiling:  # nothing else to do: wait a little for a grammar rather than spin
+                    self.structured.wait_any([future for future, _ in self._compiling.values()], 0.01)
                 self.executor.check_alive()
                 return failed
             draft_probs = None
@@ -164,6 +195,29 @@ class LLMEngine:
             self.scheduler.mark_computed(batch)
             return failed + self._process_samples(batch, logits, draft_probs)
 
+    def _start_grammars(self) -> list[RequestOutput]:
+        """Give the requests whose grammar compiled a matcher per sequence (the scheduler takes them from
+        now on); fail, alone, those whose grammar did not compile."""
+        outputs = []
+        for request_id, (future, since) in list(self._compiling.items()):
+            request = self.requests.get(request_id)
+            if request is None or not (future.done() or timed_out(since)):
+                if request is None:
+                    del self._compiling[request_id]
+                continue
+            del self._compiling[request_id]
+            params = request.seqs[0].params
+            try:
+                compiled = result(future, params.structured_outputs, 0)
+                for seq in request.seqs:
+                    seq.grammar = self.structured.new_grammar(compiled)
+            except Exception as error:
+                request.error = str(error)
+                self._finish_all(request, "error")
+                outputs.append(self.output_processor.output(request))
+                del self.requests[request_id]
+        return outputs
+
     def _propose(self) -> None:
         """Drafts for every decoding request, never past max_tokens or max_model_len (the token after
         the drafts must still fit)."""
@@ -176,6 +230,8 @@ class LLMEngine:
                 room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
             if self.proposer is not None:
                 seq.spec_token_ids = self.proposer.propose(seq.all_token_ids, min(k, room))
+                if seq.grammar is not None:  # only the drafts its output constraint allows
+                    seq.spec_token_ids = seq.spec_token_ids[: seq.grammar.validate_tokens(seq.spec_token_ids)]
             else:  # a model fills in the drafts the scheduler found room for (`_run_draft_model`, MtpProposer)
                 drafts = max(0, min(k, room)) if self.mtp is None or self.mtp.can_draft(seq) else 0
                 seq.spec_token_ids = [-1] * drafts
@@ -270,7 +326,12 @@ class LLMEngine:
         if seq.params.logprobs is not None:
             seq.output_logprobs.append(top_logprobs(logits.unsqueeze(0), [token], [seq.params.logprobs])[0])
         self.generation_tokens_total += 1
+        if seq.grammar is not None and not seq.grammar.accept_token(token):
+            raise ValueError(f"token {token} breaks the output's structured_outputs constraint (min_tokens, "
+                             "bad_words or logit_bias left the constraint no token to choose)")
         reason = self.output_processor.append_token(seq, token)
+        if reason is None and seq.grammar is not None and seq.grammar.is_terminated():
+            reason = "stop"  # the constraint is complete and took its stop token
         if reason is not None:
             if self.kv_connector is not None:
                 self.kv_connector.on_finish(seq)  # a producer keeps the KV for its consumer
@@ -331,6 +392,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         if self.kv_connector is not None:
             self.kv_connector.close()  # held and reserved KV blocks go back
+        self.structured.shutdown()
         self.executor.shutdown()
 
 

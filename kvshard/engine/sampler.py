@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from kvshard.engine.sequence import Sequence
+from kvshard.structured.manager import apply_masks
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.Generator) -> list[int | Exception]:
@@ -102,6 +103,7 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence],
         block[penalised] = sub
     processed = logits.clone()
     processed[rows] = block
+    apply_masks(processed, seqs, drafts_before)  # structured outputs: what the row's grammar forbids is -inf
     return processed
 
 

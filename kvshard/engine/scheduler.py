@@ -199,7 +199,10 @@ class Scheduler:
         if room and self.config.policy == LPM and self.enable_prefix_caching and len(self.waiting) > 1:
             self._longest_prefix_first()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]  # holds no block: new, or preempted and released
+            # holds no block: new, or preempted and released; one whose grammar compiles still is passed over
+            seq = next((s for s in self.waiting if not s.waits_for_grammar), None)
+            if seq is None:
+                break
             cached = self._cached_prefix(seq)
             hit = len(cached) * self.layout.tokens_per_virtual_block
             chunk = self._chunk(seq.num_tokens - hit, budget)
@@ -218,7 +221,7 @@ class Scheduler:
             if self.enable_prefix_caching:
                 self.prefix_cache_queries += seq.num_tokens
                 self.prefix_cache_hits += hit
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chosen[seq.seq_id] = (seq, chunk)

@@ -46,6 +46,8 @@ class Sequence:
         self.num_cached_tokens: int | None = None  # prompt tokens reused from the cache at first admission
         self.finish_reason: str | None = None
         self.text = ""
+        # the output's constraint (kvshard/structured), once params.structured_outputs has compiled
+        self.grammar = None
 
     @property
     def num_tokens(self) -> int:
@@ -65,6 +67,11 @@ class Sequence:
         if self.prompt_logprobs is None:
             return range(0)
         return range(max(start, len(self.prompt_logprobs)), min(end, len(self.prompt_token_ids) - 1))
+
+    @property
+    def waits_for_grammar(self) -> bool:
+        """Its output constraint is still compiling: the scheduler leaves it waiting."""
+        return self.grammar is None and self.params.structured_outputs is not None
 
     @property
     def is_finished(self) -> bool:
