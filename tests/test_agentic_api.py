@@ -479,47 +479,51 @@ def test_required_and_named_tool_calls_validate(smol):
 def test_parse_with_pydantic_models_and_responses_with_a_function_tool(smol):
     from enum import Enum
 
-    from pydantic import BaseModel
+    from pydantic import BaseModel, Field
 
+    # bounded (maxLength, maxItems in the schema), so that a 135M model cannot run on to max_tokens
     class Unit(str, Enum):
         celsius = "celsius"
         fahrenheit = "fahrenheit"
 
     class Day(BaseModel):
-        name: str
+        name: str = Field(max_length=12)
         high: int
 
     class Forecast(BaseModel):
-        city: str
+        city: str = Field(max_length=20)
         unit: Unit
-        days: list[Day]
-        note: str | None
+        days: list[Day] = Field(min_length=1, max_length=2)
+        note: str | None = Field(max_length=20)
 
     class Capital(BaseModel):
-        country: str
-        capital: str
+        country: str = Field(max_length=20)
+        capital: str = Field(max_length=20)
 
     client = smol.client()
     for model, question in ((Capital, "What is the capital of France?"),
                             (Forecast, "Give a two-day weather forecast for Paris.")):
         reply = client.chat.completions.parse(messages=[{"role": "user", "content": question}], response_format=model,
-                                              max_tokens=120, **GREEDY)
+                                              max_tokens=160, **GREEDY)
         assert reply.choices[0].finish_reason == "stop", reply.choices[0].message.content
         assert isinstance(reply.choices[0].message.parsed, model)
     response = client.responses.create(model=SMOL, input="What is the weather in Paris for 2 days?", temperature=0,
                                        tools=[{"type": "function", "name": "get_weather", "parameters": WEATHER,
-                                               "strict": True}], tool_choice="required", max_output_tokens=60)
+                                               "strict": True}], tool_choice="required", parallel_tool_calls=False,
+                                       max_output_tokens=60)
     calls = [item for item in response.output if item.type == "function_call"]
-    assert len(calls) >= 1 and calls[0].name == "get_weather" and calls[0].call_id
+    assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].call_id
     weather_args(calls[0].arguments)
     # streamed: the call's item, its argument fragments adding up to the same arguments
     events = list(client.responses.create(model=SMOL, input="What is the weather in Paris for 2 days?",
                                           temperature=0, tools=[{"type": "function", "name": "get_weather",
                                                                  "parameters": WEATHER, "strict": True}],
-                                          tool_choice="required", max_output_tokens=60, stream=True))
+                                          tool_choice="required", parallel_tool_calls=False, max_output_tokens=60,
+                                          stream=True))
     added = [e.item for e in events if e.type == "response.output_item.added"]
     assert added[0].type == "function_call" and added[0].name == "get_weather"
-    fragments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    fragments = "".join(e.delta for e in events
+                        if e.type == "response.function_call_arguments.delta" and e.item_id == added[0].id)
     done = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
     assert fragments == done[0] == calls[0].arguments
     assert events[-1].type == "response.completed" and events[-1].response.output[0].arguments == fragments
