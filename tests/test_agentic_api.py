@@ -394,8 +394,10 @@ def test_responses_conversation_and_stream(smol):
     assert first.output[0].type == "message" and first.output[0].role == "assistant"
     second = client.responses.create(model=SMOL, input="And of Italy?", previous_response_id=first.id,
                                      temperature=0, max_output_tokens=16)
-    # the first question and answer are in the second's prompt (the instructions are not carried over)
-    assert second.usage.input_tokens > first.usage.input_tokens - 10 + first.usage.output_tokens
+    # the second's prompt is the first question and answer, then its own (the instructions are not carried over)
+    carried = [{"role": "user", "content": "What is the capital of France?"},
+               {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "And of Italy?"}]
+    assert second.usage.input_tokens == len(tokenized(smol, messages=carried))
     # a function call and its output sent back as input items: the model answers from them
     items = [{"role": "user", "content": "What is the weather in Paris?"},
              {"type": "function_call", "call_id": "call_9", "name": "get_weather",
@@ -527,3 +529,15 @@ def test_parse_with_pydantic_models_and_responses_with_a_function_tool(smol):
     done = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
     assert fragments == done[0] == calls[0].arguments
     assert events[-1].type == "response.completed" and events[-1].response.output[0].arguments == fragments
+
+
+def test_response_store_is_a_bounded_lru():
+    from kvshard.entrypoints.openai.serving_responses import ResponseStore
+
+    store = ResponseStore(2)
+    for name in "abc":
+        store.put(name, [{"role": "user", "content": name}])
+    assert len(store) == 2 and store.get("a") is None  # the oldest went first
+    assert store.get("b") == [{"role": "user", "content": "b"}]  # b is now the most recently used
+    store.put("d", [])
+    assert store.get("c") is None and store.get("b") is not None and store.get("d") == []
