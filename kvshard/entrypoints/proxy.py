@@ -32,9 +32,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvshard.config import ConfigError
 from kvshard.disagg.secret import HEADER, deployment_secret
-from kvshard.entrypoints.openai_server import (DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_REQUEST_READ_TIMEOUT, APIError,
-                                               RequestDoor, _http_error, _internal_error,
-                                               until_disconnected)
+from kvshard.entrypoints.openai.api_server import _http_error, _internal_error
+from kvshard.entrypoints.openai.door import RequestDoor
+from kvshard.entrypoints.openai.protocol import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_REQUEST_READ_TIMEOUT, APIError
+from kvshard.entrypoints.openai.serving_engine import until_disconnected
 
 logger = logging.getLogger("kvshard.proxy")
 

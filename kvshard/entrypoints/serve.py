@@ -24,7 +24,7 @@ def add_serve_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "serve", help="OpenAI-compatible HTTP server (also under torchrun, one process per rank)",
         description="Serve a model over an OpenAI-compatible HTTP API: /v1/models, /v1/completions, "
-                    "/v1/chat/completions, /health, /metrics.",
+                    "/v1/chat/completions, /v1/responses, /tokenize, /detokenize, /health, /metrics.",
     )
     EngineArgs.add_cli_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -37,13 +37,47 @@ def add_serve_parser(subparsers) -> None:
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="model name(s) clients use (default: the MODEL argument)")
     add_door_args(parser)
+    add_chat_args(parser)
     parser.set_defaults(func=run_serve)
+
+
+def add_chat_args(parser: argparse.ArgumentParser) -> None:
+    """Tool calling and the chat template (vLLM's flags)."""
+    from kvshard.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+    group = parser.add_argument_group("tools and chat")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let the model call tools on its own (tool_choice "auto", the default when a request '
+                            "gives tools); needs --tool-call-parser")
+    group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="the format the model writes its tool calls in, read for tool_choice \"auto\"")
+    group.add_argument("--chat-template", default=None,
+                       help="a Jinja chat template (a file, or the template itself) for every chat request, instead "
+                            "of the tokenizer's own")
+
+
+def chat_template_arg(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the template given inline."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as file:
+            return file.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ConfigError(f"--chat-template {value!r}: no such file, and not a Jinja template")
+
+
+def check_chat_args(args: argparse.Namespace) -> None:
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser NAME")
+    args.chat_template = chat_template_arg(args.chat_template)
 
 
 def add_door_args(parser: argparse.ArgumentParser, serve: bool = True) -> None:
     """What one request may bring, and how slowly (also `kvshard proxy`'s)."""
-    from kvshard.entrypoints.openai_server import (DEFAULT_MAX_CHOICES_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES,
-                                                   DEFAULT_REQUEST_READ_TIMEOUT, DEFAULT_TIMEOUT_KEEP_ALIVE)
+    from kvshard.entrypoints.openai.protocol import (DEFAULT_MAX_CHOICES_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES,
+                                                     DEFAULT_REQUEST_READ_TIMEOUT, DEFAULT_TIMEOUT_KEEP_ALIVE)
 
     group = parser.add_argument_group("limits")
     group.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -76,7 +110,7 @@ def uvicorn_config(app, args: argparse.Namespace, **kwargs):
     and for the rest of a refused body."""
     import uvicorn
 
-    from kvshard.entrypoints.openai_server import timed_h11_protocol
+    from kvshard.entrypoints.openai.door import timed_h11_protocol
 
     return uvicorn.Config(app, http=timed_h11_protocol(args.request_read_timeout),
                           timeout_keep_alive=args.timeout_keep_alive,
@@ -96,6 +130,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port < 2**16:
         raise ConfigError(f"--port {args.port} is not a TCP port: use 0..65535")
     check_door_args(args)
+    check_chat_args(args)
     for name in args.served_model_name or []:
         if not name.strip():
             raise ConfigError(f"--served-model-name {name!r}: a model name must not be empty")
@@ -173,7 +208,8 @@ def _serve(config: EngineConfig, master: tuple[str, int] | None, listener: socke
     import uvicorn
 
     from kvshard.engine.llm_engine import LLMEngine
-    from kvshard.entrypoints.openai_server import OpenAIServer, with_connection_transport
+    from kvshard.entrypoints.openai.api_server import OpenAIServer
+    from kvshard.entrypoints.openai.serving_engine import with_connection_transport
 
     print(config.layout_report(), flush=True)
     engine = LLMEngine(config, master=master)
@@ -181,7 +217,9 @@ def _serve(config: EngineConfig, master: tuple[str, int] | None, listener: socke
         server = OpenAIServer(engine, model_names, api_key, max_request_body_bytes=args.max_request_body_bytes,
                               request_read_timeout=args.request_read_timeout,
                               max_choices_per_request=args.max_choices_per_request,
-                              public_metrics=args.public_metrics)
+                              public_metrics=args.public_metrics,
+                              enable_auto_tool_choice=args.enable_auto_tool_choice,
+                              tool_call_parser=args.tool_call_parser, chat_template=args.chat_template)
         if kv_transfer_config is not None:
             from kvshard.disagg.config import KVTransferConfig
             from kvshard.disagg.routes import attach_kv_transfer

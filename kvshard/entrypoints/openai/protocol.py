@@ -1,0 +1,515 @@
+"""The OpenAI API's request bodies as pydantic models, and the errors answered in OpenAI's shape.
+
+Every field a client sends is checked here or in the serving modules before anything reaches the engine;
+a bad one is a 400 whose `param` names it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, ClassVar, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+from kvshard.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+
+# Used when the tokenizer brings no chat template of its own.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+MAX_N = 128  # OpenAI's limit on choices per request
+# Tokens a stream may run ahead of what its client has read before it is aborted. Beyond this the
+# client has stopped reading (kernel buffers are already full), and its KV blocks serve better elsewhere.
+DEFAULT_MAX_STREAM_BACKLOG = 1024
+# The door (docs/serving.md, "Limits and security"): what one request may bring, and how slowly.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 2**20
+DEFAULT_REQUEST_READ_TIMEOUT = 30.0  # seconds for a request's headers, and again for its body
+DEFAULT_MAX_CHOICES_PER_REQUEST = 256  # prompts x n
+DEFAULT_TIMEOUT_KEEP_ALIVE = 5  # uvicorn's and vLLM's default
+
+
+class APIError(Exception):
+    """An error answered to the client in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def _engine_dead(reason: str) -> APIError:
+    return APIError(503, f"the engine is dead: {reason}", code="engine_dead", type="server_error")
+
+
+def _request_failed(reason: str) -> APIError:
+    """This request alone failed behind the door; the engine serves on."""
+    return APIError(500, f"the request failed: {reason}", code="request_failed", type="server_error")
+
+
+# --- protocol ---------------------------------------------------------------------------
+
+def _check_prompt(value: Any) -> Any:
+    """str | list[str] | list[int] | list[list[int]], with one message for every other shape."""
+    def is_ids(v: Any) -> bool:
+        return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+    if isinstance(value, str) or is_ids(value):
+        return value
+    if isinstance(value, list) and value and (all(isinstance(p, str) for p in value) or all(is_ids(p) for p in value)):
+        return value
+    raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of token-id lists")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields both endpoints take. Unknown fields are ignored, as vLLM does."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)  # no NaN, Infinity
+    model: str
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # vLLM's extension, as the two below
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None  # token ids as strings, as OpenAI's
+    min_p: float = 0.0  # vLLM's extensions, as top_k
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    bad_words: list[str] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # disaggregated prefill/decode, set by `kvshard proxy`
+    # vLLM fields kvshard does not implement: declared so that a value other than their no-op one is
+    # refused (check_supported) rather than silently ignored
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    early_stopping: Any = None
+    prompt_logprobs: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    truncate_prompt_tokens: Any = None
+    allowed_token_ids: Any = None
+    # guided decoding (docs/serving.md, "Structured outputs"): at most one of these
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's removed fields, accepted as aliases
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    response_format: dict[str, Any] | None = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: Any = None
+
+    # field -> the values that change nothing (None: absent)
+    _NO_OP_VALUES: ClassVar[dict[str, tuple]] = {
+        "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0), "early_stopping": (None, False),
+        "prompt_logprobs": (None,), "include_stop_str_in_output": (None, False),
+        "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+        "truncate_prompt_tokens": (None,), "allowed_token_ids": (None,),
+        "logits_processors": (None,), "return_tokens_as_token_ids": (None, False),
+    }
+
+    def check_supported(self) -> None:
+        for name, no_op in self._NO_OP_VALUES.items():
+            value = getattr(self, name)
+            # (a bool is an int in Python: True must not pass for 1)
+            if not any(value is v or (type(value) is type(v) and value == v) for v in no_op):
+                default = "leave it out" if no_op == (None,) else f"leave it at {no_op[-1]!r} or out"
+                raise APIError(400, f"{name} is not supported by kvshard; {default}", name)
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+        if self.n > MAX_N:
+            raise APIError(400, f"n must be at most {MAX_N}, got {self.n}", "n")
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's string keys -> token ids."""
+        if self.logit_bias is None:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not (key.isascii() and key.isdigit()) or len(key) > 19:
+                raise APIError(400, f"logit_bias keys must be token ids written as decimal strings, got {key!r}",
+                               "logit_bias")
+            bias[int(key)] = value
+        return bias
+
+    def constraint(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The output constraint the request asks for, and the field that asked (for a 400 naming it)."""
+        found: list[tuple[StructuredOutputsParams | None, str]] = []
+        if self.structured_outputs is not None:
+            unknown = sorted(set(self.structured_outputs) - STRUCTURED_OUTPUTS_KEYS)
+            if unknown:
+                raise APIError(400, f"structured_outputs.{unknown[0]} is not supported by kvshard; it takes one of "
+                                    "json, regex, choice, grammar, json_object (and disable_any_whitespace)",
+                               "structured_outputs")
+            found.append((_constraint("structured_outputs", **self.structured_outputs), "structured_outputs"))
+        for alias, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                            ("guided_grammar", "grammar")):
+            if getattr(self, alias) is not None:
+                found.append((_constraint(alias, **{kind: getattr(self, alias)}), alias))
+        if self.response_format is not None:
+            constraint = response_format_constraint(self.response_format, "response_format")
+            if constraint is not None:
+                found.append((constraint, "response_format.json_schema.schema" if constraint.json is not None
+                              else "response_format"))
+        if len(found) > 1:
+            raise APIError(400, f"{found[1][1]}: give at most one output constraint, got {found[0][1]} and "
+                                f"{found[1][1]}", found[1][1])
+        return found[0] if found else (None, None)
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+        logit_bias = self._logit_bias()
+        try:
+            return SamplingParams(
+                n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+                max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
+                ignore_eos=self.ignore_eos, logprobs=logprobs, kv_transfer_params=self.kv_transfer_params,
+                min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                min_tokens=self.min_tokens, logit_bias=logit_bias, bad_words=self.bad_words,
+                structured_outputs=structured_outputs,
+            )
+        except ValueError as error:
+            message = str(error)
+            raise APIError(400, message, message.split()[0]) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: Annotated[Any, BeforeValidator(_check_prompt)]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise APIError(400, "echo is not supported by kvshard", "echo")
+        if self.suffix is not None:
+            raise APIError(400, "suffix is not supported by kvshard", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, "best_of other than n is not supported by kvshard", "best_of")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+    type: Literal["text"]
+    text: str
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """A call an earlier assistant turn made (sent back in `messages`)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content or ""
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it (Hugging Face's convention: a call's arguments as an object
+        where they parse as one)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name, "arguments": _loads_or_text(call.function.arguments)}}
+                for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _loads_or_text(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def schema_(self) -> dict[str, Any]:
+        return self.parameters if self.parameters else {"type": "object", "properties": {}}
+
+    def for_template(self) -> dict[str, Any]:
+        tool = {"name": self.name, "parameters": self.schema_()}
+        if self.description is not None:
+            tool["description"] = self.description
+        return {"type": "function", "function": tool}
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    best_of: int | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, "best_of other than n is not supported by kvshard", "best_of")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                           "top_logprobs")
+        check_tools(self.tools, self.tool_choice, "tools", "tool_choice")
+        for index, message in enumerate(self.messages):
+            if message.role == "tool" and message.tool_call_id is None:
+                raise APIError(400, f"messages.{index}.tool_call_id: a tool message needs the id of the call it "
+                                    "answers", f"messages.{index}.tool_call_id")
+            if message.tool_calls and message.role != "assistant":
+                raise APIError(400, f"messages.{index}.tool_calls: only an assistant message carries tool calls",
+                               f"messages.{index}.tool_calls")
+
+    @property
+    def named_tool(self) -> str | None:
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    @property
+    def tool_mode(self) -> str:
+        """none, auto, required or named: how this request's output may call its tools."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if self.tool_choice is None:
+            return "auto"
+        return "named" if self.named_tool is not None else self.tool_choice
+
+
+def check_tools(tools: list | None, tool_choice: Any, tools_param: str, choice_param: str) -> None:
+    """tools: [] and a tool_choice without tools are refused (as OpenAI does), and a named tool not in tools."""
+    if tools is not None and not tools:
+        raise APIError(400, f"{tools_param}: give at least one tool, or leave tools out", tools_param)
+    if tool_choice is not None and not tools:
+        raise APIError(400, f"{choice_param} is only allowed when tools are given", choice_param)
+    names = [tool.function.name if hasattr(tool, "function") else tool.name for tool in tools or []]
+    duplicate = next((name for name in names if names.count(name) > 1), None)
+    if duplicate is not None:
+        raise APIError(400, f"{tools_param}: the tool name {duplicate!r} is given twice", tools_param)
+    named = getattr(getattr(tool_choice, "function", tool_choice), "name", None)
+    if named is not None and named not in names:
+        raise APIError(400, f"{choice_param}: the function {named!r} is not one of the tools ({', '.join(names)})",
+                       choice_param)
+
+
+STRUCTURED_OUTPUTS_KEYS = {"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace"}
+
+
+def _constraint(field: str, **given: Any) -> StructuredOutputsParams:
+    """StructuredOutputsParams, its ValueError a 400 naming `field` (an alias says its own name)."""
+    schema = given.get("json")
+    if isinstance(schema, str) and schema.strip() in ("{}", ""):
+        schema = {}
+    if "json" in given and not schema:
+        raise APIError(400, f"{field} must be a non-empty JSON schema (an object); for any JSON object use "
+                            'response_format {"type": "json_object"}', field)
+    try:
+        return StructuredOutputsParams(**given)
+    except (ValueError, TypeError) as error:
+        message = str(error)
+        if field != "structured_outputs":
+            message = message.replace(f"structured_outputs.{next(iter(given))}", field)
+            message = message.replace("structured_outputs", field)
+        elif not message.startswith("structured_outputs"):
+            message = f"structured_outputs: {message}"
+        raise APIError(400, message, field) from None
+
+
+def response_format_constraint(value: dict[str, Any], param: str) -> StructuredOutputsParams | None:
+    """OpenAI's response_format (or the Responses API's text.format): {"type": "text"} | {"type": "json_object"}
+    | {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}; the Responses API's json_schema is
+    flat ({"type": "json_schema", "name", "schema", "strict"})."""
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _constraint(param, json_object=True)
+    if kind == "json_schema":
+        spec, where = (value.get("json_schema"), f"{param}.json_schema") if "json_schema" in value else (value, param)
+        if not isinstance(spec, dict):
+            raise APIError(400, f"{where} must be an object with name, schema and strict", where)
+        schema = spec.get("schema")
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as error:
+                raise APIError(400, f"{where}.schema is not valid JSON: {error}", f"{where}.schema") from None
+        if not isinstance(schema, dict) or not schema:
+            raise APIError(400, f"{where}.schema must be a non-empty JSON schema (an object)", f"{where}.schema")
+        return _constraint(f"{where}.schema", json=schema)
+    raise APIError(400, f"{param}.type must be one of text, json_object, json_schema, got {kind!r}", f"{param}.type")
+
+
+# --- /v1/responses ---------------------------------------------------------------------------
+
+class ResponsesFunctionTool(BaseModel):
+    """The Responses API's flat function tool."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def as_chat_tool(self) -> ChatTool:
+        return ChatTool(type="function", function=FunctionDefinition(
+            name=self.name, description=self.description, parameters=self.parameters, strict=self.strict))
+
+
+class ResponsesNamedTool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesTextConfig(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    format: dict[str, Any] | None = None
+
+
+class ResponsesRequest(BaseModel):
+    """The subset of OpenAI's Responses API that the OpenAI Agents SDK uses (docs/serving.md)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[ResponsesFunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedTool | None = None
+    parallel_tool_calls: bool | None = None
+    text: ResponsesTextConfig | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    previous_response_id: str | None = None
+    store: bool = True
+    metadata: dict[str, Any] | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+    seed: int | None = None  # vLLM's extension
+    background: bool | None = None
+
+    def check_supported(self) -> None:
+        if self.background:
+            raise APIError(400, "background is not supported by kvshard; leave it out", "background")
+        if self.tools is not None and not self.tools:
+            self.tools = None  # the Agents SDK sends [] for an agent without tools: no tools
+        check_tools(self.tools, self.tool_choice, "tools", "tool_choice")
+
+
+# --- /tokenize, /detokenize (vLLM's) ---------------------------------------------------------------
+
+class TokenizeRequest(BaseModel):
+    """{"prompt": text} or {"messages": [...]} (rendered through the chat template first)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    model: str | None = None
+    tokens: list[int]
+
+
+def _parse(model: type[BaseModel], body: bytes) -> Any:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as error:
+        first = error.errors()[0]
+        if first["type"] == "json_invalid":
+            raise APIError(400, f"the request body is not valid JSON: {first['ctx']['error']}") from None
+        # keep field names and list indices; drop the names pydantic gives to union members
+        path = [str(p) for p in first["loc"] if isinstance(p, int) or (p.isidentifier() and p.islower()
+                                                                      and p not in _TYPE_NAMES)]
+        message = first["msg"].removeprefix("Value error, ")
+        raise APIError(400, f"{'.'.join(path)}: {message}" if path else message, path[0] if path else None) from None
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
+

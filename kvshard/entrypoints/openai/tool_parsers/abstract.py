@@ -1,0 +1,215 @@
+"""What every tool-call parser shares.
+
+A parser reads the text a model wrote so far and says what it holds: the content (text for the user) and
+the calls, each with its name once that is whole and its arguments as the raw JSON text written so far.
+The same function serves a finished output and a stream: `ToolCallStream` diffs one parse against the
+last and hands out OpenAI's deltas (a call's id, type and name once, in its first delta; then fragments of
+its arguments), so the fragments of a call always add up to the arguments a non-streamed answer gives.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass
+class ParsedCall:
+    name: str | None  # None until the name is whole
+    arguments: str  # the raw JSON text of the arguments, as far as it is written
+    complete: bool = False  # the call's text has ended
+    id: str | None = None  # an id the format itself gives (Kimi K2's), else one is made
+
+
+@dataclass
+class Parsed:
+    content: str  # text for the user: in a stream, only what can no longer turn out to start a call
+    calls: list[ParsedCall] = field(default_factory=list)
+
+
+class ToolParser:
+    """One model family's tool-call format. `parse(text, final)`: what `text` holds; with `final` the
+    output has ended, so nothing is held back any more."""
+
+    name: ClassVar[str]
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        raise NotImplementedError
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+# --- JSON text scanning (raw spans, so that streamed fragments equal the final text) ---------------------
+
+_WS = " \t\r\n"
+
+
+def skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in _WS:
+        i += 1
+    return i
+
+
+def _string_end(text: str, i: int) -> int | None:
+    """text[i] == '"': the index after the closing quote, or None if the string is not closed yet."""
+    j = i + 1
+    while j < len(text):
+        c = text[j]
+        if c == "\\":
+            j += 2
+            continue
+        if c == '"':
+            return j + 1
+        j += 1
+    return None
+
+
+def value_end(text: str, i: int) -> int | None:
+    """The index after the JSON value that starts at text[i], or None while it is not whole. Objects and
+    arrays end at their closing bracket; a number or literal needs a character after it to be known ended."""
+    if i >= len(text):
+        return None
+    c = text[i]
+    if c == '"':
+        return _string_end(text, i)
+    if c in "{[":
+        depth, j = 0, i
+        while j < len(text):
+            c = text[j]
+            if c == '"':
+                end = _string_end(text, j)
+                if end is None:
+                    return None
+                j = end
+                continue
+            if c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                if depth == 0:
+                    return j + 1
+            j += 1
+        return None
+    j = i
+    while j < len(text) and text[j] not in _WS + ",}]":
+        j += 1
+    return j if j < len(text) else None
+
+
+def scan_call_object(text: str, i: int, name_keys: tuple[str, ...] = ("name",),
+                     argument_keys: tuple[str, ...] = ("arguments", "parameters")) -> tuple[ParsedCall | None, int | None]:
+    """A call written as one JSON object at text[i] ({"name": ..., "arguments": {...}}): the call as far as it
+    is written (None if nothing of it is yet) and the index after the object, or None while it is open."""
+    assert text[i] == "{"
+    name: str | None = None
+    arguments = ""
+    j = skip_ws(text, i + 1)
+    while j < len(text):
+        if text[j] == "}":
+            return ParsedCall(name, arguments, complete=True), j + 1
+        if text[j] == ",":
+            j = skip_ws(text, j + 1)
+            continue
+        if text[j] != '"':
+            return None, None  # not a JSON object after all
+        key_end = _string_end(text, j)
+        if key_end is None:
+            break
+        key = json.loads(text[j:key_end])
+        j = skip_ws(text, key_end)
+        if j >= len(text):
+            break
+        if text[j] != ":":
+            return None, None
+        j = skip_ws(text, j + 1)
+        if j >= len(text):
+            break
+        end = value_end(text, j)
+        if key in argument_keys:
+            arguments = text[j:end] if end is not None else text[j:]
+        if end is None:
+            break
+        if key in name_keys and text[j] == '"':
+            name = json.loads(text[j:end])
+        j = skip_ws(text, end)
+    return ParsedCall(name, arguments), None
+
+
+def held_back(text: str, markers: tuple[str, ...]) -> int:
+    """Where `text` may begin a marker that is not whole yet: the length of content that is safe to send."""
+    for k in range(min(len(text), max(map(len, markers)) - 1), 0, -1):
+        if any(marker.startswith(text[-k:]) for marker in markers):
+            return len(text) - k
+    return len(text)
+
+
+def content_before(text: str, start: int | None, markers: tuple[str, ...], final: bool) -> str:
+    """The content of a parse: the text before the first call's marker (`start`), or all of it when no call
+    began. In a stream, a possible marker's first characters and trailing whitespace are held back."""
+    if start is None:
+        return text if final else text[:held_back(text, markers)].rstrip()
+    return text[:start].rstrip()
+
+
+def arguments_json(call: ParsedCall) -> str:
+    """A finished call's arguments as OpenAI gives them: a JSON text (an object)."""
+    raw = call.arguments.strip()
+    if raw.startswith('"'):  # some models write the arguments as a JSON string that holds the object
+        try:
+            inner = json.loads(raw)
+            return inner if isinstance(inner, str) else raw
+        except ValueError:
+            return raw
+    return raw or "{}"
+
+
+# --- the stream ---------------------------------------------------------------------------------------
+
+class ToolCallStream:
+    """Deltas of one choice's content and calls as its text grows (OpenAI's chunk shapes), from a parser.
+    `max_calls` (1 with parallel_tool_calls false) drops the calls after the first ones."""
+
+    def __init__(self, parser: ToolParser, max_calls: int | None = None) -> None:
+        self.parser = parser
+        self.max_calls = max_calls
+        self.sent_content = ""
+        self.sent: list[tuple[str, str]] = []  # per call: its id, and the arguments text sent
+        self.calls: list[dict[str, Any]] = []  # the calls as a whole (for a final check)
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
+        """`text`: the whole output so far. The new content and tool_call deltas since the last feed."""
+        parsed = self.parser.parse(text, final)
+        content = ""
+        if parsed.content.startswith(self.sent_content):
+            content, self.sent_content = parsed.content[len(self.sent_content):], parsed.content
+        calls = parsed.calls[: self.max_calls] if self.max_calls is not None else parsed.calls
+        deltas: list[dict[str, Any]] = []
+        for index, call in enumerate(calls):
+            if call.name is None:
+                break  # a later call cannot be named before this one
+            arguments = arguments_json(call) if (final or call.complete) else _streamable(call.arguments)
+            if index == len(self.sent):
+                call_id = call.id or new_call_id()
+                self.sent.append((call_id, ""))
+                self.calls.append({"id": call_id, "name": call.name})
+                deltas.append({"index": index, "id": call_id, "type": "function",
+                               "function": {"name": call.name, "arguments": ""}})
+            call_id, sent = self.sent[index]
+            fragment = arguments[len(sent):] if arguments.startswith(sent) else ""
+            if fragment:
+                self.sent[index] = (call_id, sent + fragment)
+                if deltas and deltas[-1]["index"] == index and "id" in deltas[-1] \
+                        and deltas[-1]["function"]["arguments"] == "":
+                    deltas[-1]["function"]["arguments"] = fragment
+                else:
+                    deltas.append({"index": index, "function": {"arguments": fragment}})
+        return content, deltas
+
+
+def _streamable(raw: str) -> str:
+    """Arguments still being written: a JSON-string form is decoded only once whole, so send none of it."""
+    return "" if raw.lstrip().startswith('"') else raw.lstrip()
