@@ -305,8 +305,7 @@ def post(client: TestClient, route: str, **body):
 UNSUPPORTED = [("use_beam_search", True), ("best_of", 3), ("length_penalty", 0.5), ("early_stopping", True),
                ("prompt_logprobs", 1), ("include_stop_str_in_output", True), ("skip_special_tokens", False),
                ("spaces_between_special_tokens", False), ("truncate_prompt_tokens", 4), ("allowed_token_ids", [5]),
-               ("guided_json", {}), ("guided_regex", "a+"), ("guided_choice", ["a"]), ("guided_grammar", "x"),
-               ("structured_outputs", {"regex": "a"}), ("logits_processors", ["x"]),
+               ("logits_processors", ["x"]),
                ("return_tokens_as_token_ids", True), ("use_beam_search", 1)]
 
 
@@ -320,6 +319,20 @@ def test_fields_kvshard_does_not_implement_are_refused(client, route):
     fine = post(client, route, max_tokens=2, use_beam_search=False, length_penalty=1.0, best_of=1,
                 skip_special_tokens=True, include_stop_str_in_output=False)
     assert fine.status_code == 200, fine.text
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_structured_output_fields_are_served_and_checked(client, route):
+    # vLLM's constraint fields (and the removed guided_* aliases): a good one is served, a bad one a 400 naming it
+    for field, value in [("guided_regex", "a+"), ("guided_choice", ["a", "b"]), ("structured_outputs", {"regex": "a"}),
+                         ("guided_json", {"type": "object"})]:
+        response = post(client, route, max_tokens=2, **{field: value})
+        assert response.status_code == 200, (field, response.text)
+    for field, value in [("guided_json", {}), ("guided_regex", "("), ("guided_choice", []), ("guided_grammar", "x"),
+                         ("structured_outputs", {"regex": "a", "choice": ["a"]})]:
+        response = post(client, route, max_tokens=2, **{field: value})
+        assert response.status_code == 400, (field, response.text)
+        assert response.json()["error"]["param"] == field, (field, response.text)
 
 
 @pytest.mark.parametrize("route", ["completions", "chat"])
