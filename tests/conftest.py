@@ -18,6 +18,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # `auto` would replicate every tiny model's queries (config.AUTO_REPLICATE_MAX_BYTES): keep it on the head-split
 # path, the DCP rhythm with its Q all-gather; tests ask for the replicated layout by name.
 os.environ.setdefault("KVSHARD_AUTO_REPLICATE_MAX_BYTES", "0")
+# A rank's heartbeat thread can miss the 3 s default on a 2-core machine that other work loads far past its
+# cores (seen in real-model steps): the suite's engines and servers get 30 s; tests/test_executor.py names the
+# defaults where it checks them.
+os.environ.setdefault("KVSHARD_HEARTBEAT_TIMEOUT", "30")
 
 
 @pytest.fixture(scope="session", autouse=True)
