@@ -18,6 +18,19 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # `auto` would replicate every tiny model's queries (config.AUTO_REPLICATE_MAX_BYTES): keep it on the head-split
 # path, the DCP rhythm with its Q all-gather; tests ask for the replicated layout by name.
 os.environ.setdefault("KVSHARD_AUTO_REPLICATE_MAX_BYTES", "0")
+# A rank's heartbeat thread can miss the 3 s default on a 2-core machine that other work loads far past its
+# cores (seen in real-model steps): the suite's engines and servers get 30 s; tests/test_executor.py names the
+# defaults where it checks them.
+os.environ.setdefault("KVSHARD_HEARTBEAT_TIMEOUT", "30")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ranks_start_with_torch_loaded():
+    """Engines' ranks 1..N-1 fork from a process that imported torch once, instead of each importing it
+    (tests/rank_start.py); servers, started as `kvshard serve` processes, keep kvshard's 'spawn'."""
+    import rank_start
+
+    rank_start.use_forkserver()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -140,12 +153,97 @@ def hf_greedy(directory: Path, prompts: list[list[int]], max_new_tokens: int) ->
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
-    """Factory: checkpoints(name, config) -> directory, made once per session."""
+    """Factory: checkpoints(name, config, seed=0, off_neutral=False) -> directory, made once per session
+    (`save_hf_checkpoint`); a name stands for one checkpoint."""
     made: dict[str, Path] = {}
 
-    def make(name: str, config) -> Path:
+    def make(name: str, config, seed: int = 0, off_neutral: bool = False) -> Path:
         if name not in made:
-            made[name] = save_hf_checkpoint(config, tmp_path_factory.mktemp(name))
+            made[name] = save_hf_checkpoint(config, tmp_path_factory.mktemp(name), seed, off_neutral)
         return made[name]
 
     return make
+
+
+def _prompts_key(prompts) -> tuple:
+    return tuple(tuple(prompt) if isinstance(prompt, list) else prompt for prompt in prompts)
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """Factory: transformers' greedy reference of a checkpoint, computed once per session for every file.
+
+    hf_reference(directory, prompts, max_new_tokens) -> tokens per prompt (`hf_greedy`);
+    with logprobs=True -> (tokens, per-step log-probabilities [V]) (`hf_greedy_with_logprobs`).
+    """
+    made: dict[tuple, object] = {}
+
+    def get(directory, prompts, max_new_tokens: int, logprobs: bool = False):
+        key = (str(directory), _prompts_key(prompts), max_new_tokens, logprobs)
+        if key not in made:
+            made[key] = (hf_greedy_with_logprobs if logprobs else hf_greedy)(Path(directory), prompts, max_new_tokens)
+        return made[key]
+
+    return get
+
+
+class Run:
+    """What one engine gave for one batch of greedy requests, run once per session (`engine_run`)."""
+
+    def __init__(self, llm, outputs, peak_blocks: int, peak_tokens_per_rank: list[int], probed) -> None:
+        engine = llm.engine
+        stats = engine.stats()
+        self.outputs = outputs
+        self.tokens = [o.outputs[0].token_ids for o in outputs]
+        self.logprobs = [o.outputs[0].logprobs for o in outputs]
+        self.config = llm.config
+        self.peak_blocks = peak_blocks  # KV blocks in use at the batch's peak
+        self.peak_tokens_per_rank = peak_tokens_per_rank  # tokens each DCP rank held then
+        self.blocks_used_after = stats.kv_blocks_used  # once every request finished
+        self.kv_cache_bytes = engine.runner.kv_cache_bytes  # allocated on rank 0
+        self.shared_memory = engine.executor.parallel.tp_shm is not None  # collectives through shared memory
+        self.merges = set(stats.dcp_timing.merges) if stats.dcp_timing else set()  # rank 0's merge schemes
+        self.probed = probed  # what the caller's `probe(llm)` returned, after the batch
+
+
+@pytest.fixture(scope="session")
+def engine_run():
+    """Factory: engine_run(model, prompts, params, env=None, probe=None, **engine_kwargs) -> Run.
+
+    Starts `LLM(model, **engine_kwargs)` (with `env` set while its ranks start and run), adds every prompt
+    and steps until all are done, then calls `probe(llm)`; each distinct call runs once per session, so that
+    tests that only read the outputs share one engine, also across files.
+    """
+    from kvshard import LLM
+
+    made: dict[tuple, Run] = {}
+
+    def run(model, prompts, params, env: dict[str, str] | None = None, probe=None, **engine_kwargs) -> Run:
+        key = (str(model), _prompts_key(prompts), repr(params), tuple(sorted((env or {}).items())),
+               probe and f"{probe.__module__}.{probe.__qualname__}", tuple(sorted(engine_kwargs.items())))
+        if key not in made:
+            made[key] = _run_engine(LLM, str(model), prompts, params, env or {}, probe, engine_kwargs)
+        return made[key]
+
+    return run
+
+
+def _run_engine(LLM, model: str, prompts, params, env: dict[str, str], probe, engine_kwargs: dict) -> Run:
+    with environment(env), LLM(model, **engine_kwargs) as llm:
+        engine = llm.engine
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        done, peak_blocks, peak_tokens = {}, 0, []
+        for _ in range(100_000):  # bounded: a few hundred steps at most
+            if len(done) == len(prompts):
+                break
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+            stats = engine.stats()
+            if stats.kv_blocks_used > peak_blocks:
+                peak_blocks, peak_tokens = stats.kv_blocks_used, stats.kv_tokens_per_dcp_rank
+        outputs = [done[str(i)] for i in range(len(prompts))]
+        result = Run(llm, outputs, peak_blocks, peak_tokens, None)
+        result.probed = probe(llm) if probe is not None else None
+        return result

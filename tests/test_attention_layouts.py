@@ -18,7 +18,7 @@ from kvshard.config import (
 )
 from kvshard.engine.arg_utils import EngineArgs
 from kvshard.parallel import ParallelState
-from conftest import assert_same_generation, environment, hf_greedy, tiny_llama_config
+from conftest import Run, assert_same_generation, tiny_llama_config
 
 BLOCK = 4
 NEW_TOKENS = 12
@@ -48,38 +48,29 @@ RUNS = [
 ]
 
 
-class Run:
-    def __init__(self, llm: LLM, outputs) -> None:
-        self.tokens = [o.outputs[0].token_ids for o in outputs]
-        self.logprobs = [o.outputs[0].logprobs for o in outputs]
-        self.config = llm.config
-
-
 @pytest.fixture(scope="module")
-def run(checkpoints):
-    made: dict[tuple, Run] = {}
+def run(checkpoints, engine_run):
+    """run(model, tp, dcp, ...) -> conftest.Run, each configuration's ranks started once per session."""
 
     def get(model: str, tp: int, dcp: int, interleave: int = 1, budget: int | None = None) -> Run:
-        key = (model, tp, dcp, interleave, budget)
-        if key not in made:
-            with environment(CANONICAL_MERGE if (model, tp, dcp) == ("9q3kv", 2, 2) else {}), LLM(str(checkpoints(f"layouts-{model}", MODELS[model]())), tensor_parallel_size=tp,
-                     decode_context_parallel_size=dcp, dcp_kv_interleave_size=interleave, block_size=BLOCK,
-                     max_num_seqs=4, max_num_batched_tokens=budget, kv_cache_memory="256KiB",
-                     max_model_len=64) as llm:
-                made[key] = Run(llm, llm.generate(PROMPTS, GREEDY, use_tqdm=False))
-        return made[key]
+        return engine_run(checkpoints(f"layouts-{model}", MODELS[model]()), PROMPTS, GREEDY,
+                          env=CANONICAL_MERGE if (model, tp, dcp) == ("9q3kv", 2, 2) else {},
+                          tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+                          dcp_kv_interleave_size=interleave, block_size=BLOCK, max_num_seqs=4,
+                          max_num_batched_tokens=budget, kv_cache_memory="256KiB", max_model_len=64)
 
     return get
 
 
 @pytest.mark.parametrize("model, tp, dcp, interleave, budget", RUNS,
                          ids=[f"{m}-tp{t}-dcp{d}-i{i}" for m, t, d, i, _ in RUNS])
-def test_sharded_run_matches_transformers_and_tp1(run, checkpoints, model, tp, dcp, interleave, budget):
+def test_sharded_run_matches_transformers_and_tp1(run, checkpoints, hf_reference, model, tp, dcp, interleave,
+                                                  budget):
     sharded = run(model, tp, dcp, interleave, budget)
     assert sharded.config.parallel.attention_layout == REPLICATED  # head-split cannot run these
     single = run(model, 1, 1)
-    assert sharded.tokens == single.tokens == hf_greedy(checkpoints(f"layouts-{model}", MODELS[model]()), PROMPTS,
-                                                         NEW_TOKENS)
+    assert sharded.tokens == single.tokens == hf_reference(checkpoints(f"layouts-{model}", MODELS[model]()), PROMPTS,
+                                                            NEW_TOKENS)
     assert all(len(tokens) == NEW_TOKENS for tokens in sharded.tokens)
     assert_same_generation(sharded.tokens, sharded.logprobs, single.tokens, single.logprobs, atol=1e-4)
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 from transformers import MistralConfig, Qwen2Config
 
-from kvshard import LLM, SamplingParams
+from kvshard import SamplingParams
 from kvshard.shm import shm_supported
-from conftest import assert_same_generation, environment, hf_greedy, tiny_llama_config
+from conftest import Run, assert_same_generation, tiny_llama_config
 
 BLOCK = 4
 NEW_TOKENS = 32
@@ -41,69 +41,30 @@ MODELS = {
 }
 
 
-class Run:
-    def __init__(self, outputs, peak_blocks: int, peak_tokens_per_rank: list[int], kv_bytes_per_slot: int,
-                 allocated_bytes: int, num_blocks: int, shared_memory: bool, attention_layout: str, merges: set[str]):
-        self.tokens = [o.outputs[0].token_ids for o in outputs]
-        self.logprobs = [o.outputs[0].logprobs for o in outputs]
-        self.peak_blocks = peak_blocks
-        self.peak_tokens_per_rank = peak_tokens_per_rank
-        self.kv_bytes_per_slot = kv_bytes_per_slot
-        self.allocated_bytes = allocated_bytes
-        self.num_blocks = num_blocks
-        self.shared_memory = shared_memory  # the collectives went through shared memory (else gloo)
-        self.attention_layout = attention_layout
-        self.merges = merges  # the merge schemes rank 0's layers took (empty without DCP)
+def _run_args(tp: int, dcp: int, interleave: int, budget: int | None, attention: str, comm: str) -> dict:
+    return dict(tensor_parallel_size=tp, decode_context_parallel_size=dcp, dcp_kv_interleave_size=interleave,
+                dcp_attention_layout=attention, dcp_comm_backend=comm, block_size=BLOCK, max_num_seqs=8,
+                max_num_batched_tokens=budget, kv_cache_memory="1MiB")
 
 
 @pytest.fixture(scope="module")
-def run(checkpoints):
-    cache: dict[tuple, Run] = {}
+def run(checkpoints, engine_run):
+    """run(model, tp, dcp, ...) -> conftest.Run, each configuration's ranks started once per session."""
 
     def get(model: str, tp: int, dcp: int, interleave: int = 1, budget: int | None = None,
             attention: str = "auto", env: dict | None = None, comm: str = "auto") -> Run:
-        key = (model, tp, dcp, interleave, budget, attention, tuple(sorted((env or {}).items())), comm)
-        if key not in cache:
-            path = checkpoints(model, MODELS[model]())
-            with environment(env or {}):
-                cache[key] = _run(path, tp, dcp, interleave, budget, attention, comm)
-        return cache[key]
+        result = engine_run(checkpoints(model, MODELS[model]()), PROMPTS, GREEDY, env=env,
+                            **_run_args(tp, dcp, interleave, budget, attention, comm))
+        assert result.blocks_used_after == 0
+        return result
 
     return get
 
 
-def _run(path, tp: int, dcp: int, interleave: int, budget: int | None, attention: str, comm: str) -> Run:
-    with LLM(str(path), tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-             dcp_kv_interleave_size=interleave, dcp_attention_layout=attention, dcp_comm_backend=comm,
-             block_size=BLOCK, max_num_seqs=8,
-             max_num_batched_tokens=budget, kv_cache_memory="1MiB") as llm:
-        engine = llm.engine
-        for i, prompt in enumerate(PROMPTS):
-            engine.add_request(str(i), prompt, GREEDY)
-        done, peak_blocks, peak_tokens = {}, 0, []
-        while len(done) < len(PROMPTS):
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-            stats = engine.stats()
-            if stats.kv_blocks_used > peak_blocks:
-                peak_blocks, peak_tokens = stats.kv_blocks_used, stats.kv_tokens_per_dcp_rank
-        assert engine.stats().kv_blocks_used == 0
-        timing = engine.stats().dcp_timing
-        return Run([done[str(i)] for i in range(len(PROMPTS))], peak_blocks, peak_tokens,
-                   llm.config.kv_bytes_per_slot, engine.runner.kv_cache_bytes, llm.config.num_kv_blocks,
-                   engine.executor.parallel.tp_shm is not None, llm.config.parallel.attention_layout,
-                   set(timing.merges) if timing else set())
-
-
 @pytest.fixture(scope="module")
-def reference(checkpoints):
-    made = {}
-
+def reference(checkpoints, hf_reference):
     def get(model: str) -> list[list[int]]:
-        if model not in made:
-            made[model] = hf_greedy(checkpoints(model, MODELS[model]()), PROMPTS, NEW_TOKENS)
-        return made[model]
+        return hf_reference(checkpoints(model, MODELS[model]()), PROMPTS, NEW_TOKENS)
 
     return get
 
@@ -117,7 +78,8 @@ def assert_same_as(got: Run, want: Run) -> None:
 @pytest.mark.parametrize("tp, dcp, interleave, budget", LLAMA_LAYOUTS)
 def test_llama_matches_transformers_and_no_dcp(run, reference, tp, dcp, interleave, budget):
     result = run("llama", tp, dcp, interleave, budget)
-    assert result.attention_layout == "head-split"  # where it applies, auto keeps the Q all-gather layout
+    # where it applies, auto keeps the Q all-gather layout
+    assert result.config.parallel.attention_layout == "head-split"
     assert result.tokens == reference("llama")
     assert_same_as(result, run("llama", 1, 1))
 
@@ -135,7 +97,7 @@ def test_qwen2_and_mistral_match_transformers(run, reference, model, tp, dcp, in
 def test_replicated_queries_change_nothing(run, tp, dcp, interleave, budget):
     """Each rank computes its whole group's queries instead of all-gathering them."""
     result = run("llama", tp, dcp, interleave, budget, attention="replicated")
-    assert result.attention_layout == "replicated"
+    assert result.config.parallel.attention_layout == "replicated"
     assert result.tokens == run("llama", tp, dcp, interleave, budget).tokens
     assert_same_as(result, run("llama", 1, 1))
 
@@ -188,11 +150,11 @@ def test_per_rank_kv_memory_at_dcp_n_is_one_nth(run):
     base = run("llama", 4, 1)
     for dcp, interleave in [(2, 1), (4, 1), (4, BLOCK)]:
         sharded = run("llama", 4, dcp, interleave)
-        assert sharded.kv_bytes_per_slot == base.kv_bytes_per_slot  # same bytes per stored token ...
-        used = sharded.peak_blocks * BLOCK * sharded.kv_bytes_per_slot
-        full = base.peak_blocks * BLOCK * base.kv_bytes_per_slot
+        assert sharded.config.kv_bytes_per_slot == base.config.kv_bytes_per_slot  # same bytes per stored token ...
+        used = sharded.peak_blocks * BLOCK * sharded.config.kv_bytes_per_slot
+        full = base.peak_blocks * BLOCK * base.config.kv_bytes_per_slot
         # ... but 1/N of the tokens, up to one partly filled block per request
-        assert full / dcp <= used <= full / dcp + len(PROMPTS) * BLOCK * base.kv_bytes_per_slot
+        assert full / dcp <= used <= full / dcp + len(PROMPTS) * BLOCK * base.config.kv_bytes_per_slot
         total = sum(base.peak_tokens_per_rank)
         assert sum(sharded.peak_tokens_per_rank) == total
         assert max(sharded.peak_tokens_per_rank) <= total / dcp + len(PROMPTS) * interleave
@@ -200,4 +162,4 @@ def test_per_rank_kv_memory_at_dcp_n_is_one_nth(run):
 
 def test_allocated_cache_equals_the_configured_budget(run):
     result = run("llama", 4, 4, 1, 16)
-    assert result.allocated_bytes == result.num_blocks * BLOCK * result.kv_bytes_per_slot <= 2**20
+    assert result.kv_cache_bytes == result.config.num_kv_blocks * BLOCK * result.config.kv_bytes_per_slot <= 2**20

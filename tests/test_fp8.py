@@ -34,7 +34,7 @@ from kvshard.config import ConfigError
 from kvshard.engine.arg_utils import EngineArgs
 from kvshard.models.quantization import Fp8BlockQuantization, QuantizedCheckpoint, dequantize_block_fp8
 
-from conftest import hf_greedy_with_logprobs, random_hf_model
+from conftest import random_hf_model
 
 BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -154,21 +154,14 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(2, 128, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
 
 
-def _hf_generation(directory: Path, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
-    """transformers' greedy tokens and per-step log-probabilities [V]."""
-    return hf_greedy_with_logprobs(directory, prompts, NEW_TOKENS)
-
-
-def _kvshard_generation(directory: Path, tp: int, dcp: int, prompts: list[list[int]], dtype: str = "float32"):
-    with LLM(
-        str(directory), tensor_parallel_size=tp, decode_context_parallel_size=dcp, block_size=KV_BLOCK_SIZE,
+def _kvshard_generation(engine_run, directory: Path, tp: int, dcp: int, prompts: list[list[int]],
+                        dtype: str = "float32"):
+    result = engine_run(
+        directory, prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=LOGPROB_TOP),
+        tensor_parallel_size=tp, decode_context_parallel_size=dcp, block_size=KV_BLOCK_SIZE,
         max_model_len=128, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=16, dtype=dtype,
-    ) as llm:
-        outputs = llm.generate(
-            prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=LOGPROB_TOP),
-            use_tqdm=False,
-        )
-    return [o.outputs[0].token_ids for o in outputs], [o.outputs[0].logprobs for o in outputs]
+    )
+    return result.tokens, result.logprobs
 
 
 @pytest.fixture(scope="module")
@@ -189,13 +182,11 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(checkpoints, prompts):
-    made: dict[str, tuple] = {}
+def reference(checkpoints, prompts, hf_reference):
+    """transformers' greedy tokens and per-step log-probabilities [V] of the dequantized checkpoint."""
 
     def get(name: str):
-        if name not in made:
-            made[name] = _hf_generation(checkpoints(name)[1], prompts)
-        return made[name]
+        return hf_reference(checkpoints(name)[1], prompts, NEW_TOKENS, logprobs=True)
 
     return get
 
@@ -233,9 +224,9 @@ def test_checkpoint_has_the_published_layout(checkpoints, name):
 
 
 @pytest.mark.parametrize("name, tp, dcp", RUNS, ids=[f"{n}-tp{t}-dcp{d}" for n, t, d in RUNS])
-def test_fp8_checkpoint_matches_dequantized_transformers(checkpoints, reference, prompts, name, tp, dcp):
+def test_fp8_checkpoint_matches_dequantized_transformers(checkpoints, reference, prompts, engine_run, name, tp, dcp):
     want_tokens, want_logprobs = reference(name)
-    tokens, logprobs = _kvshard_generation(checkpoints(name)[0], tp, dcp, prompts)
+    tokens, logprobs = _kvshard_generation(engine_run, checkpoints(name)[0], tp, dcp, prompts)
     assert tokens == want_tokens
     worst = 0.0
     for got_steps, want_steps in zip(logprobs, want_logprobs):
@@ -247,12 +238,12 @@ def test_fp8_checkpoint_matches_dequantized_transformers(checkpoints, reference,
     assert worst < 1e-3  # the float32 tolerance of the unquantized MLA and Llama tests
 
 
-def test_published_dtype_runs_in_bfloat16_close_to_float32(checkpoints, reference, prompts):
+def test_published_dtype_runs_in_bfloat16_close_to_float32(checkpoints, reference, prompts, engine_run):
     """The default (`auto`: the checkpoint's bfloat16) at tp=2 dcp=2: weights dequantized to bfloat16.
     Each prompt's first token (from the prefill alone) is one of float32's top five, within 0.15 in
     log-probability, and every request runs to the end."""
     _, want_logprobs = reference("v3-moe")
-    tokens, logprobs = _kvshard_generation(checkpoints("v3-moe")[0], 2, 2, prompts, dtype="auto")
+    tokens, logprobs = _kvshard_generation(engine_run, checkpoints("v3-moe")[0], 2, 2, prompts, dtype="auto")
     for got_tokens, got_steps, want_steps in zip(tokens, logprobs, want_logprobs):
         assert len(got_tokens) == NEW_TOKENS
         first = got_tokens[0]

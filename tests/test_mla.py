@@ -19,7 +19,7 @@ from kvshard import LLM, ConfigError, SamplingParams
 from kvshard.config import EngineConfig
 from kvshard.engine.arg_utils import EngineArgs
 
-from conftest import assert_same_generation, environment, hf_greedy_with_logprobs, save_hf_checkpoint
+from conftest import assert_same_generation
 
 BLOCK_SIZE = 4  # a virtual block at dcp=4 is 16 tokens: the longer prompts span several
 NEW_TOKENS = 32
@@ -112,11 +112,6 @@ class Generation:
     logprobs: list[list[dict[int, float]]]  # per prompt, per new token: {token_id: logprob}
 
 
-def _hf_generation(directory: Path, prompts: list[list[int]]) -> Generation:
-    tokens, steps = hf_greedy_with_logprobs(directory, prompts, NEW_TOKENS)
-    return Generation(tokens, [[{i: float(row[i]) for i in range(row.shape[0])} for row in rows] for rows in steps])
-
-
 @dataclass
 class Run:
     generation: Generation
@@ -127,33 +122,34 @@ class Run:
     merges: set[str]  # the merge schemes rank 0's layers took (empty without DCP)
 
 
-def _run(directory: Path, layout: Layout, prompts: list[list[int]], dtype: str = "auto") -> Run:
-    with environment(dict(layout.env)), LLM(
-        str(directory), tensor_parallel_size=layout.tp, decode_context_parallel_size=layout.dcp,
+def _accounting(llm: LLM) -> tuple[list[int], set[str], int]:
+    """After the batch: the KV tokens per DCP rank of one live request, the merges taken, rank 0's Q rows."""
+    engine = llm.engine
+    engine.add_request("accounting", list(range(2, 2 + ACCOUNTING_PROMPT_LEN)), SamplingParams(max_tokens=4))
+    live = engine.requests["accounting"].seqs[0]
+    while live.num_computed_tokens < ACCOUNTING_PROMPT_LEN:  # prefilled, still running
+        engine.step()
+    kv_tokens, timing = engine.stats().kv_tokens_per_dcp_rank, engine.stats().dcp_timing
+    engine.abort_request("accounting")
+    attention = engine.runner.model.model.layers[0].self_attn
+    q_proj = attention.q_b_proj if attention.q_lora else attention.q_proj
+    return kv_tokens, set(timing.merges) if timing else set(), q_proj.weight_shape[0]
+
+
+def _run(engine_run, directory: Path, layout: Layout, prompts: list[list[int]], dtype: str = "auto") -> Run:
+    result = engine_run(
+        directory, prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=LOGPROB_TOP),
+        env=dict(layout.env), probe=_accounting,
+        tensor_parallel_size=layout.tp, decode_context_parallel_size=layout.dcp,
         dcp_kv_interleave_size=layout.interleave, dcp_attention_layout=layout.attention, block_size=BLOCK_SIZE,
         dcp_comm_backend=layout.comm,
         max_model_len=128, num_kv_blocks=64, max_num_seqs=4,
         max_num_batched_tokens=16,  # long prompts prefill in chunks that attend to the sharded cache
         dtype=dtype,
-    ) as llm:
-        outputs = llm.generate(
-            prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=LOGPROB_TOP),
-            use_tqdm=False,
-        )
-        engine = llm.engine
-        engine.add_request("accounting", list(range(2, 2 + ACCOUNTING_PROMPT_LEN)), SamplingParams(max_tokens=4))
-        live = engine.requests["accounting"].seqs[0]
-        while live.num_computed_tokens < ACCOUNTING_PROMPT_LEN:  # prefilled, still running
-            engine.step()
-        kv_tokens, timing = engine.stats().kv_tokens_per_dcp_rank, engine.stats().dcp_timing
-        engine.abort_request("accounting")
-        attention = engine.runner.model.model.layers[0].self_attn
-        q_proj = attention.q_b_proj if attention.q_lora else attention.q_proj
-        return Run(
-            Generation([o.outputs[0].token_ids for o in outputs], [o.outputs[0].logprobs for o in outputs]),
-            llm.config, engine.runner.kv_cache_bytes, kv_tokens, q_proj.weight_shape[0],
-            set(timing.merges) if timing else set(),
-        )
+    )
+    kv_tokens, merges, q_rows = result.probed
+    return Run(Generation(result.tokens, result.logprobs), result.config, result.kv_cache_bytes, kv_tokens, q_rows,
+               merges)
 
 
 @pytest.fixture(scope="module")
@@ -162,39 +158,34 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    made: dict[str, Path] = {}
-
+def checkpoint(checkpoints):
     def get(name: str) -> Path:
-        if name not in made:
-            config, seed = CONFIGS[name]
-            made[name] = save_hf_checkpoint(config, tmp_path_factory.mktemp(name), seed, off_neutral=True)
-        return made[name]
+        config, seed = CONFIGS[name]
+        return checkpoints(f"mla-{name}", config, seed, off_neutral=True)
 
     return get
 
 
 @pytest.fixture(scope="module")
-def reference(checkpoint, prompts):
+def reference(checkpoint, prompts, hf_reference):
     made: dict[str, Generation] = {}
 
     def get(name: str) -> Generation:
         if name not in made:
-            made[name] = _hf_generation(checkpoint(name), prompts)
+            tokens, steps = hf_reference(checkpoint(name), prompts, NEW_TOKENS, logprobs=True)
+            made[name] = Generation(tokens, [[{i: float(row[i]) for i in range(row.shape[0])} for row in rows]
+                                             for rows in steps])
         return made[name]
 
     return get
 
 
 @pytest.fixture(scope="module")
-def run(checkpoint, prompts):
-    """run(config name, layout) -> Run, each engine started once per module."""
-    made: dict[tuple[str, Layout, str], Run] = {}
+def run(checkpoint, prompts, engine_run):
+    """run(config name, layout) -> Run, each engine started once per session."""
 
     def get(name: str, layout: Layout, dtype: str = "auto") -> Run:
-        if (name, layout, dtype) not in made:
-            made[name, layout, dtype] = _run(checkpoint(name), layout, prompts, dtype)
-        return made[name, layout, dtype]
+        return _run(engine_run, checkpoint(name), layout, prompts, dtype)
 
     return get
 

@@ -1,7 +1,11 @@
-"""When `kvshard serve` cannot serve: bad flags stop it before any rank starts; a dead rank fails every request fast."""
+"""When `kvshard serve` cannot serve: bad flags stop it before any rank starts; a dead rank fails every request fast.
+
+The refusals are raised in this process (`cli.main`, as the console script calls it) but for one, run as a
+`kvshard serve` process of its own; the dead rank needs a real server."""
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import signal
@@ -9,6 +13,7 @@ import socket
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,9 +42,33 @@ def assert_flag_error(refusal: Refusal) -> None:
     assert "ranks:" not in result.stdout  # the layout report comes just before the ranks start
 
 
+def serve_in_process(argv: list[str]) -> subprocess.CompletedProcess:
+    """`kvshard serve ARGV` run in this process as its console script runs it (`sys.exit(main(argv))`), its
+    output captured; reaching the server's start (which a refusal must not) raises instead of serving."""
+    from kvshard.entrypoints import cli, serve
+
+    def started(*args, **kwargs):
+        raise AssertionError(f"kvshard serve {' '.join(argv)} got past its checks to the server's start")
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, redirect_stdout(stdout), redirect_stderr(stderr):
+        patch.setattr(serve, "_serve", started)
+        try:
+            code = cli.main(["serve", *argv])
+        except SystemExit as refused:  # argparse's own refusals
+            code = refused.code
+    return subprocess.CompletedProcess(argv, code, stdout.getvalue(), stderr.getvalue())
+
+
+# The one refusal run as its own `kvshard serve` process (the console entry, its exit status, its output
+# streams), while the others run in this process: each process is mostly Python importing on one core, and
+# this one is refused before the model's config is read (which would import transformers too).
+IN_A_PROCESS = "port out of range"
+
+
 @pytest.fixture(scope="module")
 def refusals(tmp_path_factory) -> dict[str, Refusal]:
-    """Every refused `kvshard serve` of this module, run at once: each is mostly Python importing on one core."""
+    """Every refused `kvshard serve` of this module."""
     from kvshard.models.demo import ensure_demo_model
 
     def checkpoint_copy(name: str) -> Path:
@@ -64,9 +93,11 @@ def refusals(tmp_path_factory) -> dict[str, Refusal]:
             config = checkpoint_copy("config") / "config.json"
             config.write_bytes(content)
             cases[name] = [str(config.parent)], str(config)
-        with ThreadPoolExecutor(len(cases)) as pool:
-            results = dict(zip(cases, pool.map(lambda case: subprocess.run(
-                serve_command(*case[0]), cwd=ROOT, capture_output=True, text=True, timeout=120), cases.values())))
+        with ThreadPoolExecutor(1) as pool:
+            alone = pool.submit(subprocess.run, serve_command(*cases[IN_A_PROCESS][0]), cwd=ROOT, capture_output=True,
+                                text=True, timeout=300)
+            results = {name: serve_in_process(argv) for name, (argv, _) in cases.items() if name != IN_A_PROCESS}
+            results[IN_A_PROCESS] = alone.result()
     return {name: Refusal(results[name], named) for name, (_, named) in cases.items()}
 
 

@@ -52,6 +52,10 @@ logger = logging.getLogger("kvshard.engine")
 # How often the watchdog looks at the ranks.
 WATCH_INTERVAL_S = 0.1
 DEFAULT_STEP_TIMEOUT_S = envs.DEFAULT_STEP_TIMEOUT_S
+# How `LocalRanks` starts ranks 1..N-1 (a multiprocessing start method): "spawn", a fresh interpreter that
+# imports torch anew. The test suite sets "forkserver" with torch preloaded, so that its many short-lived
+# engines start in a fraction of the time (tests/rank_start.py).
+RANK_START_METHOD = "spawn"
 
 
 class EngineDeadError(RuntimeError):
@@ -84,7 +88,7 @@ class LocalRanks:
                 "create LLM (tensor_parallel_size > 1) under `if __name__ == \"__main__\":`"
             )
         self.master = ("127.0.0.1", free_port())
-        context = multiprocessing.get_context("spawn")
+        context = multiprocessing.get_context(RANK_START_METHOD)
         # each rank's heartbeat counter, ticked by its own thread (workers.run_worker), read by the watchdog
         self.beats = context.RawArray("Q", config.parallel.world_size)
         self.processes = {

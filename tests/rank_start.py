@@ -1,0 +1,46 @@
+"""How the suite starts an engine's ranks 1..N-1: forked from a server process that has imported torch once.
+
+Each rank started with 'spawn' (kvshard's default, `executor.RANK_START_METHOD`) imports torch anew: seconds
+of CPU per rank, most of a tiny engine's start-up, times a few hundred ranks per run of the suite. A
+forkserver child starts with torch already loaded. It is forked from the server, though, so it would see the
+environment the server started with, not the one the tests set around an engine (`conftest.environment`):
+`RankTarget` stands in for the ranks' target and carries the caller's `os.environ` of the moment the rank is
+started, which the child puts back before it imports anything of kvshard.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from multiprocessing import forkserver
+
+PRELOAD = ["torch"]  # not kvshard: its modules read settings from the environment when they run, in the rank
+
+
+def _in_environment(environ: dict[str, str]) -> RankTarget:
+    """Unpickled in the rank before the rank's arguments (the engine config, which imports kvshard)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    return RankTarget()
+
+
+class RankTarget:
+    """`kvshard.engine.workers.spawned_worker`, started in the caller's environment."""
+
+    def __reduce__(self):
+        return _in_environment, (dict(os.environ),)
+
+    def __call__(self, *args) -> None:
+        from kvshard.engine.workers import spawned_worker
+
+        spawned_worker(*args)
+
+
+def use_forkserver() -> None:
+    """Start the server now (in the session's own environment) and have every LocalRanks use it."""
+    from kvshard.engine import executor
+
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    forkserver.ensure_running()
+    executor.RANK_START_METHOD = "forkserver"
+    executor.spawned_worker = RankTarget()
