@@ -300,6 +300,7 @@ class EngineConfig:
     seed: int
     batch_invariant: bool = False  # EngineArgs.batch_invariant
     speculative: SpeculativeConfig | None = None
+    attention_backend: str = "auto"  # EngineArgs.attention_backend, resolved (attention/backends.py)
 
     @cached_property
     def dcp_layout(self) -> DCPLayout:
@@ -408,6 +409,7 @@ class EngineConfig:
             f"ranks: {p.world_size} (tp={p.tensor_parallel_size}, dcp={p.decode_context_parallel_size}, "
             f"interleave={p.dcp_kv_interleave_size}); DCP groups: {p.dcp_groups()}",
             self._attention_line(),
+            _attention_backend_line(self.attention_backend),
             f"KV cache dtype: {str(self.kv_cache_dtype).removeprefix('torch.')}; "
             f"KV bytes per token per rank: {self.kv_bytes_per_token_per_rank:,.1f} "
             f"({self.kv_bytes_per_slot:,} per slot, {self.model.num_layers} layers, "
@@ -438,6 +440,12 @@ class EngineConfig:
                    f"+{self.replicated_projection_bytes_per_rank / 2**20:,.2f} MiB per rank, no Q all-gather)")
         return (f"attention layout: {p.attention_layout} (attention-TP A={p.attention_tp_size}; {heads}; {how}); "
                 f"DCP merge: --dcp-comm-backend {p.dcp_comm_backend}")
+
+
+def _attention_backend_line(name: str) -> str:
+    from kvshard.attention.backends import describe_backend
+
+    return describe_backend(name)
 
 
 # --- model directory ---------------------------------------------------------

@@ -2,10 +2,11 @@
 where it lies, and get their output with its natural-log LSE (csrc/paged_attention.cpp).
 
 The kernel is a small C++ extension compiled on first use with `torch.utils.cpp_extension`
-(a C++ compiler and the `ninja` package) and cached under `KVSHARD_CACHE_DIR` (default
-~/.cache/kvshard)/torch_extensions, in a folder named by a hash of its source, its flags, the
-CPU and the torch version, so another CPU or flag set builds its own. Where it cannot be built,
-kvshard says so in one line and `paged_attention` runs the gather path (a copy of the blocks and
+(a C++ compiler and the `ninja` package) and cached in the user's cache directory, once per
+machine (`kernel_cache_dir`), in a folder named by a hash of its source, its flags, the CPU and
+the torch version, so another CPU or flag set builds its own; processes that start together wait
+for one build (torch's file lock) and later ones load it. Where it cannot be built, kvshard says
+so in one line and `paged_attention` runs the gather path (a copy of the blocks and
 `attention_with_lse`), with the same results.
 
 Rows: row r of q reads the sequence `row_seq[r]` of `block_tables` and sees that sequence's first
@@ -22,7 +23,9 @@ import logging
 import os
 import platform
 import shutil
+import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -44,6 +47,25 @@ def cache_dir() -> Path:
     """Where kvshard keeps what it builds: KVSHARD_CACHE_DIR, else ~/.cache/kvshard."""
     configured = os.environ.get("KVSHARD_CACHE_DIR", "").strip()
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "kvshard"
+
+
+def kernel_cache_dir() -> Path:
+    """Where the compiled kernel is kept: KVSHARD_KERNEL_CACHE_DIR, else the user's cache
+    ($XDG_CACHE_HOME or ~/.cache)/kvshard/torch_extensions, shared by every run on the machine
+    (the test suite, which points KVSHARD_CACHE_DIR elsewhere, included); where that cannot be
+    written, KVSHARD_CACHE_DIR/torch_extensions."""
+    configured = os.environ.get("KVSHARD_KERNEL_CACHE_DIR", "").strip()
+    if configured:
+        return Path(configured).expanduser()
+    base = Path(os.environ.get("XDG_CACHE_HOME", "").strip() or Path.home() / ".cache")
+    user = base / "kvshard" / "torch_extensions"
+    try:
+        user.mkdir(parents=True, exist_ok=True)
+        if os.access(user, os.W_OK):
+            return user
+    except OSError:
+        pass
+    return cache_dir() / "torch_extensions"
 
 
 def _cpu_signature() -> str:
@@ -103,12 +125,20 @@ def load_extension():
         else:
             flags = _FLAGS + _native_flags()
             name = _build_name(flags)
-            build_dir = cache_dir() / "torch_extensions" / name
+            build_dir = kernel_cache_dir() / name
             try:
                 build_dir.mkdir(parents=True, exist_ok=True)
                 from torch.utils.cpp_extension import load
+                fresh = not (build_dir / f"{name}.so").exists()
+                if fresh:  # the first use on this machine: say why the start takes a minute
+                    print(f"kvshard: building the paged attention kernel in {build_dir} (once per machine, "
+                          "about a minute)", file=sys.stderr, flush=True)
+                start = time.perf_counter()
                 _module = load(name=name, sources=[str(_SOURCE)], extra_cflags=flags,
                                build_directory=str(build_dir), verbose=False)
+                if fresh:
+                    print(f"kvshard: paged attention kernel built in {time.perf_counter() - start:.0f} s",
+                          file=sys.stderr, flush=True)
             except Exception as exc:  # noqa: BLE001 - any build failure falls back, with its reason
                 last = (str(exc).strip().splitlines() or [""])[-1]
                 _unavailable = f"building it in {build_dir} failed ({type(exc).__name__}: {last})"
@@ -120,6 +150,11 @@ def load_extension():
 
 def kernel_available() -> bool:
     return load_extension() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel could not be built, once a build was tried; None where it was built (or not tried)."""
+    return _unavailable
 
 
 def paged_attention(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvshard.attention.backends import use_backend
 from kvshard.attention.metadata import AttentionMetadata, decode_group_spread_from_env
 from kvshard.attention.timing import DcpTimingGather
 from kvshard.config import EngineConfig, ModelConfig
@@ -52,6 +53,7 @@ class ModelRunner:
         # the attention kernel's rounding depends on the key length a group is padded to: in
         # batch-invariant mode only decodes of equal local length share a group, so none is padded
         self.decode_group_spread = 0 if config.batch_invariant else decode_group_spread_from_env()
+        self.attention_backend = use_backend(config.attention_backend, device)  # what every step's metadata carries
         self.dcp_timing = DcpTimingGather(parallel)  # rank 0's .report: every rank's DCP time
 
     def _load_model(self, model_config: ModelConfig) -> torch.nn.Module:
