@@ -29,6 +29,7 @@ import torch
 
 from kvshard.attention.merge import lse_weights, merge_attention_states
 from kvshard.attention.metadata import AttentionMetadata
+from kvshard.attention.paged import packed_of
 from kvshard.attention.timing import DCP_TIMES, DcpTimes
 from kvshard.envs import int_from_env
 from kvshard.kv.cache import KVCacheLayer
@@ -156,7 +157,7 @@ class Attention:
         """Attention of q [t, H/A, dk] over this rank's shard: [output | lse], [t, H/A, dv + 1]
         (side by side so the merge sends them without a packing copy)."""
         out, lse = meta.backend.attend_context(q, cache, meta, self.scale)  # [t, H/A, dv], [t, H/A]
-        return torch.cat([out, lse.unsqueeze(-1)], dim=-1)
+        return packed_of(out, lse)
 
     def _merge_over_group(self, packed: torch.Tensor, whole_heads: bool = False,
                           times: DcpTimes | None = None, start: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,7 +6,8 @@ all-to-all) stays above and does not care which backend did the work. A backend 
 - `write`: the step's new K/V into this rank's paged cache (the tokens it owns);
 - `attend_context`: the attention of the step's context rows over this rank's cached tokens,
   returning o [c, H, dv] and its natural-log lse [c, H], float32 (a row that sees no cached token,
-  a DCP rank holding none of a short request, gets o = 0 and lse = -inf). Row r of the step sees
+  a DCP rank holding none of a short request, gets o = 0 and lse = -inf); the two may be views of
+  one [c, H, dv + 1] (`paged.packed_of`), which the DCP merge then sends without a copy. Row r of the step sees
   the first `meta.row_lens[r]` local tokens of request `meta.row_seq[r]`;
 - `attend_chunks`: each prefill chunk's causal attention to itself (the K/V every rank of the
   group computed), merged above with the context part by LSE.
@@ -118,8 +119,7 @@ class ReferenceBackend(_Backend):
 
     def attend_context(self, q, cache, meta, scale):
         t, heads = q.shape[:2]
-        out = torch.zeros(t, heads, cache.value.shape[-1], dtype=torch.float32, device=q.device)
-        lse = torch.full((t, heads), float("-inf"), dtype=torch.float32, device=q.device)
+        out, lse = paged.empty_packed(t, heads, cache.value.shape[-1], q.device)
         b = cache.block_size
         tables = meta.block_tables.long()
         for r, (seq, n) in enumerate(zip(meta.row_seq[:t].tolist(), meta.row_lens[:t].tolist())):
@@ -152,8 +152,7 @@ class GatherBackend(_Backend):
 
     def attend_context(self, q, cache, meta, scale):
         t, heads = q.shape[:2]
-        out = torch.zeros(t, heads, cache.value.shape[-1], dtype=torch.float32, device=q.device)
-        lse = torch.full((t, heads), float("-inf"), dtype=torch.float32, device=q.device)
+        out, lse = paged.empty_packed(t, heads, cache.value.shape[-1], q.device)
         for group in meta.groups:
             if group.start >= t:
                 continue

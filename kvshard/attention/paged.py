@@ -172,7 +172,8 @@ def paged_attention(
     use_kernel: bool | None = None,  # None: the kernel where it is built; False: the gather path
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each row of q over its visible cached tokens: o [t, H, dv] and lse [t, H],
-    float32, natural log; a row that sees no token gets o = 0 and lse = -inf. A cache stored in
+    float32, natural log (views of one [t, H, dv + 1], `packed_of`); a row that sees no token
+    gets o = 0 and lse = -inf. A cache stored in
     float8 e4m3 holds key / k_scale and value / v_scale (kv/cache.py)."""
     if key_cache.dim() == 4:
         key_cache, value_cache = key_cache.flatten(0, 1), value_cache.flatten(0, 1)
@@ -183,9 +184,9 @@ def paged_attention(
     seqs = row_seq.to(torch.int32).contiguous()
     lens = row_lens.to(torch.int32).contiguous()
     if module is not None and q.device.type == "cpu":
-        out, lse = module.paged_attention(q if q.stride(-1) == 1 else q.contiguous(), key_cache, value_cache,
-                                          tables, seqs, lens, block_size, scale, k_scale, v_scale, split_tokens)
-        return out, lse
+        packed = module.paged_attention(q if q.stride(-1) == 1 else q.contiguous(), key_cache, value_cache,
+                                        tables, seqs, lens, block_size, scale, k_scale, v_scale, split_tokens)
+        return packed[..., :-1], packed[..., -1]  # views of one [t, H, dv + 1]: see packed_of
     return gather_attention(q, key_cache, value_cache, tables, seqs, lens, block_size, scale, k_scale, v_scale)
 
 
@@ -194,8 +195,7 @@ def gather_attention(q, key_cache, value_cache, block_tables, row_seq, row_lens,
     """`paged_attention` by copying each sequence's blocks out and running `attention_with_lse`:
     the fallback, and a second oracle for the tests. Consecutive rows of one sequence go together."""
     t, num_heads = q.shape[0], q.shape[1]
-    out = torch.zeros(t, num_heads, value_cache.shape[-1], dtype=torch.float32, device=q.device)
-    lse = torch.full((t, num_heads), float("-inf"), dtype=torch.float32, device=q.device)
+    out, lse = empty_packed(t, num_heads, value_cache.shape[-1], q.device)
     seqs, lens = row_seq.tolist(), row_lens.tolist()
     compute = q.dtype if q.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
     key_blocks = key_cache.unflatten(0, (-1, block_size))
@@ -219,6 +219,24 @@ def gather_attention(q, key_cache, value_cache, block_tables, row_seq, row_lens,
             out[r:e], lse[r:e] = o[0], l[0]
         r = e
     return out, lse
+
+
+def empty_packed(t: int, heads: int, dv: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """o [t, heads, dv] = 0 and lse [t, heads] = -inf, float32: views of one [t, heads, dv + 1]."""
+    packed = torch.zeros(t, heads, dv + 1, dtype=torch.float32, device=device)
+    packed[..., -1] = float("-inf")
+    return packed[..., :-1], packed[..., -1]
+
+
+def packed_of(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """[t, H, dv + 1]: o and lse side by side, without a copy where they are views of one such
+    tensor (the kernel's output, `empty_packed`), else concatenated."""
+    base = out._base
+    if (base is not None and lse._base is base and base.dim() == 3 and base.is_contiguous()
+            and base.shape[:2] == out.shape[:2] and base.shape[-1] == out.shape[-1] + 1
+            and out.data_ptr() == base.data_ptr() and lse.data_ptr() == base.data_ptr() + out.shape[-1] * 4):
+        return base
+    return torch.cat([out, lse.unsqueeze(-1)], dim=-1)
 
 
 def _dequantized(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
