@@ -172,7 +172,7 @@ def test_gather_gqa_replicated_dcp_chunked_prefix_hits_and_speculation_match_tra
 
 
 def test_gather_mla_under_dcp_matches_transformers(tmp_path):
-    path = save_hf_checkpoint(DeepseekV3Config(**MLA_CONFIG), tmp_path / "mla", seed=0, off_neutral=True)
+    path = save_hf_checkpoint(DeepseekV3Config(**MLA_CONFIG), tmp_path / "mla", seed=4, off_neutral=True)  # no near-tie
     want_tokens, want_logprobs = _transformers(path, PROMPTS)
     with LLM(str(path), attention_backend="gather", tensor_parallel_size=2, decode_context_parallel_size=2,
              block_size=BLOCK, max_model_len=64, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=12) as llm:
@@ -183,10 +183,12 @@ def test_gather_mla_under_dcp_matches_transformers(tmp_path):
 @needs_kernel
 def test_fp8_cache_gather_and_paged_agree(checkpoints):
     path = str(checkpoints("backends-llama", tiny_llama_config()))
-    engine = dict(dtype="bfloat16", kv_cache_dtype="fp8", block_size=BLOCK, max_model_len=64, num_kv_blocks=64,
-                  max_num_batched_tokens=12)
+    # float32 compute: both read back the same e4m3 values exactly (in bfloat16 the gather path rounds P and
+    # the dequantized values to bfloat16 where the kernel keeps float32, which can flip a near-tie of a tiny model)
+    engine = dict(dtype="float32", kv_cache_dtype="fp8", block_size=BLOCK, max_model_len=64, num_kv_blocks=64,
+                  max_num_seqs=4, max_num_batched_tokens=12)
     runs = {}
     for name in ("gather", "paged"):
         with LLM(path, attention_backend=name, **engine) as llm:
             runs[name] = _generate(llm, PROMPTS)
-    assert_same_generation(*runs["gather"], *runs["paged"], atol=3e-2)
+    assert_same_generation(*runs["gather"], *runs["paged"], atol=1e-4)

@@ -232,16 +232,17 @@ def make_backend(name: str) -> AttentionBackend:
     return BACKENDS[name]()
 
 
-_current: AttentionBackend | None = None
+def select_backend(name: str, device: torch.device | None = None) -> AttentionBackend:
+    """The backend `name` (or `auto`) names for `device`: what a model runner gives every step's metadata."""
+    return make_backend(resolve_backend_name(name, device.type if device is not None else None))
 
 
-def use_backend(name: str, device: torch.device | None = None) -> AttentionBackend:
-    """Make `name` (or `auto`) this process's backend, the one AttentionMetadata.build gives each step."""
-    global _current
-    _current = make_backend(resolve_backend_name(name, device.type if device is not None else None))
-    return _current
+_default: AttentionBackend | None = None
 
 
-def current_backend() -> AttentionBackend:
-    """This process's backend: the one `use_backend` chose, else `auto`'s."""
-    return _current if _current is not None else use_backend(AUTO)
+def default_backend() -> AttentionBackend:
+    """`auto`'s backend, for metadata built without one (tests, tools): made once per process."""
+    global _default
+    if _default is None:
+        _default = select_backend(AUTO)
+    return _default

@@ -106,11 +106,11 @@ class AttentionMetadata:
         decode_group_spread: int = DECODE_GROUP_SPREAD,
         backend: AttentionBackend | None = None,
     ) -> "AttentionMetadata":
-        """`backend`: the process's (attention/backends.py `use_backend`, else `auto`) when None."""
+        """`backend`: the one the model runner chose at start-up; `auto`'s when None."""
         if backend is None:
-            from kvshard.attention.backends import current_backend
+            from kvshard.attention.backends import default_backend
 
-            backend = current_backend()
+            backend = default_backend()
         num_seqs = len(query_lens)
         max_blocks = max(1, max(len(t) for t in block_tables))
         tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.long)

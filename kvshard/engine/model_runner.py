@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvshard.attention.backends import use_backend
+from kvshard.attention.backends import select_backend
 from kvshard.attention.metadata import AttentionMetadata, decode_group_spread_from_env
 from kvshard.attention.timing import DcpTimingGather
 from kvshard.config import EngineConfig, ModelConfig
@@ -53,7 +53,7 @@ class ModelRunner:
         # the attention kernel's rounding depends on the key length a group is padded to: in
         # batch-invariant mode only decodes of equal local length share a group, so none is padded
         self.decode_group_spread = 0 if config.batch_invariant else decode_group_spread_from_env()
-        self.attention_backend = use_backend(config.attention_backend, device)  # what every step's metadata carries
+        self.attention_backend = select_backend(config.attention_backend, device)  # every step's metadata carries it
         self.dcp_timing = DcpTimingGather(parallel)  # rank 0's .report: every rank's DCP time
 
     def _load_model(self, model_config: ModelConfig) -> torch.nn.Module:
@@ -79,7 +79,7 @@ class ModelRunner:
         """Run the plan; rank 0 gets float32 logits [len(sample_rows), V], the others None."""
         meta = AttentionMetadata.build(
             plan.context_lens, plan.query_lens, plan.block_tables, self.layout, self.parallel.dcp_rank, self.device,
-            self.decode_group_spread,
+            self.decode_group_spread, self.attention_backend,
         )
         input_ids = torch.tensor(plan.token_ids, dtype=torch.long, device=self.device)
         rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=self.device)
@@ -113,7 +113,7 @@ class ModelRunner:
         known_rows = [row for row, token in enumerate(plan.next_token_ids) if token >= 0]
         if known_rows:
             meta = AttentionMetadata.build(context_lens, query_lens, block_tables, self.layout, self.parallel.dcp_rank,
-                                           self.device, self.decode_group_spread)
+                                           self.device, self.decode_group_spread, self.attention_backend)
             next_ids = torch.tensor([plan.next_token_ids[r] for r in known_rows], dtype=torch.long, device=self.device)
             self.mtp(next_ids, states[known_rows], meta, self.mtp_kv_cache)
         self.mtp_hidden = states[plan.keep_rows]  # [kept rows, D]
