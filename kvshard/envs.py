@@ -163,6 +163,9 @@ REGISTRY: dict[str, EnvVar] = _declare(
     EnvVar("KVSHARD_CACHE_DIR", PATH, None,
            "where kvshard keeps the demo models, converted GGUF checkpoints, compiled kernels and the generated "
            "KV-transfer secret", shown_default="~/.cache/kvshard"),
+    EnvVar("KVSHARD_KERNEL_CACHE_DIR", PATH, None,
+           "where the compiled paged attention kernel is kept, shared by every run on the machine",
+           shown_default="~/.cache/kvshard/torch_extensions"),
     # --- serving ----------------------------------------------------------------------------------------
     EnvVar("KVSHARD_MAX_STREAM_BACKLOG", POSITIVE_INT, 1024,
            "tokens a streaming client may leave unread (summed over its choices) before the request is aborted"),

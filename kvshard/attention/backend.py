@@ -13,6 +13,10 @@ owns into its cache. Then:
       (every rank of the group computed them), for the heads of those features;
   and (a) and (b) are merged by LSE. With dcp = 1 the collectives are
   identities and this is ordinary paged attention.
+
+The write, (a) over the local shard and (b) are the step's attention backend's
+(attention/backends.py, `meta.backend`: the paged kernel, gather + flash, or the
+reference); the rhythm around them is the same for all.
 """
 
 from __future__ import annotations
@@ -23,9 +27,9 @@ from dataclasses import replace
 
 import torch
 
-from kvshard.attention.kernels import attention_with_lse
 from kvshard.attention.merge import lse_weights, merge_attention_states
 from kvshard.attention.metadata import AttentionMetadata
+from kvshard.attention.paged import packed_of
 from kvshard.attention.timing import DCP_TIMES, DcpTimes
 from kvshard import envs
 from kvshard.kv.cache import KVCacheLayer
@@ -98,10 +102,7 @@ class Attention:
         merge by LSE is exact across forms because both give the same scores.
         """
         state = self.parallel
-        if meta.writes_every_token:  # no index copy of k and v (every decode without DCP)
-            cache.write(meta.write_slots, k, v)
-        elif meta.write_index.numel():
-            cache.write(meta.write_slots, k[meta.write_index], v[meta.write_index])
+        meta.backend.write(cache, meta, k, v)
         out = lse = None  # over the output heads, for the context rows: [c, H_o, dv], [c, H_o]
         if meta.uses_context:
             times = DCP_TIMES if DCP_TIMES.enabled and state.dcp_size > 1 else None
@@ -149,33 +150,14 @@ class Attention:
         return slice(start, start + width)
 
     def _attend_chunks(self, q, k, v, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Causal attention inside each prefill chunk; decode rows stay empty (lse = -inf)."""
-        out = q.new_zeros((q.shape[0], q.shape[1], v.shape[-1]), dtype=torch.float32)
-        lse = q.new_full(q.shape[:2], float("-inf"), dtype=torch.float32)
-        for group in meta.groups:
-            if group.is_decode:
-                continue
-            rows = slice(group.start, group.end)
-            o, l = attention_with_lse(q[rows][None], k[rows][None], v[rows][None], None, self.scale, causal=True)
-            out[rows], lse[rows] = o[0], l[0]
-        return out, lse
+        """Causal attention inside each prefill chunk that attends to itself; other rows stay empty (lse = -inf)."""
+        return meta.backend.attend_chunks(q, k, v, meta, self.scale)
 
     def _attend_context(self, q, cache: KVCacheLayer, meta: AttentionMetadata) -> torch.Tensor:
         """Attention of q [t, H/A, dk] over this rank's shard: [output | lse], [t, H/A, dv + 1]
         (side by side so the merge sends them without a packing copy)."""
-        t, heads = q.shape[0], q.shape[1]
-        packed = q.new_zeros((t, heads, cache.value.shape[-1] + 1), dtype=torch.float32)
-        out, lse = packed[..., :-1], packed[..., -1]
-        lse.fill_(float("-inf"))
-        for group in meta.groups:
-            if group.context_blocks is None:  # this rank holds none of these requests' tokens yet
-                continue
-            rows = slice(group.start, group.end)
-            keys, values = cache.gather(group.context_blocks, group.buffers)  # [g, L, Hk, dk], [g, L, Hk, dv]
-            queries = q[rows].unflatten(0, (group.num_seqs, group.query_len))  # [g, s, H, dk]
-            o, l = attention_with_lse(queries, keys, values, group.context_bias, self.scale)
-            out[rows], lse[rows] = o.flatten(0, 1), l.flatten(0, 1)
-        return packed
+        out, lse = meta.backend.attend_context(q, cache, meta, self.scale)  # [t, H/A, dv], [t, H/A]
+        return packed_of(out, lse)
 
     def _merge_over_group(self, packed: torch.Tensor, whole_heads: bool = False,
                           times: DcpTimes | None = None, start: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:

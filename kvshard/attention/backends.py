@@ -1,79 +1,75 @@
-"""Attention backends: the attention of a step's context rows over this rank's paged KV cache,
-returning the output and its natural-log LSE.
+"""Attention backends: what one rank computes of an attention layer, below the DCP rhythm.
 
-This is the part of an attention layer below the DCP rhythm (attention/backend.py: the Q
-all-gather, the merge by LSE, the ReduceScatter or all-to-all): each rank attends its queries
-over its own shard, and the merge above does not care which backend did it. Three of them:
+The rhythm (attention/backend.py: the Q all-gather, the merge by LSE, the ReduceScatter or
+all-to-all) stays above and does not care which backend did the work. A backend does three things:
 
-- `reference`: plain matmuls over each row's tokens, picked by indexing; any device; the oracle.
-- `gather-flash`: each group's blocks copied out (`KVCacheLayer.gather`), then PyTorch's CPU
-  flash kernel (`attention_with_lse`), what `Attention._attend_context` runs today.
-- `paged`: the C++ kernel of attention/paged.py, reading the blocks where they lie.
+- `write`: the step's new K/V into this rank's paged cache (the tokens it owns);
+- `attend_context`: the attention of the step's context rows over this rank's cached tokens,
+  returning o [c, H, dv] and its natural-log lse [c, H], float32 (a row that sees no cached token,
+  a DCP rank holding none of a short request, gets o = 0 and lse = -inf); the two may be views of
+  one [c, H, dv + 1] (`paged.packed_of`), which the DCP merge then sends without a copy. Row r of the step sees
+  the first `meta.row_lens[r]` local tokens of request `meta.row_seq[r]`;
+- `attend_chunks`: each prefill chunk's causal attention to itself (the K/V every rank of the
+  group computed), merged above with the context part by LSE.
 
-Every backend takes the same inputs: q [c, H, dk] (the context rows of the step, in the order of
-the metadata's groups), the layer's `KVCacheLayer`, the step's `AttentionMetadata` and the softmax
-scale; and returns o [c, H, dv] and lse [c, H], float32; a row that sees no cached token (a DCP
-rank holding none of a short request) gets o = 0 and lse = -inf. The engine does not use this
-module yet.
+Three of them, chosen once at start-up (`--attention-backend`, EngineConfig.attention_backend):
+
+- `reference`: plain matmuls over each row's tokens, picked by indexing; any device; the test oracle.
+- `gather`: each group's blocks copied out (`KVCacheLayer.gather`), then PyTorch's CPU flash
+  kernel (`attention_with_lse`).
+- `paged`: the C++ kernel of attention/paged.py, one call for every context row, reading the
+  blocks where they lie; CPU only, built on first use.
+
+`auto` is `paged` where the kernel builds (on CPU), else `gather`, with one line saying why.
+
+A backend with `causal_rows` also takes the rows of short chunks after cached context (speculative
+verification rows, the rest of a prompt after a prefix hit) whole: their own K/V are in the cache
+by then, so each row reads up to its own position there (`AttentionMetadata.build`), and no chunk
+attention or merge is left for them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+import logging
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from kvshard.attention import paged
 from kvshard.attention.kernels import attention_with_lse, reference_attention_with_lse
-from kvshard.attention.metadata import AttentionMetadata
-from kvshard.kv.cache import KVCacheLayer
+from kvshard.errors import ConfigError
+from kvshard.layers.batch_invariant import batch_invariant_active
 
+if TYPE_CHECKING:
+    from kvshard.attention.metadata import AttentionMetadata
+    from kvshard.kv.cache import KVCacheLayer
 
-@dataclass(frozen=True)
-class ContextRows:
-    """The context rows of a step as the paged kernel reads them: one block table per request
-    and, per row, its request and how many of its local cached tokens it sees."""
+logger = logging.getLogger(__name__)
 
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
-    row_seq: torch.Tensor  # [c] int32
-    row_lens: torch.Tensor  # [c] int32
-
-    @classmethod
-    def from_metadata(cls, meta: AttentionMetadata) -> "ContextRows":
-        """From the groups: a group's requests see the tokens its bias leaves at 0 (a prefix)."""
-        tables, seqs, lens = [], [], []
-        for group in meta.groups:
-            if group.end > meta.context_rows:
-                group_rows = max(0, meta.context_rows - group.start)
-            else:
-                group_rows = group.end - group.start
-            if group_rows == 0:
-                continue
-            if group.context_blocks is None:
-                seen = [0] * group.num_seqs
-                blocks = [torch.zeros(1, dtype=torch.long)] * group.num_seqs
-            else:
-                seen = (group.context_bias[:, 0] == 0).sum(-1).tolist()
-                blocks = list(group.context_blocks.cpu())
-            for i in range(group_rows):
-                seq = i // group.query_len
-                seqs.append(len(tables) + seq)
-                lens.append(seen[seq])
-            tables.extend(blocks[: -(-group_rows // group.query_len)])
-        width = max((t.numel() for t in tables), default=1)
-        table = torch.zeros(max(1, len(tables)), width, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            table[i, : t.numel()] = t
-        return cls(table, torch.tensor(seqs, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32))
+AUTO, PAGED, GATHER, REFERENCE = "auto", "paged", "gather", "reference"
+ATTENTION_BACKENDS = (AUTO, PAGED, GATHER, REFERENCE)
+# In batch-invariant mode the kernel never splits a row's tokens: where it splits depends on the batch.
+NO_SPLIT = 1 << 40
 
 
 class AttentionBackend(Protocol):
     name: str
+    causal_rows: bool  # reads several rows of one request with a bound each (short chunks go here whole)
+
+    def write(self, cache: KVCacheLayer, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The step's new k [t, Hk, dk] and v [t, Hk, dv]: this rank's tokens into its cache."""
+        ...
 
     def attend_context(self, q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata,
                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """o [c, H, dv], lse [c, H] (float32) of the context rows q [c, H, dk] over the cache."""
+        ...
+
+    def attend_chunks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """o [t, H, dv], lse [t, H] (float32): causal attention inside each chunk that attends to
+        itself (`group.attends_itself`); every other row o = 0, lse = -inf. Query head h reads KV head
+        h // (H / Hk)."""
         ...
 
 
@@ -86,38 +82,51 @@ def _quantized(cache: KVCacheLayer) -> bool:
     return cache.key.dtype != cache.dtype
 
 
-class _RowsCache:
-    """The step's ContextRows, worked out once and reused by every layer of the step."""
+class _Backend:
+    name = ""
+    causal_rows = False
 
-    def __init__(self) -> None:
-        self._meta: AttentionMetadata | None = None
-        self._rows: ContextRows | None = None
+    def write(self, cache, meta, k, v):
+        if meta.writes_every_token:  # no index copy of k and v (every decode without DCP)
+            cache.write(meta.write_slots, k, v)
+        elif meta.write_index.numel():
+            cache.write(meta.write_slots, k[meta.write_index], v[meta.write_index])
 
-    def rows(self, meta: AttentionMetadata) -> ContextRows:
-        if self._meta is not meta:
-            self._meta, self._rows = meta, ContextRows.from_metadata(meta)
-        return self._rows
+    def attend_chunks(self, q, k, v, meta, scale):
+        out = q.new_zeros((q.shape[0], q.shape[1], v.shape[-1]), dtype=torch.float32)
+        lse = q.new_full(q.shape[:2], float("-inf"), dtype=torch.float32)
+        for group in meta.groups:
+            if not group.attends_itself:
+                continue
+            rows = slice(group.start, group.end)
+            o, l = self._causal(q[rows][None], k[rows][None], v[rows][None], scale)
+            out[rows], lse[rows] = o[0], l[0]
+        return out, lse
+
+    @staticmethod
+    def _causal(q, k, v, scale):
+        return attention_with_lse(q, k, v, None, scale, causal=True)
+
+    def __repr__(self) -> str:
+        return f"<attention backend {self.name}>"
 
 
-class ReferenceBackend:
-    """Plain matmuls over each row's visible tokens, picked by indexing the cache: any device."""
+class ReferenceBackend(_Backend):
+    """Plain matmuls over each row's visible tokens, picked by indexing the cache: any device, any dtype."""
 
-    name = "reference"
-
-    def __init__(self) -> None:
-        self._rows = _RowsCache()
+    name = REFERENCE
+    causal_rows = True
 
     def attend_context(self, q, cache, meta, scale):
-        rows = self._rows.rows(meta)
         t, heads = q.shape[:2]
-        out = torch.zeros(t, heads, cache.value.shape[-1], dtype=torch.float32, device=q.device)
-        lse = torch.full((t, heads), float("-inf"), dtype=torch.float32, device=q.device)
+        out, lse = paged.empty_packed(t, heads, cache.value.shape[-1], q.device)
         b = cache.block_size
-        for r, (seq, n) in enumerate(zip(rows.row_seq.tolist(), rows.row_lens.tolist())):
+        tables = meta.block_tables.long()
+        for r, (seq, n) in enumerate(zip(meta.row_seq[:t].tolist(), meta.row_lens[:t].tolist())):
             if n == 0:
                 continue
-            j = torch.arange(n)
-            slots = (rows.block_tables[seq].long()[j // b] * b + j % b).to(cache.key.device)
+            j = torch.arange(n, device=tables.device)
+            slots = tables[seq][j // b] * b + j % b
             keys, values = cache.key[slots].float(), cache.value[slots].float()
             if _quantized(cache):  # the stored values are x / scale
                 keys, values = keys * cache.scales.key, values * _value_scale(cache)
@@ -126,57 +135,114 @@ class ReferenceBackend:
             out[r], lse[r] = o[0, 0], l[0, 0]
         return out, lse
 
+    @staticmethod
+    def _causal(q, k, v, scale):
+        s = q.shape[1]
+        bias = torch.full((s, s), float("-inf"), device=q.device).triu_(1).unsqueeze(0)
+        return reference_attention_with_lse(q, k, v, bias, scale)
 
-class GatherFlashBackend:
-    """Each group's blocks gathered into its buffers, then PyTorch's CPU flash kernel (the engine's path today)."""
 
-    name = "gather-flash"
+class GatherBackend(_Backend):
+    """Each group's blocks gathered into its buffers (reused by the step's layers), then PyTorch's
+    CPU flash kernel; the rows of a group all see its requests' whole cached context. (Metadata built
+    for a backend with `causal_rows` may hold chunks read row by row: their blocks are copied out per
+    request, `paged.gather_attention`.)"""
+
+    name = GATHER
 
     def attend_context(self, q, cache, meta, scale):
         t, heads = q.shape[:2]
-        out = torch.zeros(t, heads, cache.value.shape[-1], dtype=torch.float32, device=q.device)
-        lse = torch.full((t, heads), float("-inf"), dtype=torch.float32, device=q.device)
+        out, lse = paged.empty_packed(t, heads, cache.value.shape[-1], q.device)
         for group in meta.groups:
-            if group.context_blocks is None or group.start >= t:
+            if group.start >= t:
                 continue
             rows = slice(group.start, group.end)
-            keys, values = cache.gather(group.context_blocks, group.buffers)
-            queries = q[rows].unflatten(0, (group.num_seqs, group.query_len))
+            if group.rows_in_cache:
+                quantized = _quantized(cache)
+                out[rows], lse[rows] = paged.gather_attention(
+                    q[rows], cache.key, cache.value, meta.block_tables, meta.row_seq[rows], meta.row_lens[rows],
+                    cache.block_size, scale, cache.scales.key if quantized else 1.0,
+                    _value_scale(cache) if quantized else 1.0)
+                continue
+            if group.context_blocks is None:  # this rank holds none of these requests' tokens yet
+                continue
+            keys, values = cache.gather(group.context_blocks, group.buffers)  # [g, L, Hk, dk], [g, L, Hk, dv]
+            queries = q[rows].unflatten(0, (group.num_seqs, group.query_len))  # [g, s, H, dk]
             o, l = attention_with_lse(queries, keys, values, group.context_bias, scale)
             out[rows], lse[rows] = o.flatten(0, 1), l.flatten(0, 1)
         return out, lse
 
 
-class PagedBackend:
+class PagedBackend(_Backend):
     """The C++ paged kernel: one call for every context row, reading the blocks where they lie."""
 
-    name = "paged"
+    name = PAGED
+    causal_rows = True
 
     def __init__(self) -> None:
         if not paged.kernel_available():
-            raise RuntimeError("the paged attention kernel could not be built on this machine")
-        self._rows = _RowsCache()
+            raise RuntimeError(f"the paged attention kernel is unavailable: {paged.unavailable_reason()}")
 
     def attend_context(self, q, cache, meta, scale):
-        rows = self._rows.rows(meta)
+        c = q.shape[0]
         quantized = _quantized(cache)
         return paged.paged_attention(
-            q, cache.key, cache.value, rows.block_tables, rows.row_seq, rows.row_lens, cache.block_size, scale,
-            k_scale=cache.scales.key if quantized else 1.0, v_scale=_value_scale(cache) if quantized else 1.0,
-            use_kernel=True)
+            q, cache.key, cache.value, meta.block_tables, meta.row_seq[:c], meta.row_lens[:c], cache.block_size,
+            scale, k_scale=cache.scales.key if quantized else 1.0, v_scale=_value_scale(cache) if quantized else 1.0,
+            split_tokens=NO_SPLIT if batch_invariant_active() else 0, use_kernel=True)
 
 
-BACKENDS = {"reference": ReferenceBackend, "gather-flash": GatherFlashBackend, "paged": PagedBackend}
+BACKENDS: dict[str, type[_Backend]] = {REFERENCE: ReferenceBackend, GATHER: GatherBackend, PAGED: PagedBackend}
 
 
-def default_backend_name(device: torch.device) -> str:
-    """The fastest backend available: the paged kernel on CPU where it builds, else gather + flash."""
-    if device.type == "cpu" and paged.kernel_available():
-        return "paged"
-    return "gather-flash"
+def resolve_backend_name(requested: str = AUTO, device_type: str | None = None) -> str:
+    """The backend `requested` names on this machine: `auto` is `paged` where the kernel builds on a
+    CPU, else `gather` (logged in one line); `paged` where it cannot build is a ConfigError."""
+    if requested not in ATTENTION_BACKENDS:
+        raise ConfigError(f"attention_backend={requested!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == AUTO:
+        if device_type != "cpu":
+            return GATHER
+        return PAGED if paged.kernel_available() else GATHER  # load_extension logs the one line why not
+    if requested == PAGED:
+        if device_type != "cpu":
+            raise ConfigError(f"attention_backend='paged' runs on CPU only, not {device_type}: use gather or auto")
+        if not paged.kernel_available():
+            raise ConfigError(f"attention_backend='paged': the paged attention kernel is unavailable "
+                              f"({paged.unavailable_reason()}): use --attention-backend gather or auto")
+    return requested
+
+
+def describe_backend(name: str) -> str:
+    """One line of the start-up report."""
+    if name == PAGED:
+        return "attention backend: paged (C++ kernel reading the paged KV cache in place)"
+    if name == GATHER:
+        why = paged.unavailable_reason()
+        return ("attention backend: gather (blocks copied out, then PyTorch's flash kernel)"
+                + (f"; the paged kernel is unavailable: {why}" if why else ""))
+    return f"attention backend: {name}"
 
 
 def make_backend(name: str) -> AttentionBackend:
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r} is not one of {', '.join(BACKENDS)}")
     return BACKENDS[name]()
+
+
+def select_backend(name: str, device: torch.device | None = None) -> AttentionBackend:
+    """The backend `name` (or `auto`) names for `device`: what a model runner gives every step's metadata."""
+    return make_backend(resolve_backend_name(name, device.type if device is not None else None))
+
+
+_default: AttentionBackend | None = None
+
+
+def default_backend() -> AttentionBackend:
+    """`auto`'s backend, for metadata built without one (tests, tools): made once per process."""
+    global _default
+    if _default is None:
+        _default = select_backend(AUTO)
+    return _default

@@ -5,6 +5,12 @@ a run of decodes (one new token each) of similar context lengths forms one
 group; each prefill chunk is a group of its own. A decode's new token is written to the cache before
 attention, so it is simply part of the sharded context; a prefill chunk
 attends to itself causally and to the context cached before it.
+
+The step's attention backend (attention/backends.py) comes with it. For a backend that reads rows
+with a bound each (`causal_rows`: the paged kernel, the reference), a short chunk after cached
+context (up to CAUSAL_ROWS_MAX_QUERY rows: speculative verification, the rest of a prompt after a
+prefix hit) is read whole from the cache, where its own K/V are by then: its row j sees the
+request's tokens up to its own position, and the chunk attends to nothing else.
 """
 
 from __future__ import annotations
@@ -13,9 +19,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from typing import TYPE_CHECKING
+
 from kvshard import envs
 from kvshard.kv.cache import GatherBuffers
 from kvshard.kv.layout import DCPLayout
+
+if TYPE_CHECKING:
+    from kvshard.attention.backends import AttentionBackend
 
 
 # Decodes attend in groups padded to their longest request; a group spans at most this many tokens
@@ -23,6 +34,10 @@ from kvshard.kv.layout import DCPLayout
 # of similar lengths beat one padded to the longest when lengths differ widely (long and short
 # agentic contexts in one batch). The scheduler sorts decodes by length to make such groups.
 DECODE_GROUP_SPREAD = envs.env("KVSHARD_DECODE_GROUP_SPREAD").default  # 1024
+# A chunk after cached context of at most this many rows is read whole from the cache by a backend
+# with `causal_rows` (one kernel call with the decodes, no chunk attention and no merge); longer
+# chunks attend to themselves with the flash kernel, which is faster for many rows.
+CAUSAL_ROWS_MAX_QUERY = 16
 
 
 def decode_group_spread_from_env() -> int:
@@ -39,6 +54,7 @@ class AttentionGroup:
     context_blocks: torch.Tensor | None  # [g, nb] this rank's blocks of the requests; None if it holds no token
     context_bias: torch.Tensor | None  # [g, 1, nb * B]: 0 for this rank's cached tokens, -inf past them
     buffers: GatherBuffers = field(default_factory=GatherBuffers)  # the layers reuse them within the step
+    rows_in_cache: bool = False  # a chunk read whole from the cache, row by row (see the module's doc)
 
     @property
     def num_seqs(self) -> int:
@@ -47,6 +63,11 @@ class AttentionGroup:
     @property
     def is_decode(self) -> bool:
         return self.query_len == 1
+
+    @property
+    def attends_itself(self) -> bool:
+        """A prefill chunk whose causal attention to its own K/V is computed apart (and merged)."""
+        return self.query_len > 1 and not self.rows_in_cache
 
 
 @dataclass(frozen=True)
@@ -60,8 +81,14 @@ class AttentionMetadata:
     # decodes first, then chunks by descending context): the context path and its collectives skip
     # the rest, the first chunks of prompts. The same number on every rank (global lengths).
     context_rows: int
-    has_prefill: bool
+    has_prefill: bool  # some chunk attends to itself (`AttentionGroup.attends_itself`)
     writes_every_token: bool  # write_index is every row, in order: the layers write k and v unindexed
+    backend: AttentionBackend  # what attends (attention/backends.py), the same for the whole step
+    # every row as the paged kernel reads it: row r sees the first row_lens[r] of this rank's tokens
+    # of request row_seq[r], whose blocks are block_tables[row_seq[r]] (0 for rows past context_rows)
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    row_seq: torch.Tensor  # [t] int32
+    row_lens: torch.Tensor  # [t] int32
 
     @property
     def num_tokens(self) -> int:
@@ -77,7 +104,13 @@ class AttentionMetadata:
         dcp_rank: int,
         device: torch.device,
         decode_group_spread: int = DECODE_GROUP_SPREAD,
+        backend: AttentionBackend | None = None,
     ) -> "AttentionMetadata":
+        """`backend`: the one the model runner chose at start-up; `auto`'s when None."""
+        if backend is None:
+            from kvshard.attention.backends import default_backend
+
+            backend = default_backend()
         num_seqs = len(query_lens)
         max_blocks = max(1, max(len(t) for t in block_tables))
         tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.long)
@@ -97,6 +130,15 @@ class AttentionMetadata:
         attends = [q == 1 or c > 0 for q, c in zip(query_lens, context_lens)]
         last = max((i for i, a in enumerate(attends) if a), default=-1)
         context_rows = int(starts[last] + qlens[last]) if last >= 0 else 0
+        # short chunks after cached context: read whole from the cache, each row up to its own position
+        in_cache = [backend.causal_rows and 1 < q <= CAUSAL_ROWS_MAX_QUERY and c > 0
+                    for q, c in zip(query_lens, context_lens)]
+        # what each row sees, in global tokens: a decode and a row read in the cache up to its own
+        # position, a row of any other chunk the context cached before its chunk, a first chunk nothing
+        by_row = torch.tensor(in_cache, dtype=torch.bool)[seq_of_token] | is_decode[seq_of_token]
+        visible = torch.where(by_row, positions + 1, ctx[seq_of_token])
+        row_lens = layout.local_lens_of(visible, dcp_rank).to(torch.int32)
+        row_lens[context_rows:] = 0
         groups = []
         lens = local_ctx.tolist()
         i = 0
@@ -108,7 +150,7 @@ class AttentionMetadata:
                         max(longest, lens[j]) - min(shortest, lens[j]) <= decode_group_spread:
                     longest, shortest = max(longest, lens[j]), min(shortest, lens[j])
                     j += 1
-            groups.append(_group(i, j, query_lens[i], int(starts[i]), local_ctx, tables, layout, device))
+            groups.append(_group(i, j, query_lens[i], int(starts[i]), local_ctx, tables, layout, device, in_cache[i]))
             i = j
         return cls(
             positions=positions.to(device),
@@ -117,20 +159,24 @@ class AttentionMetadata:
             write_slots=write_slots.to(device),
             uses_context=context_rows > 0,
             context_rows=context_rows,
-            has_prefill=not bool(is_decode.all()),
+            has_prefill=any(group.attends_itself for group in groups),
             writes_every_token=write_index.numel() == positions.numel(),
+            backend=backend,
+            block_tables=tables.to(torch.int32).to(device),
+            row_seq=seq_of_token.to(torch.int32).to(device),
+            row_lens=row_lens.to(device),
         )
 
 
 def _group(first: int, last: int, query_len: int, start: int, local_ctx: torch.Tensor, tables: torch.Tensor,
-           layout: DCPLayout, device: torch.device) -> AttentionGroup:
+           layout: DCPLayout, device: torch.device, rows_in_cache: bool = False) -> AttentionGroup:
     end = start + (last - first) * query_len
     lens = local_ctx[first:last]
     max_len = int(lens.max())
     if max_len == 0:
-        return AttentionGroup(start, end, query_len, None, None)
+        return AttentionGroup(start, end, query_len, None, None, rows_in_cache=rows_in_cache)
     num_blocks = -(-max_len // layout.block_size)
     blocks = tables[first:last, :num_blocks]
     span = torch.arange(num_blocks * layout.block_size)
     bias = torch.zeros(last - first, 1, span.numel()).masked_fill_((span >= lens.unsqueeze(1)).unsqueeze(1), float("-inf"))
-    return AttentionGroup(start, end, query_len, blocks.to(device), bias.to(device))
+    return AttentionGroup(start, end, query_len, blocks.to(device), bias.to(device), rows_in_cache=rows_in_cache)

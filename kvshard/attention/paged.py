@@ -2,10 +2,11 @@
 where it lies, and get their output with its natural-log LSE (csrc/paged_attention.cpp).
 
 The kernel is a small C++ extension compiled on first use with `torch.utils.cpp_extension`
-(a C++ compiler and the `ninja` package) and cached under `KVSHARD_CACHE_DIR` (default
-~/.cache/kvshard)/torch_extensions, in a folder named by a hash of its source, its flags, the
-CPU and the torch version, so another CPU or flag set builds its own. Where it cannot be built,
-kvshard says so in one line and `paged_attention` runs the gather path (a copy of the blocks and
+(a C++ compiler and the `ninja` package) and cached in the user's cache directory, once per
+machine (`kernel_cache_dir`), in a folder named by a hash of its source, its flags, the CPU and
+the torch version, so another CPU or flag set builds its own; processes that start together wait
+for one build (torch's file lock) and later ones load it. Where it cannot be built, kvshard says
+so in one line and `paged_attention` runs the gather path (a copy of the blocks and
 `attention_with_lse`), with the same results.
 
 Rows: row r of q reads the sequence `row_seq[r]` of `block_tables` and sees that sequence's first
@@ -22,7 +23,9 @@ import logging
 import os
 import platform
 import shutil
+import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -44,6 +47,25 @@ _unavailable: str | None = None  # why the kernel could not be built, once known
 def cache_dir() -> Path:
     """Where kvshard keeps what it builds: KVSHARD_CACHE_DIR, else ~/.cache/kvshard."""
     return envs.cache_dir()
+
+
+def kernel_cache_dir() -> Path:
+    """Where the compiled kernel is kept: KVSHARD_KERNEL_CACHE_DIR, else the user's cache
+    ($XDG_CACHE_HOME or ~/.cache)/kvshard/torch_extensions, shared by every run on the machine
+    (the test suite, which points KVSHARD_CACHE_DIR elsewhere, included); where that cannot be
+    written, KVSHARD_CACHE_DIR/torch_extensions."""
+    configured = envs.get("KVSHARD_KERNEL_CACHE_DIR")
+    if configured:
+        return Path(configured)
+    base = Path(os.environ.get("XDG_CACHE_HOME", "").strip() or Path.home() / ".cache")
+    user = base / "kvshard" / "torch_extensions"
+    try:
+        user.mkdir(parents=True, exist_ok=True)
+        if os.access(user, os.W_OK):
+            return user
+    except OSError:
+        pass
+    return cache_dir() / "torch_extensions"
 
 
 def _cpu_signature() -> str:
@@ -103,12 +125,20 @@ def load_extension():
         else:
             flags = _FLAGS + _native_flags()
             name = _build_name(flags)
-            build_dir = cache_dir() / "torch_extensions" / name
+            build_dir = kernel_cache_dir() / name
             try:
                 build_dir.mkdir(parents=True, exist_ok=True)
                 from torch.utils.cpp_extension import load
+                fresh = not (build_dir / f"{name}.so").exists()
+                if fresh:  # the first use on this machine: say why the start takes a minute
+                    print(f"kvshard: building the paged attention kernel in {build_dir} (once per machine, "
+                          "about a minute)", file=sys.stderr, flush=True)
+                start = time.perf_counter()
                 _module = load(name=name, sources=[str(_SOURCE)], extra_cflags=flags,
                                build_directory=str(build_dir), verbose=False)
+                if fresh:
+                    print(f"kvshard: paged attention kernel built in {time.perf_counter() - start:.0f} s",
+                          file=sys.stderr, flush=True)
             except Exception as exc:  # noqa: BLE001 - any build failure falls back, with its reason
                 last = (str(exc).strip().splitlines() or [""])[-1]
                 _unavailable = f"building it in {build_dir} failed ({type(exc).__name__}: {last})"
@@ -120,6 +150,11 @@ def load_extension():
 
 def kernel_available() -> bool:
     return load_extension() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel could not be built, once a build was tried; None where it was built (or not tried)."""
+    return _unavailable
 
 
 def paged_attention(
@@ -137,7 +172,8 @@ def paged_attention(
     use_kernel: bool | None = None,  # None: the kernel where it is built; False: the gather path
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each row of q over its visible cached tokens: o [t, H, dv] and lse [t, H],
-    float32, natural log; a row that sees no token gets o = 0 and lse = -inf. A cache stored in
+    float32, natural log (views of one [t, H, dv + 1], `packed_of`); a row that sees no token
+    gets o = 0 and lse = -inf. A cache stored in
     float8 e4m3 holds key / k_scale and value / v_scale (kv/cache.py)."""
     if key_cache.dim() == 4:
         key_cache, value_cache = key_cache.flatten(0, 1), value_cache.flatten(0, 1)
@@ -148,9 +184,9 @@ def paged_attention(
     seqs = row_seq.to(torch.int32).contiguous()
     lens = row_lens.to(torch.int32).contiguous()
     if module is not None and q.device.type == "cpu":
-        out, lse = module.paged_attention(q if q.stride(-1) == 1 else q.contiguous(), key_cache, value_cache,
-                                          tables, seqs, lens, block_size, scale, k_scale, v_scale, split_tokens)
-        return out, lse
+        packed = module.paged_attention(q if q.stride(-1) == 1 else q.contiguous(), key_cache, value_cache,
+                                        tables, seqs, lens, block_size, scale, k_scale, v_scale, split_tokens)
+        return packed[..., :-1], packed[..., -1]  # views of one [t, H, dv + 1]: see packed_of
     return gather_attention(q, key_cache, value_cache, tables, seqs, lens, block_size, scale, k_scale, v_scale)
 
 
@@ -159,8 +195,7 @@ def gather_attention(q, key_cache, value_cache, block_tables, row_seq, row_lens,
     """`paged_attention` by copying each sequence's blocks out and running `attention_with_lse`:
     the fallback, and a second oracle for the tests. Consecutive rows of one sequence go together."""
     t, num_heads = q.shape[0], q.shape[1]
-    out = torch.zeros(t, num_heads, value_cache.shape[-1], dtype=torch.float32, device=q.device)
-    lse = torch.full((t, num_heads), float("-inf"), dtype=torch.float32, device=q.device)
+    out, lse = empty_packed(t, num_heads, value_cache.shape[-1], q.device)
     seqs, lens = row_seq.tolist(), row_lens.tolist()
     compute = q.dtype if q.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
     key_blocks = key_cache.unflatten(0, (-1, block_size))
@@ -184,6 +219,24 @@ def gather_attention(q, key_cache, value_cache, block_tables, row_seq, row_lens,
             out[r:e], lse[r:e] = o[0], l[0]
         r = e
     return out, lse
+
+
+def empty_packed(t: int, heads: int, dv: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """o [t, heads, dv] = 0 and lse [t, heads] = -inf, float32: views of one [t, heads, dv + 1]."""
+    packed = torch.zeros(t, heads, dv + 1, dtype=torch.float32, device=device)
+    packed[..., -1] = float("-inf")
+    return packed[..., :-1], packed[..., -1]
+
+
+def packed_of(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """[t, H, dv + 1]: o and lse side by side, without a copy where they are views of one such
+    tensor (the kernel's output, `empty_packed`), else concatenated."""
+    base = out._base
+    if (base is not None and lse._base is base and base.dim() == 3 and base.is_contiguous()
+            and base.shape[:2] == out.shape[:2] and base.shape[-1] == out.shape[-1] + 1
+            and out.data_ptr() == base.data_ptr() and lse.data_ptr() == base.data_ptr() + out.shape[-1] * 4):
+        return base
+    return torch.cat([out, lse.unsqueeze(-1)], dim=-1)
 
 
 def _dequantized(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:

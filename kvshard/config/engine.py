@@ -26,6 +26,7 @@ class EngineConfig:
     seed: int
     batch_invariant: bool = False  # EngineArgs.batch_invariant
     speculative: SpeculativeConfig | None = None
+    attention_backend: str = "auto"  # EngineArgs.attention_backend, resolved (attention/backends.py)
 
     @cached_property
     def dcp_layout(self) -> DCPLayout:

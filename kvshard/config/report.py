@@ -35,6 +35,7 @@ def startup_report(config: EngineConfig) -> str:
         f"ranks: {p.world_size} (tp={p.tensor_parallel_size}, dcp={p.decode_context_parallel_size}, "
         f"interleave={p.dcp_kv_interleave_size}); DCP groups: {p.dcp_groups()}",
         _attention_line(config),
+        _attention_backend_line(config.attention_backend),
         f"KV cache dtype: {str(config.kv_cache_dtype).removeprefix('torch.')}; "
         f"KV bytes per token per rank: {config.kv_bytes_per_token_per_rank:,.1f} "
         f"({config.kv_bytes_per_slot:,} per slot, {config.model.num_layers} layers, "
@@ -52,6 +53,12 @@ def startup_report(config: EngineConfig) -> str:
         lines.append(config.speculative.describe())
     lines.append(envs.numerics_report())  # last: which KVSHARD_* settings that change numerics are set
     return "\n".join(lines)
+
+
+def _attention_backend_line(name: str) -> str:
+    from kvshard.attention.backends import describe_backend
+
+    return describe_backend(name)
 
 
 def _attention_line(config: EngineConfig) -> str:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvshard import envs
+from kvshard.attention.backends import ATTENTION_BACKENDS, resolve_backend_name
 from kvshard.config import (
     ATTENTION_LAYOUTS,
     DCP_COMM_BACKENDS,
@@ -71,6 +72,11 @@ class EngineArgs:
                 "all-gather of [output|lse] for small outputs), a2a (one all-to-all of each rank's share of "
                 "[output|lse], merged locally), auto: chosen per layer by message size",
         choices=DCP_COMM_BACKENDS)
+    attention_backend: str = _setting(
+        "auto", "what attends to the paged KV cache: paged (a C++ kernel reading the blocks in place; CPU, built "
+                "once per machine on first use), gather (the blocks copied out, then PyTorch's flash kernel), "
+                "reference (plain matmuls, the test oracle); auto: paged where the kernel builds, else gather",
+        choices=ATTENTION_BACKENDS)
     block_size: int = _setting(16, "tokens per physical block; a virtual block holds block_size * dcp",
                                positive=True)
     kv_cache_memory: str | int = _setting("1GiB", "KV budget per rank, e.g. 64MiB or 2GiB")
@@ -205,6 +211,7 @@ class EngineArgs:
         tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
         layout = choose_attention_layout(model_config, tp, dcp, self.dcp_attention_layout)
         parallel = ParallelConfig(tp, dcp, interleave, layout, self.dcp_comm_backend)
+        attention_backend = resolve_backend_name(self.attention_backend)  # auto builds the kernel here, once
         if speculative is not None and speculative.method == "draft_model":
             speculative = _with_draft_model(speculative, model_config, parallel, self.dtype)
         mtp = speculative is not None and speculative.method == "mtp"
@@ -248,7 +255,8 @@ class EngineArgs:
             raise ConfigError(f"--scheduling-policy lpm orders requests by their cached prefix, but prefix caching "
                               f"is off ({off}): use --scheduling-policy fcfs")
         scheduler = SchedulerConfig(self.max_num_seqs, max_num_batched_tokens, max_model_len, self.scheduling_policy)
-        config = EngineConfig(model_config, parallel, cache, scheduler, self.seed, self.batch_invariant, speculative)
+        config = EngineConfig(model_config, parallel, cache, scheduler, self.seed, self.batch_invariant, speculative,
+                              attention_backend)
         if config.kv_capacity_tokens < max_model_len:
             raise ConfigError(
                 f"the KV cache holds {config.kv_capacity_tokens:,} tokens ({config.num_kv_blocks} blocks per rank), "

@@ -6,6 +6,7 @@ from typing import Callable
 
 import torch
 
+from kvshard.attention.backends import select_backend
 from kvshard.attention.metadata import AttentionMetadata, decode_group_spread_from_env
 from kvshard.attention.timing import DcpTimingGather
 from kvshard.config import EngineConfig, ModelConfig
@@ -49,6 +50,7 @@ class ModelRunner:
         # the attention kernel's rounding depends on the key length a group is padded to: in
         # batch-invariant mode only decodes of equal local length share a group, so none is padded
         self.decode_group_spread = 0 if config.batch_invariant else decode_group_spread_from_env()
+        self.attention_backend = select_backend(config.attention_backend, device)  # every step's metadata carries it
         # the speculative proposer's model (a draft model, the MTP layer) with its own cache, sharded as
         # the target's under the same block ids; None without one (kvshard/spec_decode/proposer.py)
         self.drafter = make_draft_module(config, parallel, device, self.metadata,
@@ -59,7 +61,7 @@ class ModelRunner:
                  block_tables: list[list[int]]) -> AttentionMetadata:
         """This rank's attention metadata of a step's requests."""
         return AttentionMetadata.build(context_lens, query_lens, block_tables, self.layout, self.parallel.dcp_rank,
-                                       self.device, self.decode_group_spread)
+                                       self.device, self.decode_group_spread, self.attention_backend)
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -73,52 +73,86 @@ inline v4 hsum4(v16 a0, v16 a1, v16 a2, v16 a3) {
   return __builtin_shufflevector(z, z, 0, 2, 4, 6) + __builtin_shufflevector(z, z, 1, 3, 5, 7);
 }
 
-// Four query vectors against one key row: each k chunk is loaded once for the four.
-inline void dot4(const float* const* __restrict qs, const float* __restrict k, int64_t n, float* out) {
-  v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+// Key rows scored together per query-vector load: four where the vector registers hold the 16
+// accumulators (AVX-512: 32 of them), else two.
+#if defined(__AVX512F__)
+constexpr int kKeys = 4;
+#else
+constexpr int kKeys = 2;
+#endif
+
+// Four query vectors against kKeys key rows: each q chunk is loaded once for the keys and each k
+// chunk once for the four vectors. out[y * 4 + x] = q_x . k_y. (Each score sums its products in
+// the same order as one vector against one row would: per 16 lanes, then the lanes, then the tail.)
+inline void dot4xk(const float* const* __restrict qs, const float* const* __restrict ks, int64_t n, float* out) {
+  v16 a[kKeys][4] = {};
   const float *q0 = qs[0], *q1 = qs[1], *q2 = qs[2], *q3 = qs[3];
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const v16 kv = load16(k + i);
-    a0 += load16(q0 + i) * kv;
-    a1 += load16(q1 + i) * kv;
-    a2 += load16(q2 + i) * kv;
-    a3 += load16(q3 + i) * kv;
+    const v16 x0 = load16(q0 + i), x1 = load16(q1 + i), x2 = load16(q2 + i), x3 = load16(q3 + i);
+#pragma GCC unroll 4
+    for (int y = 0; y < kKeys; ++y) {
+      const v16 kv = load16(ks[y] + i);
+      a[y][0] += x0 * kv;
+      a[y][1] += x1 * kv;
+      a[y][2] += x2 * kv;
+      a[y][3] += x3 * kv;
+    }
   }
-  const v4 sums = hsum4(a0, a1, a2, a3);
-  float s0 = sums[0], s1 = sums[1], s2 = sums[2], s3 = sums[3];
-  for (; i < n; ++i) {
-    s0 += q0[i] * k[i];
-    s1 += q1[i] * k[i];
-    s2 += q2[i] * k[i];
-    s3 += q3[i] * k[i];
+#pragma GCC unroll 4
+  for (int y = 0; y < kKeys; ++y) {
+    const v4 sums = hsum4(a[y][0], a[y][1], a[y][2], a[y][3]);
+    const float* k = ks[y];
+    float s0 = sums[0], s1 = sums[1], s2 = sums[2], s3 = sums[3];
+    for (int64_t t = i; t < n; ++t) {
+      s0 += q0[t] * k[t];
+      s1 += q1[t] * k[t];
+      s2 += q2[t] * k[t];
+      s3 += q3[t] * k[t];
+    }
+    out[y * 4 + 0] = s0;
+    out[y * 4 + 1] = s1;
+    out[y * 4 + 2] = s2;
+    out[y * 4 + 3] = s3;
   }
-  out[0] = s0;
-  out[1] = s1;
-  out[2] = s2;
-  out[3] = s3;
 }
 
-// Four vectors' am[0, dv) += sum_j p[j] * v_j: each V chunk is loaded once for the four.
+// Four vectors' am[i0, i0 + 16 C) += sum_j p[j] * v_j: each V chunk is loaded once for the four,
+// and C chunks of accumulators stay in registers over all n rows.
+template <int C>
+inline void accumulate4c(float* const* __restrict ams, const float* const* __restrict ps,
+                         const float* __restrict v, int64_t stride, int64_t n, int64_t i0) {
+  v16 r[4][C];
+#pragma GCC unroll 4
+  for (int x = 0; x < 4; ++x)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) r[x][c] = load16(ams[x] + i0 + 16 * c);
+  const float *p0 = ps[0], *p1 = ps[1], *p2 = ps[2], *p3 = ps[3];
+  for (int64_t j = 0; j < n; ++j) {
+    const float* row = v + j * stride + i0;
+    const float w0 = p0[j], w1 = p1[j], w2 = p2[j], w3 = p3[j];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const v16 vj = load16(row + 16 * c);
+      r[0][c] += w0 * vj;
+      r[1][c] += w1 * vj;
+      r[2][c] += w2 * vj;
+      r[3][c] += w3 * vj;
+    }
+  }
+#pragma GCC unroll 4
+  for (int x = 0; x < 4; ++x)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) store16(ams[x] + i0 + 16 * c, r[x][c]);
+}
+
+// Four vectors' am[0, dv) += sum_j p[j] * v_j.
 inline void accumulate4(float* const* __restrict ams, const float* const* __restrict ps,
                         const float* __restrict v, int64_t stride, int64_t n, int64_t dv) {
-  float *m0 = ams[0], *m1 = ams[1], *m2 = ams[2], *m3 = ams[3];
-  const float *p0 = ps[0], *p1 = ps[1], *p2 = ps[2], *p3 = ps[3];
+  constexpr int kChunks = kKeys;  // as many accumulators as the scores use
   int64_t i = 0;
-  for (; i + 16 <= dv; i += 16) {
-    v16 r0 = load16(m0 + i), r1 = load16(m1 + i), r2 = load16(m2 + i), r3 = load16(m3 + i);
-    for (int64_t j = 0; j < n; ++j) {
-      const v16 vj = load16(v + j * stride + i);
-      r0 += p0[j] * vj;
-      r1 += p1[j] * vj;
-      r2 += p2[j] * vj;
-      r3 += p3[j] * vj;
-    }
-    store16(m0 + i, r0);
-    store16(m1 + i, r1);
-    store16(m2 + i, r2);
-    store16(m3 + i, r3);
-  }
+  for (; i + 16 * kChunks <= dv; i += 16 * kChunks) accumulate4c<kChunks>(ams, ps, v, stride, n, i);
+  for (; i + 16 <= dv; i += 16) accumulate4c<1>(ams, ps, v, stride, n, i);
   for (; i < dv; ++i) {
     for (int w = 0; w < 4; ++w) {
       float r = ams[w][i];
@@ -198,7 +232,8 @@ struct Shape {
 template <typename QT, typename CT>
 void run_item(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const QT* q, const CT* kc, const CT* vc,
               const int32_t* table, const int32_t* lens, const float* lut, float* out, int64_t out_row_stride,
-              int64_t out_head_stride, float* lse, int64_t lse_row_stride, std::vector<float>& scratch) {
+              int64_t out_head_stride, float* lse, int64_t lse_row_stride, int64_t lse_head_stride,
+              std::vector<float>& scratch) {
   const int64_t M = u.nrows * u.nheads, dk = sh.dk, dv = sh.dv, B = sh.block_size;
   const int64_t kb_size = Rows<CT>::kDirect ? 0 : B * dk;
   const int64_t vb_size = (Rows<CT>::kDirect || sh.v_in_k) ? 0 : B * dv;
@@ -267,10 +302,15 @@ void run_item(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const QT* 
       if (n == 0) continue;
       const float* qs[4];
       for (int64_t x = 0; x < 4; ++x) qs[x] = qf + (m0 + std::min(x, w - 1)) * dk;
-      float four[4];
-      for (int64_t j = 0; j < n; ++j) {
-        dot4(qs, krows + j * kstride, dk, four);
-        for (int64_t x = 0; x < w; ++x) s[(m0 + x) * B + j] = four[x];
+      float tile[kKeys * 4];
+      for (int64_t j0 = 0; j0 < n; j0 += kKeys) {
+        const int64_t keys = std::min<int64_t>(kKeys, n - j0);
+        const float* ks[kKeys];
+        for (int64_t y = 0; y < kKeys; ++y) ks[y] = krows + (j0 + std::min(y, keys - 1)) * kstride;
+        dot4xk(qs, ks, dk, tile);
+        for (int64_t y = 0; y < keys; ++y) {
+          for (int64_t x = 0; x < w; ++x) s[(m0 + x) * B + j0 + y] = tile[y * 4 + x];
+        }
       }
     }
     // online softmax, per vector: the weights of this block's tokens replace their scores
@@ -313,7 +353,7 @@ void run_item(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const QT* 
     for (int64_t h = 0; h < u.nheads; ++h) {
       const int64_t m = r * u.nheads + h;
       float* o = out + r * out_row_stride + h * out_head_stride;
-      float* l = lse + r * lse_row_stride + h;
+      float* l = lse + r * lse_row_stride + h * lse_head_stride;
       if (sum[m] > 0.0f) {
         const float inv = sh.v_scale / sum[m];
         for (int64_t i = 0; i < dv; ++i) o[i] = acc[m * dv + i] * inv;
@@ -329,7 +369,7 @@ void run_item(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const QT* 
 template <typename QT, typename CT>
 void launch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table,
             const at::Tensor& row_seq, const at::Tensor& row_lens, const Shape& sh, int64_t split_tokens,
-            at::Tensor& out, at::Tensor& lse) {
+            at::Tensor& out) {
   const int64_t t = q.size(0);
   const int32_t* seqs = row_seq.data_ptr<int32_t>();
   const int32_t* lens = row_lens.data_ptr<int32_t>();
@@ -383,16 +423,15 @@ void launch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
   const CT* vp = vc.data_ptr<CT>();
   const int32_t* tp = table.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
-  float* lp = lse.data_ptr<float>();
-  const int64_t H = sh.num_heads, dv = sh.dv;
+  const int64_t H = sh.num_heads, dv = sh.dv, P = dv + 1;  // out: [t, H, dv + 1], o then lse
 
   if (!split) {
     at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch;
       for (int64_t i = begin; i < end; ++i) {
         const Unit& u = units[i];
-        run_item<QT, CT>(u, 0, u.max_len, sh, qp, kp, vp, tp, lens, lut, op + (u.row0 * H + u.head0) * dv, H * dv,
-                         dv, lp + u.row0 * H + u.head0, H, scratch);
+        float* o = op + (u.row0 * H + u.head0) * P;
+        run_item<QT, CT>(u, 0, u.max_len, sh, qp, kp, vp, tp, lens, lut, o, H * P, P, o + dv, H * P, P, scratch);
       }
     });
     return;
@@ -416,7 +455,7 @@ void launch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
       const int64_t base = offset[ui] + piece * M;
       run_item<QT, CT>(u, piece * split_tokens, std::min(u.max_len, (piece + 1) * split_tokens), sh, qp, kp, vp,
                        tp, lens, lut, part_o.data() + base * dv, u.nheads * dv, dv, part_l.data() + base, u.nheads,
-                       scratch);
+                       1, scratch);
     }
   });
   at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
@@ -425,8 +464,8 @@ void launch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
       const int64_t pieces = first[ui + 1] - first[ui], M = u.nrows * u.nheads;
       for (int64_t m = 0; m < M; ++m) {
         const int64_t r = m / u.nheads, h = m % u.nheads;
-        float* o = op + ((u.row0 + r) * H + u.head0 + h) * dv;
-        float& l = lp[(u.row0 + r) * H + u.head0 + h];
+        float* o = op + ((u.row0 + r) * H + u.head0 + h) * P;
+        float& l = o[dv];
         float best = kNegInf;
         for (int64_t p = 0; p < pieces; ++p) best = std::max(best, part_l[offset[ui] + p * M + m]);
         std::fill(o, o + dv, 0.0f);
@@ -454,14 +493,14 @@ void launch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
 template <typename QT>
 void dispatch_cache(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table,
                     const at::Tensor& row_seq, const at::Tensor& row_lens, const Shape& sh, int64_t split_tokens,
-                    at::Tensor& out, at::Tensor& lse) {
+                    at::Tensor& out) {
   switch (kc.scalar_type()) {
-    case at::kFloat: return launch<QT, float>(q, kc, vc, table, row_seq, row_lens, sh, split_tokens, out, lse);
+    case at::kFloat: return launch<QT, float>(q, kc, vc, table, row_seq, row_lens, sh, split_tokens, out);
     case at::kBFloat16:
-      return launch<QT, c10::BFloat16>(q, kc, vc, table, row_seq, row_lens, sh, split_tokens, out, lse);
-    case at::kHalf: return launch<QT, c10::Half>(q, kc, vc, table, row_seq, row_lens, sh, split_tokens, out, lse);
+      return launch<QT, c10::BFloat16>(q, kc, vc, table, row_seq, row_lens, sh, split_tokens, out);
+    case at::kHalf: return launch<QT, c10::Half>(q, kc, vc, table, row_seq, row_lens, sh, split_tokens, out);
     case at::kFloat8_e4m3fn:
-      return launch<QT, c10::Float8_e4m3fn>(q, kc, vc, table, row_seq, row_lens, sh, split_tokens, out, lse);
+      return launch<QT, c10::Float8_e4m3fn>(q, kc, vc, table, row_seq, row_lens, sh, split_tokens, out);
     default: TORCH_CHECK(false, "paged_attention: unsupported cache dtype ", kc.scalar_type());
   }
 }
@@ -470,8 +509,9 @@ void dispatch_cache(const at::Tensor& q, const at::Tensor& kc, const at::Tensor&
 
 // q [t, H, dk]; key_cache [slots, Hk, dk], value_cache [slots, Hk, dv] (slots = blocks * block_size);
 // block_tables [num_seqs, max_blocks] int32; row_seq, row_lens [t] int32.
-// Returns o [t, H, dv] float32 and lse [t, H] float32 (natural log; -inf and o = 0 for a row that sees no key).
-std::vector<at::Tensor> paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
+// Returns [t, H, dv + 1] float32: o in the first dv channels, the lse in the last (natural log; -inf and o = 0
+// for a row that sees no key), side by side so that the DCP merge sends them without a packing copy.
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                                         const at::Tensor& value_cache, const at::Tensor& block_tables,
                                         const at::Tensor& row_seq, const at::Tensor& row_lens, int64_t block_size,
                                         double scale, double k_scale, double v_scale, int64_t split_tokens) {
@@ -506,9 +546,8 @@ std::vector<at::Tensor> paged_attention(const at::Tensor& q, const at::Tensor& k
       }
     }
   }
-  auto out = at::empty({t, H, dv}, q.options().dtype(at::kFloat));
-  auto lse = at::empty({t, H}, q.options().dtype(at::kFloat));
-  if (t == 0) return {out, lse};
+  auto out = at::empty({t, H, dv + 1}, q.options().dtype(at::kFloat));  // o | lse, side by side
+  if (t == 0) return out;
   Shape sh;
   sh.num_heads = H;
   sh.num_kv_heads = Hk;
@@ -528,19 +567,18 @@ std::vector<at::Tensor> paged_attention(const at::Tensor& q, const at::Tensor& k
   sh.v_scale = static_cast<float>(v_scale);
   switch (q.scalar_type()) {
     case at::kFloat:
-      dispatch_cache<float>(q, key_cache, value_cache, block_tables, row_seq, row_lens, sh, split_tokens, out, lse);
+      dispatch_cache<float>(q, key_cache, value_cache, block_tables, row_seq, row_lens, sh, split_tokens, out);
       break;
     case at::kBFloat16:
       dispatch_cache<c10::BFloat16>(q, key_cache, value_cache, block_tables, row_seq, row_lens, sh, split_tokens,
-                                    out, lse);
+                                    out);
       break;
     case at::kHalf:
-      dispatch_cache<c10::Half>(q, key_cache, value_cache, block_tables, row_seq, row_lens, sh, split_tokens, out,
-                                lse);
+      dispatch_cache<c10::Half>(q, key_cache, value_cache, block_tables, row_seq, row_lens, sh, split_tokens, out);
       break;
     default: TORCH_CHECK(false, "paged_attention: unsupported query dtype ", q.scalar_type());
   }
-  return {out, lse};
+  return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
