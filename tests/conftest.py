@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +19,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # `auto` would replicate every tiny model's queries (config.AUTO_REPLICATE_MAX_BYTES): keep it on the head-split
 # path, the DCP rhythm with its Q all-gather; tests ask for the replicated layout by name.
 os.environ.setdefault("KVSHARD_AUTO_REPLICATE_MAX_BYTES", "0")
+# Without a GPU, the Triton kernels run under Triton's interpreter (tests/test_triton_attention.py); it is
+# chosen when triton is first imported, so before anything imports it.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -166,11 +166,39 @@ class PagedBackend:
             use_kernel=True)
 
 
-BACKENDS = {"reference": ReferenceBackend, "gather-flash": GatherFlashBackend, "paged": PagedBackend}
+class TritonBackend:
+    """The Triton kernels of attention/triton_paged.py: the paged path on a GPU (and on a CPU under
+    Triton's interpreter, for the tests)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from kvshard.attention import triton_paged
+        why = triton_paged.available()
+        if why is not None:
+            raise RuntimeError(f"the Triton attention backend cannot run here: {why}")
+        self._kernel = triton_paged.triton_paged_attention
+        self._rows = _RowsCache()
+
+    def attend_context(self, q, cache, meta, scale):
+        rows = self._rows.rows(meta)
+        quantized = _quantized(cache)
+        return self._kernel(
+            q, cache.key, cache.value, rows.block_tables, rows.row_seq, rows.row_lens, cache.block_size, scale,
+            k_scale=cache.scales.key if quantized else 1.0, v_scale=_value_scale(cache) if quantized else 1.0)
+
+
+BACKENDS = {"reference": ReferenceBackend, "gather-flash": GatherFlashBackend, "paged": PagedBackend,
+            "triton": TritonBackend}
 
 
 def default_backend_name(device: torch.device) -> str:
-    """The fastest backend available: the paged kernel on CPU where it builds, else gather + flash."""
+    """The fastest backend available: Triton on a GPU, the paged kernel on CPU where it builds,
+    else gather + flash."""
+    if device.type == "cuda":
+        from kvshard.attention import triton_paged
+        if triton_paged.available() is None:
+            return "triton"
     if device.type == "cpu" and paged.kernel_available():
         return "paged"
     return "gather-flash"
