@@ -118,3 +118,14 @@ def test_triton_backend_on_a_step_agrees_with_the_reference(mla):
     ref_out, ref_lse = make_backend("reference").attend_context(q, cache, meta, 0.2)
     assert torch.isneginf(ref_lse).any() and torch.isfinite(ref_lse).any()
     _check(*make_backend("triton").attend_context(q, cache, meta, 0.2), ref_out, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_collectives_on_nccl_only_where_each_rank_has_its_own_gpu(caplog):
+    from kvshard.parallel import collective_backend
+
+    assert collective_backend("cpu", 0, 4) == "gloo"
+    assert collective_backend("cuda", 8, 8) == "nccl"
+    assert collective_backend("cuda", 8, 4) == "nccl"
+    with caplog.at_level("WARNING", logger="kvshard.parallel"):
+        assert collective_backend("cuda", 1, 2) == "gloo"  # two ranks on one GPU: NCCL would refuse them
+    assert "2 ranks share 1 GPU(s)" in caplog.text
