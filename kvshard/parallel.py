@@ -8,6 +8,7 @@ Every helper is the identity on a group of one, so a single-rank run needs no
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import pickle
 import socket
@@ -23,6 +24,8 @@ import torch.distributed as dist
 from kvshard import envs
 from kvshard.config import HEAD_SPLIT, REPLICATED, ParallelConfig
 from kvshard.shm import ShmGroup, host_identity, shm_supported, slot_bytes
+
+logger = logging.getLogger(__name__)
 
 # A collective that waits longer than this means a peer is gone.
 
@@ -180,6 +183,24 @@ def take_rendezvous_listener(host: str, port: int) -> socket.socket:
     return reserved if reserved is not None else bind_rendezvous(host, port)
 
 
+def collective_backend(device_type: str, device_count: int, local_world: int) -> str:
+    """NCCL where every rank of a node has a GPU of its own; gloo on CPUs and where ranks share a
+    GPU (NCCL refuses two ranks on one device; gloo stages the tensors through host memory)."""
+    if device_type != "cuda":
+        return "gloo"
+    if device_count < local_world:
+        logger.warning("kvshard: %d ranks share %d GPU(s) on this node: their collectives run on gloo, not NCCL",
+                       local_world, device_count)
+        return "gloo"
+    return "nccl"
+
+
+def _local_world_size(world: int) -> int:
+    """Ranks on this node: torchrun's LOCAL_WORLD_SIZE, else all of them (kvshard's own spawner)."""
+    text = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(text) if text.isdigit() and int(text) > 0 else world
+
+
 def init_parallel(
     parallel: ParallelConfig,
     rank: int,
@@ -220,7 +241,8 @@ def init_parallel(
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not every one of the {world} ranks joined within {timeout}")
             time.sleep(0.05)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = collective_backend(device.type, torch.cuda.device_count() if device.type == "cuda" else 0,
+                                 _local_world_size(world))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     control = dist.new_group(list(range(world)), backend="gloo") if backend != "gloo" else dist.group.WORLD
     dcp_group = None

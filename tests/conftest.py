@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +23,11 @@ os.environ.setdefault("KVSHARD_AUTO_REPLICATE_MAX_BYTES", "0")
 # cores (seen in real-model steps): the suite's engines and servers get 30 s; tests/test_executor.py names the
 # defaults where it checks them.
 os.environ.setdefault("KVSHARD_HEARTBEAT_TIMEOUT", "30")
+
+# Without a GPU, the Triton kernels run under Triton's interpreter (tests/test_triton_attention.py); it is
+# chosen when triton is first imported, so before anything imports it.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)

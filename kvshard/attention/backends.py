@@ -12,15 +12,18 @@ all-to-all) stays above and does not care which backend did the work. A backend 
 - `attend_chunks`: each prefill chunk's causal attention to itself (the K/V every rank of the
   group computed), merged above with the context part by LSE.
 
-Three of them, chosen once at start-up (`--attention-backend`, EngineConfig.attention_backend):
+Four of them, chosen once at start-up (`--attention-backend`, EngineConfig.attention_backend):
 
 - `reference`: plain matmuls over each row's tokens, picked by indexing; any device; the test oracle.
 - `gather`: each group's blocks copied out (`KVCacheLayer.gather`), then PyTorch's CPU flash
   kernel (`attention_with_lse`).
 - `paged`: the C++ kernel of attention/paged.py, one call for every context row, reading the
   blocks where they lie; CPU only, built on first use.
+- `triton`: the Triton kernels of attention/triton_paged.py, the same reads on a GPU (on a CPU
+  only under Triton's interpreter: the tests).
 
-`auto` is `paged` where the kernel builds (on CPU), else `gather`, with one line saying why.
+`auto` is `triton` on CUDA where triton is installed, `paged` where the kernel builds (on CPU),
+else `gather`, with one line saying why.
 
 A backend with `causal_rows` also takes the rows of short chunks after cached context (speculative
 verification rows, the rest of a prompt after a prefix hit) whole: their own K/V are in the cache
@@ -46,8 +49,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-AUTO, PAGED, GATHER, REFERENCE = "auto", "paged", "gather", "reference"
-ATTENTION_BACKENDS = (AUTO, PAGED, GATHER, REFERENCE)
+AUTO, PAGED, GATHER, REFERENCE, TRITON = "auto", "paged", "gather", "reference", "triton"
+ATTENTION_BACKENDS = (AUTO, PAGED, GATHER, REFERENCE, TRITON)
 # In batch-invariant mode the kernel never splits a row's tokens: where it splits depends on the batch.
 NO_SPLIT = 1 << 40
 
@@ -192,7 +195,38 @@ class PagedBackend(_Backend):
             split_tokens=NO_SPLIT if batch_invariant_active() else 0, use_kernel=True)
 
 
-BACKENDS: dict[str, type[_Backend]] = {REFERENCE: ReferenceBackend, GATHER: GatherBackend, PAGED: PagedBackend}
+class TritonBackend(_Backend):
+    """The Triton kernels of attention/triton_paged.py: the paged path on a GPU (on a CPU only under
+    Triton's interpreter, for the tests). Every context row in one call, each up to its own bound."""
+
+    name = TRITON
+    causal_rows = True
+
+    def __init__(self) -> None:
+        from kvshard.attention import triton_paged
+
+        why = triton_paged.available()
+        if why is not None:
+            raise RuntimeError(f"the Triton attention backend cannot run here: {why}")
+        self._kernel = triton_paged.triton_paged_attention
+
+    def attend_context(self, q, cache, meta, scale):
+        c = q.shape[0]
+        quantized = _quantized(cache)
+        return self._kernel(
+            q, cache.key, cache.value, meta.block_tables, meta.row_seq[:c], meta.row_lens[:c], cache.block_size,
+            scale, k_scale=cache.scales.key if quantized else 1.0, v_scale=_value_scale(cache) if quantized else 1.0,
+            num_splits=1 if batch_invariant_active() else 0)
+
+
+BACKENDS: dict[str, type[_Backend]] = {REFERENCE: ReferenceBackend, GATHER: GatherBackend, PAGED: PagedBackend,
+                                        TRITON: TritonBackend}
+
+
+def _triton_unavailable() -> str | None:
+    from kvshard.attention import triton_paged
+
+    return triton_paged.available()
 
 
 def resolve_backend_name(requested: str = AUTO, device_type: str | None = None) -> str:
@@ -203,9 +237,13 @@ def resolve_backend_name(requested: str = AUTO, device_type: str | None = None) 
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if requested == AUTO:
+        if device_type == "cuda":
+            return TRITON if _triton_unavailable() is None else GATHER
         if device_type != "cpu":
             return GATHER
         return PAGED if paged.kernel_available() else GATHER  # load_extension logs the one line why not
+    if requested == TRITON and _triton_unavailable() is not None:
+        raise ConfigError(f"attention_backend='triton': {_triton_unavailable()}: use --attention-backend auto")
     if requested == PAGED:
         if device_type != "cpu":
             raise ConfigError(f"attention_backend='paged' runs on CPU only, not {device_type}: use gather or auto")
@@ -219,6 +257,8 @@ def describe_backend(name: str) -> str:
     """One line of the start-up report."""
     if name == PAGED:
         return "attention backend: paged (C++ kernel reading the paged KV cache in place)"
+    if name == TRITON:
+        return "attention backend: triton (Triton kernels reading the paged KV cache in place)"
     if name == GATHER:
         why = paged.unavailable_reason()
         return ("attention backend: gather (blocks copied out, then PyTorch's flash kernel)"

@@ -11,8 +11,10 @@ import torch
 
 
 # PyTorch's fused CPU attention (flash-style, tiled, one pass) returns the log-sum-exp with the
-# output; it is what `scaled_dot_product_attention` runs on CPU. Elsewhere (CUDA) the reference
-# below, in plain matmuls, is used.
+# output; it is what `scaled_dot_product_attention` runs on CPU. On CUDA, a chunk's own causal
+# attention runs PyTorch's fused CUDA kernels that return the LSE (flash for 16-bit inputs, the
+# memory-efficient one for float32); attention over cached context on CUDA is the Triton backend's
+# (attention/triton_paged.py). The reference below, in plain matmuls, is what remains.
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -31,6 +33,8 @@ def attention_with_lse(
     """
     if _flash_applies(q, k, v):
         return _flash_attention_with_lse(q, k, v, bias, scale, causal)
+    if causal and bias is None and q.device.type == "cuda" and k.dtype == q.dtype == v.dtype:
+        return _cuda_causal_attention_with_lse(q, k, v, scale)
     if causal:
         s = q.shape[1]
         bias = torch.full((s, s), float("-inf"), device=q.device).triu_(1).unsqueeze(0)
@@ -80,6 +84,26 @@ def _flash_attention_with_lse(q, k, v, bias, scale, causal):
         if empty.any():
             lse = lse.masked_fill(empty.unsqueeze(-1), float("-inf"))
     return out, lse
+
+
+def _cuda_causal_attention_with_lse(q, k, v, scale):
+    """A chunk's causal attention on CUDA with its LSE: flash (bfloat16 / float16) or the
+    memory-efficient kernel (float32), over [g, H, s, d] with the KV heads repeated for GQA."""
+    g, s, num_heads, dk = q.shape
+    num_kv_heads, dv = k.shape[2], v.shape[-1]
+    rep = num_heads // num_kv_heads
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if rep > 1:
+        kh, vh = kh.repeat_interleave(rep, dim=1), vh.repeat_interleave(rep, dim=1)
+    if dv != dk:  # one head size for the kernel: zero channels change no score and add no output
+        width = max(dk, dv)
+        qh, kh, vh = (torch.nn.functional.pad(x, (0, width - x.shape[-1])) for x in (qh, kh, vh))
+    if q.dtype in (torch.bfloat16, torch.float16):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(qh, kh, vh, 0.0, True, False, scale=scale)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            qh, kh, vh, None, True, 0.0, True, scale=scale)[:2]
+    return out[..., :dv].transpose(1, 2).float(), lse[..., :s].transpose(1, 2).float()
 
 
 def reference_attention_with_lse(

@@ -210,6 +210,16 @@ def _timestamp() -> str:
 
 # --- serve -------------------------------------------------------------------------------------
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
+    return value
+
+
 def _add_serve(commands) -> None:
     parser = commands.add_parser("serve", help="load generator against an OpenAI-compatible server",
                                  description="Send token-id completions (streamed, ignore_eos) to a running server "
@@ -231,6 +241,9 @@ def _add_serve(commands) -> None:
     parser.add_argument("--metrics-interval", type=float, default=0.25, help="seconds between /metrics scrapes")
     parser.add_argument("--result-file", default=None, help="write the result as JSON here")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--extra-body", type=_json_object, default=None,
+                        help="a JSON object whose fields are added to every request, e.g. "
+                             "'{\"response_format\": {\"type\": \"json_object\"}}'")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="trace: cut prompts so that prompt + output fit this (default: the server's "
                              "max_model_len from /v1/models)")
@@ -273,6 +286,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         args.base_url, sessions, model=args.model, max_concurrency=args.max_concurrency,
         request_rate=args.request_rate, seed=args.seed, num_ranks=args.num_ranks, api_key=args.api_key,
         metrics_interval=args.metrics_interval, progress=not args.no_progress, arrival_times=arrival_times,
+        extra_body=args.extra_body,
     )
     result["workload"] = described
     if trace is not None:

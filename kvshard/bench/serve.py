@@ -60,11 +60,14 @@ def request_list_digest(requests: list[BenchRequest]) -> str:
     return digest.hexdigest()[:16]
 
 
-def completion_payload(model: str, request: BenchRequest) -> dict:
-    return {
+def completion_payload(model: str, request: BenchRequest, extra_body: dict | None = None) -> dict:
+    """The request sent; `extra_body`'s fields are added to it (e.g. a `response_format`)."""
+    payload = {
         "model": model, "prompt": request.prompt_token_ids, "max_tokens": request.output_len,
         "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
     }
+    payload.update(extra_body or {})
+    return payload
 
 
 async def sse_lines(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -82,13 +85,14 @@ async def sse_lines(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
 
 
 async def send_request(client: httpx.AsyncClient, url: str, model: str, request: BenchRequest,
-                       headers: dict[str, str]) -> RequestOutcome:
+                       headers: dict[str, str], extra_body: dict | None = None) -> RequestOutcome:
     outcome = RequestOutcome(request.input_len)
     chunks = 0
     usage_tokens: int | None = None
     start = last = time.perf_counter()
     try:
-        async with client.stream("POST", url, json=completion_payload(model, request), headers=headers) as response:
+        async with client.stream("POST", url, json=completion_payload(model, request, extra_body),
+                                 headers=headers) as response:
             if response.status_code != 200:
                 body = (await response.aread()).decode(errors="replace")
                 outcome.error = f"HTTP {response.status_code}: {body[:300]}"
@@ -145,7 +149,7 @@ async def _arrivals(sessions: list[list[BenchRequest]], request_rate: float, see
 async def _run(base_url: str, model: str, sessions: list[list[BenchRequest]], max_concurrency: int | None,
                request_rate: float, seed: int, headers: dict[str, str], poller: MetricsPoller,
                progress: bool, label: str, arrival_times: list[float] | None = None,
-               ) -> tuple[list[RequestOutcome], float]:
+               extra_body: dict | None = None) -> tuple[list[RequestOutcome], float]:
     url = f"{base_url}/v1/completions"
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = tqdm(total=sum(len(s) for s in sessions), desc=label, unit="req", disable=not progress,
@@ -157,7 +161,7 @@ async def _run(base_url: str, model: str, sessions: list[list[BenchRequest]], ma
             if outcomes and not outcomes[-1].success:  # an agent whose call failed does not go on
                 outcome = RequestOutcome(request.input_len, error="an earlier turn of its session failed")
             else:
-                outcome = await send_request(client, url, model, request, headers)
+                outcome = await send_request(client, url, model, request, headers, extra_body)
             outcome.turn = turn
             outcomes.append(outcome)
             snapshot = poller.latest
@@ -250,6 +254,7 @@ def run_serve_benchmark(
     progress: bool = True,
     label: str = "bench serve",
     arrival_times: list[float] | None = None,
+    extra_body: dict | None = None,
 ) -> dict:
     """Send every session (its turns one after another), wait for all, and return the result (see `summarize`).
 
@@ -267,7 +272,8 @@ def run_serve_benchmark(
     model = probe(base_url, model, api_key)
     with MetricsPoller(base_url, metrics_interval, api_key) as poller:
         outcomes, duration = asyncio.run(_run(base_url, model, sessions, max_concurrency, request_rate, seed,
-                                              _auth(api_key), poller, progress, label, arrival_times))
+                                              _auth(api_key), poller, progress, label, arrival_times,
+                                              extra_body))
     first = poller.trace.snapshots[0] if poller.trace.snapshots else ServerSnapshot()
     result = summarize(outcomes, duration, num_ranks or first.num_ranks)
     result.update({

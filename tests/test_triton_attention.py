@@ -1,0 +1,131 @@
+"""The Triton paged attention kernels (kvshard/attention/triton_paged.py) against the reference,
+on the CPU under Triton's interpreter: the indexing through the block table, the masks, the split
+of the sequence and its merge by LSE, GQA head groups and MLA's latent, FP8 caches with scales,
+and the rows a DCP rank holds none of (lse -inf). The same kernels are what a GPU compiles.
+
+Shapes are small: the interpreter runs every program in numpy. The cache, the block tables and
+the oracle are those of the C++ kernel's tests."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvshard.attention import paged
+from kvshard.attention import triton_paged
+from kvshard.kv.cache import FP8_DTYPE
+from kvshard.kv.layout import DCPLayout
+from test_paged_attention import _cache, _check, _oracle, _tables
+
+# tests/conftest.py turns the interpreter on where no GPU is found; CI installs triton
+pytestmark = pytest.mark.skipif(not triton_paged.interpreted(),
+                                reason=triton_paged.available() or "Triton's interpreter is off (TRITON_INTERPRET)")
+
+
+def _run(*, heads, kv_heads, dk, dv, block_size, interleave, dcp, rank, context_lens, query_lens,
+         dtype=torch.float32, cache_dtype=None, mla=False, num_splits=0, block_n=16, k_scale=1.0, v_scale=1.0,
+         atol=2e-5, rtol=2e-5, seed=0):
+    cache_dtype = cache_dtype or dtype
+    layout = DCPLayout(block_size, dcp, interleave)
+    local_max = max(layout.local_len(c, rank) for c in context_lens)
+    max_blocks = max(1, -(-local_max // block_size)) + 1
+    num_blocks = len(context_lens) * max_blocks + 3
+    key, value, key_f, value_f, value_scale = _cache(num_blocks, block_size, kv_heads, dk, dv, cache_dtype, mla,
+                                                     k_scale, v_scale, seed)
+    tables = _tables(len(context_lens), max_blocks, num_blocks, seed)
+    row_seq, row_lens = paged.row_lens_of(context_lens, query_lens, layout, rank)
+    g = torch.Generator().manual_seed(seed + 2)
+    q = torch.randn(int(row_seq.numel()), heads, dk, generator=g).to(dtype)
+    scale = 1.0 / math.sqrt(dk)
+    out, lse = triton_paged.triton_paged_attention(q, key, value, tables, row_seq, row_lens, block_size, scale,
+                                                   k_scale, value_scale, num_splits=num_splits, block_n=block_n)
+    ref_out, ref_lse = _oracle(q, key_f, value_f, tables, row_seq, row_lens, block_size, scale)
+    _check(out, lse, ref_out, ref_lse, atol, rtol)
+    return row_lens
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("interleave,dcp,rank", [(1, 1, 0), (1, 2, 1), (16, 2, 1)])
+def test_decode_rows_gqa(block_size, interleave, dcp, rank):
+    # 9 query heads on 3 KV heads (SmolLM2's grouping): a head tile of 16 with 13 masked heads
+    lens = _run(heads=9, kv_heads=3, dk=32, dv=32, block_size=block_size, interleave=interleave, dcp=dcp,
+                rank=rank, context_lens=[1, 5, 37, 90], query_lens=[1] * 4)
+    if dcp > 1:
+        assert int(lens.min()) == 0  # a request this rank holds none of: lse -inf, checked
+
+
+def test_several_rows_per_request_each_with_its_bound():
+    # speculative verification and a chunk's rows over the cache: row j sees up to its own position
+    lens = _run(heads=8, kv_heads=1, dk=64, dv=64, block_size=16, interleave=4, dcp=2, rank=0,
+                context_lens=[6, 70], query_lens=[3, 4])
+    assert len(set(lens[3:].tolist())) > 1
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_split_sequence_merged_by_lse(num_splits):
+    # more pieces than some rows have tokens: empty pieces (lse -inf) must not disturb the merge
+    _run(heads=8, kv_heads=1, dk=64, dv=64, block_size=16, interleave=1, dcp=1, rank=0,
+         context_lens=[3, 100, 150], query_lens=[1, 1, 1], num_splits=num_splits)
+
+
+def test_mla_latent():
+    # absorbed MLA: 16 heads on one latent of 72 channels, V its first 64 (a view of the key)
+    _run(heads=16, kv_heads=1, dk=72, dv=64, block_size=16, interleave=16, dcp=2, rank=1,
+         context_lens=[2, 40, 75], query_lens=[1, 1, 2], mla=True, num_splits=2)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_half_caches(cache_dtype):
+    _run(heads=8, kv_heads=1, dk=64, dv=64, block_size=16, interleave=1, dcp=1, rank=0, context_lens=[1, 50],
+         query_lens=[1, 1], dtype=cache_dtype, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_fp8_caches_with_scales(mla):
+    dk, dv = (72, 64) if mla else (32, 32)
+    _run(heads=8 if mla else 9, kv_heads=1 if mla else 3, dk=dk, dv=dv, block_size=16, interleave=4, dcp=2, rank=1,
+         context_lens=[3, 60], query_lens=[1, 2], cache_dtype=FP8_DTYPE, mla=mla, k_scale=0.05, v_scale=0.02)
+
+
+def test_no_visible_token_anywhere():
+    _run(heads=8, kv_heads=1, dk=64, dv=64, block_size=16, interleave=16, dcp=4, rank=3, context_lens=[3, 10],
+         query_lens=[1, 1])
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_triton_backend_on_a_step_agrees_with_the_reference(mla):
+    # the backend reads a step's metadata (groups of decodes, a prefill chunk over a cached prompt,
+    # a first chunk with no context) through ContextRows, as the engine hands it over
+    from kvshard.attention.backends import make_backend
+    from kvshard.attention.metadata import AttentionMetadata
+    from kvshard.kv.cache import KVCacheSpec, allocate_kv_cache
+
+    layout = DCPLayout(16, 2, 4)
+    context_lens, query_lens = [2, 40, 130, 50, 0], [1, 1, 1, 3, 2]
+    tables = [[(5 * i + 3 * j) % 40 for j in range(8)] for i in range(5)]
+    meta = AttentionMetadata.build(context_lens, query_lens, tables, layout, 1, torch.device("cpu"),
+                                   decode_group_spread=0)
+    spec = KVCacheSpec(1, 1, key_dim=72, value_dim=64, value_in_key=True) if mla else \
+        KVCacheSpec(1, 3, key_dim=32, value_dim=32, value_in_key=False)
+    heads = 16 if mla else 9
+    (cache,) = allocate_kv_cache(spec, 40, 16, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(3)
+    cache.write(torch.arange(cache.key.shape[0]), torch.randn(cache.key.shape, generator=g),
+                torch.randn(cache.value.shape, generator=g))
+    q = torch.randn(meta.context_rows, heads, spec.key_dim, generator=g)
+    ref_out, ref_lse = make_backend("reference").attend_context(q, cache, meta, 0.2)
+    assert torch.isneginf(ref_lse).any() and torch.isfinite(ref_lse).any()
+    _check(*make_backend("triton").attend_context(q, cache, meta, 0.2), ref_out, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_collectives_on_nccl_only_where_each_rank_has_its_own_gpu(caplog):
+    from kvshard.parallel import collective_backend
+
+    assert collective_backend("cpu", 0, 4) == "gloo"
+    assert collective_backend("cuda", 8, 8) == "nccl"
+    assert collective_backend("cuda", 8, 4) == "nccl"
+    with caplog.at_level("WARNING", logger="kvshard.parallel"):
+        assert collective_backend("cuda", 1, 2) == "gloo"  # two ranks on one GPU: NCCL would refuse them
+    assert "2 ranks share 1 GPU(s)" in caplog.text
