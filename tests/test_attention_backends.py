@@ -192,3 +192,42 @@ def test_fp8_cache_gather_and_paged_agree(checkpoints):
         with LLM(path, attention_backend=name, **engine) as llm:
             runs[name] = _generate(llm, PROMPTS)
     assert_same_generation(*runs["gather"], *runs["paged"], atol=1e-4)
+
+
+
+def test_a_build_killed_midway_does_not_hang_the_next_start(tmp_path):
+    # torch's build lock is a file; a build killed while holding it leaves it behind, and torch's next
+    # load would wait on it forever. kvshard's own lock (dropped by the system when its holder dies)
+    # shows no builder is alive, and the stale file goes before torch looks.
+    import multiprocessing
+    import time
+
+    from kvshard.attention import paged
+
+    build = tmp_path / "kvshard_paged_attention_x"
+    build.mkdir()
+    (build / "lock").touch()
+    with paged._builder_lock(build):
+        assert not (build / "lock").exists()
+    # while a live builder holds kvshard's lock, a second one waits for it (and then goes on)
+    ctx = multiprocessing.get_context("spawn")
+    held = ctx.Event()
+    holder = ctx.Process(target=_hold_builder_lock, args=(str(build), held, 1.5))
+    holder.start()
+    assert held.wait(60)
+    start = time.monotonic()
+    with paged._builder_lock(build):
+        waited = time.monotonic() - start
+    holder.join(30)
+    assert waited > 0.5, waited
+
+
+def _hold_builder_lock(build: str, held, seconds: float) -> None:
+    import time
+    from pathlib import Path
+
+    from kvshard.attention import paged
+
+    with paged._builder_lock(Path(build)):
+        held.set()
+        time.sleep(seconds)

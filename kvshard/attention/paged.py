@@ -18,6 +18,8 @@ rows of one request each see up to their own position).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -134,8 +136,9 @@ def load_extension():
                     print(f"kvshard: building the paged attention kernel in {build_dir} (once per machine, "
                           "about a minute)", file=sys.stderr, flush=True)
                 start = time.perf_counter()
-                _module = load(name=name, sources=[str(_SOURCE)], extra_cflags=flags,
-                               build_directory=str(build_dir), verbose=False)
+                with _builder_lock(build_dir):
+                    _module = load(name=name, sources=[str(_SOURCE)], extra_cflags=flags,
+                                   build_directory=str(build_dir), verbose=False)
                 if fresh:
                     print(f"kvshard: paged attention kernel built in {time.perf_counter() - start:.0f} s",
                           file=sys.stderr, flush=True)
@@ -146,6 +149,20 @@ def load_extension():
             logger.warning("kvshard: the paged attention kernel is unavailable: %s; attention uses the gather path",
                            _unavailable)
         return _module
+
+
+@contextlib.contextmanager
+def _builder_lock(build_dir: Path):
+    """One builder at a time on this machine, by a lock the system drops when its holder dies. torch's
+    own lock is a file that a build killed midway leaves behind, on which every later start would wait
+    forever: holding ours, no other builder is alive, so such a file is stale and goes."""
+    with open(build_dir.parent / f"{build_dir.name}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def kernel_available() -> bool:
