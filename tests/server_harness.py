@@ -7,7 +7,6 @@ HTTP only: by the official `openai` client, httpx, and the Prometheus text.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import signal
@@ -47,8 +46,7 @@ class Server:
         self._log = open(log_path, "wb")
         self.process = subprocess.Popen(command or serve_command(*args, *extra, "--port", str(port)), cwd=ROOT,
                                         stdout=self._log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                                        preexec_fn=_die_with_parent)
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self.url = self._wait_for_url(startup_timeout)
         self.http = httpx.Client(base_url=self.url, timeout=60,
                                  headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
@@ -158,10 +156,3 @@ def start_together(starters: list[Callable[[], Server]]) -> list[Server]:
         stop_all(started)
         raise next(f.exception() for f in futures if f.exception() is not None)
     return started
-
-
-def _die_with_parent() -> None:
-    """A server the suite starts gets SIGTERM when the test process dies (killed, timed out), so that none is
-    left running behind it (Linux's PR_SET_PDEATHSIG; elsewhere nothing)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
