@@ -90,9 +90,16 @@ def _check(out, lse, ref_out, ref_lse, atol, rtol):
     torch.testing.assert_close(out, ref_out, atol=atol, rtol=rtol)
 
 
+def _paged_kernel(q, key, value, tables, row_seq, row_lens, block_size, scale, k_scale, v_scale, split_tokens=0):
+    return paged.paged_attention(q, key, value, tables, row_seq, row_lens, block_size, scale, k_scale, v_scale,
+                                 split_tokens=split_tokens, use_kernel=True)
+
+
 def _run(*, heads, kv_heads, dk, dv, block_size, interleave, dcp, rank, context_lens, query_lens, dtype=torch.float32,
-         cache_dtype=None, mla=False, causal=True, split_tokens=0, k_scale=1.0, v_scale=1.0, atol=2e-5, rtol=2e-5,
-         seed=0):
+         cache_dtype=None, mla=False, causal=True, k_scale=1.0, v_scale=1.0, atol=2e-5, rtol=2e-5,
+         seed=0, kernel=_paged_kernel, **kernel_options):
+    """One random case through `kernel` (the C++ one by default; tests/test_triton_attention.py passes
+    the Triton one) against the oracle; `kernel_options` go to the kernel (split_tokens, num_splits, ...)."""
     cache_dtype = cache_dtype or dtype
     layout = DCPLayout(block_size, dcp, interleave)
     local_max = max(layout.local_len(c, rank) for c in context_lens)
@@ -105,8 +112,8 @@ def _run(*, heads, kv_heads, dk, dv, block_size, interleave, dcp, rank, context_
     g = torch.Generator().manual_seed(seed + 2)
     q = torch.randn(int(row_seq.numel()), heads, dk, generator=g).to(dtype)
     scale = 1.0 / math.sqrt(dk)
-    out, lse = paged.paged_attention(q, key, value, tables, row_seq, row_lens, block_size, scale, k_scale,
-                                     value_scale, split_tokens=split_tokens, use_kernel=True)
+    out, lse = kernel(q, key, value, tables, row_seq, row_lens, block_size, scale, k_scale, value_scale,
+                      **kernel_options)
     ref_out, ref_lse = _oracle(q, key_f, value_f, tables, row_seq, row_lens, block_size, scale)
     _check(out, lse, ref_out, ref_lse, atol, rtol)
     return row_lens

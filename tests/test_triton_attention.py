@@ -4,46 +4,28 @@ of the sequence and its merge by LSE, GQA head groups and MLA's latent, FP8 cach
 and the rows a DCP rank holds none of (lse -inf). The same kernels are what a GPU compiles.
 
 Shapes are small: the interpreter runs every program in numpy. The cache, the block tables and
-the oracle are those of the C++ kernel's tests."""
+the oracle are those of the C++ kernel's tests. At the end, the whole model through the Triton
+backend (tiny Llama with GQA, tiny MLA; tp=1 and dcp=2) against transformers on the same weights."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 
-from kvshard.attention import paged
 from kvshard.attention import triton_paged
 from kvshard.kv.cache import FP8_DTYPE
 from kvshard.kv.layout import DCPLayout
-from test_paged_attention import _cache, _check, _oracle, _tables
+from test_paged_attention import _check, _run as _paged_case
 
 # tests/conftest.py turns the interpreter on where no GPU is found; CI installs triton
 pytestmark = pytest.mark.skipif(not triton_paged.interpreted(),
                                 reason=triton_paged.available() or "Triton's interpreter is off (TRITON_INTERPRET)")
 
 
-def _run(*, heads, kv_heads, dk, dv, block_size, interleave, dcp, rank, context_lens, query_lens,
-         dtype=torch.float32, cache_dtype=None, mla=False, num_splits=0, block_n=16, k_scale=1.0, v_scale=1.0,
-         atol=2e-5, rtol=2e-5, seed=0):
-    cache_dtype = cache_dtype or dtype
-    layout = DCPLayout(block_size, dcp, interleave)
-    local_max = max(layout.local_len(c, rank) for c in context_lens)
-    max_blocks = max(1, -(-local_max // block_size)) + 1
-    num_blocks = len(context_lens) * max_blocks + 3
-    key, value, key_f, value_f, value_scale = _cache(num_blocks, block_size, kv_heads, dk, dv, cache_dtype, mla,
-                                                     k_scale, v_scale, seed)
-    tables = _tables(len(context_lens), max_blocks, num_blocks, seed)
-    row_seq, row_lens = paged.row_lens_of(context_lens, query_lens, layout, rank)
-    g = torch.Generator().manual_seed(seed + 2)
-    q = torch.randn(int(row_seq.numel()), heads, dk, generator=g).to(dtype)
-    scale = 1.0 / math.sqrt(dk)
-    out, lse = triton_paged.triton_paged_attention(q, key, value, tables, row_seq, row_lens, block_size, scale,
-                                                   k_scale, value_scale, num_splits=num_splits, block_n=block_n)
-    ref_out, ref_lse = _oracle(q, key_f, value_f, tables, row_seq, row_lens, block_size, scale)
-    _check(out, lse, ref_out, ref_lse, atol, rtol)
-    return row_lens
+def _run(*, num_splits=0, block_n=16, **case):
+    """test_paged_attention's case (random cache, shuffled tables, a DCP rank's rows, the oracle) through the
+    Triton kernel."""
+    return _paged_case(kernel=triton_paged.triton_paged_attention, num_splits=num_splits, block_n=block_n, **case)
 
 
 @pytest.mark.parametrize("block_size", [16, 64])
@@ -129,3 +111,63 @@ def test_collectives_on_nccl_only_where_each_rank_has_its_own_gpu(caplog):
     with caplog.at_level("WARNING", logger="kvshard.parallel"):
         assert collective_backend("cuda", 1, 2) == "gloo"  # two ranks on one GPU: NCCL would refuse them
     assert "2 ranks share 1 GPU(s)" in caplog.text
+
+
+# --- the whole model through the Triton backend, on the interpreter ------------------------------
+
+E2E_PROMPTS = [[3, 1, 4], [(7 * i) % 97 + 1 for i in range(21)]]  # the second is chunked: rows over its cache
+E2E_NEW_TOKENS = 4
+E2E_ENGINE = dict(attention_backend="triton", block_size=16, max_model_len=64, num_kv_blocks=16, max_num_seqs=2,
+                  max_num_batched_tokens=12)
+
+
+def _backend_name(llm):
+    return llm.engine.runner.attention_backend.name
+
+
+def _transformers_steps(hf_reference, path):
+    tokens, steps = hf_reference(path, E2E_PROMPTS, E2E_NEW_TOKENS, logprobs=True)
+    return tokens, [[dict(enumerate(step.tolist())) for step in prompt_steps] for prompt_steps in steps]
+
+
+@pytest.mark.parametrize("tp_dcp", [1, 2], ids=["tp1", "tp2-dcp2"])
+def test_the_whole_model_through_the_triton_backend_matches_transformers(checkpoints, hf_reference, engine_run,
+                                                                        tp_dcp):
+    from kvshard import SamplingParams
+    from conftest import assert_same_generation, tiny_llama_config
+
+    path = checkpoints("triton-e2e-llama", tiny_llama_config())
+    want = _transformers_steps(hf_reference, path)
+    params = SamplingParams(temperature=0, max_tokens=E2E_NEW_TOKENS, ignore_eos=True, logprobs=3)
+    run = engine_run(path, E2E_PROMPTS, params, probe=_backend_name, tensor_parallel_size=tp_dcp,
+                     decode_context_parallel_size=tp_dcp, **E2E_ENGINE)
+    assert run.probed == "triton" and "attention backend: triton" in run.config.layout_report()
+    assert_same_generation(run.tokens, run.logprobs, *want, atol=1e-4, same_candidates=False)
+
+
+def test_mla_through_the_triton_backend_under_dcp_matches_transformers(checkpoints, hf_reference, engine_run):
+    from transformers import DeepseekV3Config
+
+    from kvshard import SamplingParams
+    from conftest import assert_same_generation
+    from test_attention_backends import MLA_CONFIG
+
+    path = checkpoints("triton-e2e-mla", DeepseekV3Config(**MLA_CONFIG), seed=4, off_neutral=True)
+    want = _transformers_steps(hf_reference, path)
+    params = SamplingParams(temperature=0, max_tokens=E2E_NEW_TOKENS, ignore_eos=True, logprobs=3)
+    run = engine_run(path, E2E_PROMPTS, params, probe=_backend_name, tensor_parallel_size=2,
+                     decode_context_parallel_size=2, **E2E_ENGINE)
+    assert run.probed == "triton"
+    assert_same_generation(run.tokens, run.logprobs, *want, atol=1e-3, same_candidates=False)
+
+
+def test_the_triton_backend_is_refused_on_a_cpu_without_the_interpreter(checkpoints, monkeypatch):
+    from kvshard.engine.arg_utils import EngineArgs
+    from kvshard.errors import ConfigError
+    from conftest import tiny_llama_config
+
+    path = str(checkpoints("triton-e2e-llama", tiny_llama_config()))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(triton_paged, "interpreted", lambda: False)
+    with pytest.raises(ConfigError, match="attention_backend='triton': no CUDA device, and Triton's interpreter is off"):
+        EngineArgs(model=path, attention_backend="triton").create_engine_config()
