@@ -195,6 +195,35 @@ def collective_backend(device_type: str, device_count: int, local_world: int) ->
     return "nccl"
 
 
+# How ProcessGroupNCCL (torch >= 2.11 names them TORCH_NCCL_*) reacts to a collective that does not finish
+# within the group's timeout, as its watchdog thread sees it. Rank 0 hosts the engine (and the server):
+# 2 aborts the communicator and keeps the process, so the step's wait fails and the engine reports the
+# dead rank; the other ranks take torch's default, 3, which ends the process. Non-blocking waits keep
+# the stream asynchronous (and a CUDA graph's capture legal): the watchdog is what gives up.
+NCCL_ERROR_HANDLING_DRIVER, NCCL_ERROR_HANDLING_WORKER = "2", "3"
+
+
+def nccl_timeout() -> datetime.timedelta:
+    """The NCCL groups' watchdog timeout: $KVSHARD_STEP_TIMEOUT, what the engine allows a step without
+    progress (a collective waits on a peer for at most a step's imbalance)."""
+    return datetime.timedelta(seconds=envs.get("KVSHARD_STEP_TIMEOUT"))
+
+
+def nccl_environment(rank: int) -> dict[str, str]:
+    """The TORCH_NCCL_* settings of rank `rank`, put into its environment before its first NCCL group
+    (`init_parallel`); a value the user set is kept."""
+    handling = NCCL_ERROR_HANDLING_DRIVER if rank == 0 else NCCL_ERROR_HANDLING_WORKER
+    return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": handling, "TORCH_NCCL_BLOCKING_WAIT": "0"}
+
+
+def group_settings(backend: str, rank: int) -> tuple[datetime.timedelta, dict[str, str]]:
+    """(timeout, environment) of the TP and DCP groups on `backend`: on NCCL the step timeout and
+    `nccl_environment`; on gloo the collective timeout ($KVSHARD_COLLECTIVE_TIMEOUT_S) and nothing."""
+    if backend == "nccl":
+        return nccl_timeout(), nccl_environment(rank)
+    return collective_timeout(), {}
+
+
 def _local_world_size(world: int) -> int:
     """Ranks on this node: torchrun's LOCAL_WORLD_SIZE, else all of them (kvshard's own spawner)."""
     text = os.environ.get("LOCAL_WORLD_SIZE", "")
@@ -243,11 +272,19 @@ def init_parallel(
             time.sleep(0.05)
     backend = collective_backend(device.type, torch.cuda.device_count() if device.type == "cuda" else 0,
                                  _local_world_size(world))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    control = dist.new_group(list(range(world)), backend="gloo") if backend != "gloo" else dist.group.WORLD
+    group_timeout, group_env = group_settings(backend, rank)
+    for name, value in group_env.items():  # read by ProcessGroupNCCL when the group is made
+        os.environ.setdefault(name, value)
+    if backend == "nccl":
+        torch.cuda.set_device(device)  # one device per rank: the NCCL communicators bind to it
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=group_timeout,
+                            device_id=device if backend == "nccl" else None)
+    # step plans and heartbeats (CPU objects) on gloo, waiting as long as the ranks do to join
+    control = (dist.new_group(list(range(world)), backend="gloo", timeout=timeout) if backend != "gloo"
+               else dist.group.WORLD)
     dcp_group = None
     for ranks in parallel.dcp_groups():
-        group = dist.new_group(ranks) if len(ranks) > 1 else None
+        group = dist.new_group(ranks, timeout=group_timeout) if len(ranks) > 1 else None
         if rank in ranks:
             dcp_group = group
     dcp = parallel.decode_context_parallel_size
