@@ -52,6 +52,15 @@ def test_split_sequence_merged_by_lse(num_splits):
          context_lens=[3, 100, 150], query_lens=[1, 1, 1], num_splits=num_splits)
 
 
+@pytest.mark.parametrize("mla", [False, True])
+def test_a_length_bound_known_in_advance(mla):
+    # as in a CUDA graph: the split sized for max_len (more pieces than the rows fill, some wholly past every
+    # row's end), with no read of the lengths; the pieces past a row's tokens must merge as nothing
+    dk, dv = (72, 64) if mla else (64, 64)
+    _run(heads=8, kv_heads=1, dk=dk, dv=dv, block_size=16, interleave=1, dcp=2, rank=1, context_lens=[3, 1, 150],
+         query_lens=[1, 1, 1], mla=mla, num_splits=6, max_len=512)
+
+
 def test_mla_latent():
     # absorbed MLA: 16 heads on one latent of 72 channels, V its first 64 (a view of the key)
     _run(heads=16, kv_heads=1, dk=72, dv=64, block_size=16, interleave=16, dcp=2, rank=1,

@@ -202,13 +202,17 @@ class TritonBackend(_Backend):
     name = TRITON
     causal_rows = True
 
-    def __init__(self) -> None:
+    def __init__(self, static_max_len: int | None = None) -> None:
+        """`static_max_len`: a bound on every row's local tokens, known in advance, so the kernel's split
+        is chosen without reading the lengths back from the device (what a CUDA graph's capture needs:
+        engine/cuda_graphs.py); None: from the step's longest row."""
         from kvshard.attention import triton_paged
 
         why = triton_paged.available()
         if why is not None:
             raise RuntimeError(f"the Triton attention backend cannot run here: {why}")
         self._kernel = triton_paged.triton_paged_attention
+        self.static_max_len = static_max_len
 
     def attend_context(self, q, cache, meta, scale):
         c = q.shape[0]
@@ -216,7 +220,7 @@ class TritonBackend(_Backend):
         return self._kernel(
             q, cache.key, cache.value, meta.block_tables, meta.row_seq[:c], meta.row_lens[:c], cache.block_size,
             scale, k_scale=cache.scales.key if quantized else 1.0, v_scale=_value_scale(cache) if quantized else 1.0,
-            num_splits=1 if batch_invariant_active() else 0)
+            num_splits=1 if batch_invariant_active() else 0, max_len=self.static_max_len)
 
 
 BACKENDS: dict[str, type[_Backend]] = {REFERENCE: ReferenceBackend, GATHER: GatherBackend, PAGED: PagedBackend,

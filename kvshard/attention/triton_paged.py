@@ -174,9 +174,12 @@ def triton_paged_attention(
     v_scale: float = 1.0,
     num_splits: int = 0,  # pieces of the sequence per row; 0: chosen from the rows and the device
     block_n: int = 32,  # tokens per tile
+    max_len: int | None = None,  # a bound on row_lens known in advance: the lengths are not read back
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`paged.paged_attention` in Triton: o [t, H, dv] and lse [t, H], float32, natural log; a row
-    that sees no token gets o = 0 and lse = -inf."""
+    that sees no token gets o = 0 and lse = -inf. With `max_len` nothing waits on the device (no
+    host read of the lengths, as inside a CUDA graph's capture): the split is sized for max_len and
+    the pieces past a row's length do no work."""
     if _IMPORT_ERROR is not None:
         raise RuntimeError(_IMPORT_ERROR)
     if q.device.type == "cpu" and not interpreted():
@@ -200,7 +203,7 @@ def triton_paged_attention(
     lse = torch.full((t, num_heads), float("-inf"), dtype=torch.float32, device=device)
     if t == 0:
         return out, lse
-    longest = int(lens.max())
+    longest = max_len if max_len is not None else int(lens.max())
     if longest == 0:
         return out, lse
     splits = _splits_for(t, longest, block_n, device, num_splits)

@@ -27,6 +27,7 @@ class EngineConfig:
     batch_invariant: bool = False  # EngineArgs.batch_invariant
     speculative: SpeculativeConfig | None = None
     attention_backend: str = "auto"  # EngineArgs.attention_backend, resolved (attention/backends.py)
+    enforce_eager: bool = False  # EngineArgs.enforce_eager: no CUDA graphs (engine/cuda_graphs.py)
 
     @cached_property
     def dcp_layout(self) -> DCPLayout:

@@ -36,6 +36,7 @@ def startup_report(config: EngineConfig) -> str:
         f"interleave={p.dcp_kv_interleave_size}); DCP groups: {p.dcp_groups()}",
         _attention_line(config),
         _attention_backend_line(config.attention_backend),
+        _decode_graphs_line(config),
         f"KV cache dtype: {str(config.kv_cache_dtype).removeprefix('torch.')}; "
         f"KV bytes per token per rank: {config.kv_bytes_per_token_per_rank:,.1f} "
         f"({config.kv_bytes_per_slot:,} per slot, {config.model.num_layers} layers, "
@@ -53,6 +54,12 @@ def startup_report(config: EngineConfig) -> str:
         lines.append(config.speculative.describe())
     lines.append(envs.numerics_report())  # last: which KVSHARD_* settings that change numerics are set
     return "\n".join(lines)
+
+
+def _decode_graphs_line(config: EngineConfig) -> str:
+    from kvshard.engine.cuda_graphs import describe_decode_graphs
+
+    return describe_decode_graphs(config)
 
 
 def _attention_backend_line(name: str) -> str:

@@ -108,6 +108,10 @@ class EngineArgs:
         False, "deterministic mode: a request's tokens and logprobs do not depend on the batch it runs in, "
                "at a cost in throughput; turns prefix caching off (docs/serving.md)")
 
+    enforce_eager: bool = _setting(
+        False, "on CUDA, run every decode step eagerly instead of replaying it as a CUDA graph (graphs are "
+               "captured at start-up for batches of 1, 2, 4, ... max-num-seqs; never used on a CPU)")
+
     def __post_init__(self) -> None:
         """What argparse checks on the command line, checked for the Python API too (`LLM(...)`)."""
         self.check_choices()
@@ -255,8 +259,10 @@ class EngineArgs:
             raise ConfigError(f"--scheduling-policy lpm orders requests by their cached prefix, but prefix caching "
                               f"is off ({off}): use --scheduling-policy fcfs")
         scheduler = SchedulerConfig(self.max_num_seqs, max_num_batched_tokens, max_model_len, self.scheduling_policy)
+        if not isinstance(self.enforce_eager, bool):
+            raise ConfigError(f"enforce_eager={self.enforce_eager!r} must be True or False")
         config = EngineConfig(model_config, parallel, cache, scheduler, self.seed, self.batch_invariant, speculative,
-                              attention_backend)
+                              attention_backend, enforce_eager=self.enforce_eager)
         if config.kv_capacity_tokens < max_model_len:
             raise ConfigError(
                 f"the KV cache holds {config.kv_capacity_tokens:,} tokens ({config.num_kv_blocks} blocks per rank), "

@@ -5,11 +5,13 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from kvshard.attention.backends import select_backend
 from kvshard.attention.metadata import AttentionMetadata, decode_group_spread_from_env
 from kvshard.attention.timing import DcpTimingGather
 from kvshard.config import EngineConfig, ModelConfig
+from kvshard.engine import cuda_graphs
 from kvshard.engine.step_plan import StepPlan
 from kvshard.kv.cache import allocate_kv_cache, load_kv_scales
 from kvshard.layers.batch_invariant import batch_invariant_mode
@@ -43,9 +45,13 @@ class ModelRunner:
         self.model = load_module(lambda: cls(model.hf_config, model.dtype, parallel), model, device)
         scales = load_kv_scales(config.model.path, config.model.num_layers) \
             if config.kv_cache_dtype != config.model.dtype else None
-        self.kv_caches = allocate_kv_cache(
-            config.kv_cache_spec, config.num_kv_blocks, config.cache.block_size, config.model.dtype, device,
-            config.kv_cache_dtype, scales
+        # decode steps replayed as CUDA graphs (engine/cuda_graphs.py) where they can be; None: eager
+        graphs_off = cuda_graphs.graphs_unavailable(
+            config, device.type,
+            dist.get_backend(parallel.tp_group) if parallel.world_size > 1 and device.type == "cuda" else None)
+        self.kv_caches = allocate_kv_cache(  # the graphs' padding writes to one scratch block past the pool's
+            config.kv_cache_spec, config.num_kv_blocks + (graphs_off is None), config.cache.block_size,
+            config.model.dtype, device, config.kv_cache_dtype, scales
         )
         # the attention kernel's rounding depends on the key length a group is padded to: in
         # batch-invariant mode only decodes of equal local length share a group, so none is padded
@@ -56,6 +62,9 @@ class ModelRunner:
         self.drafter = make_draft_module(config, parallel, device, self.metadata,
                                          lambda build, model_config: load_module(build, model_config, device))
         self.dcp_timing = DcpTimingGather(parallel)  # rank 0's .report: every rank's DCP time
+        self.decode_graphs = cuda_graphs.GraphedDecode(self) if graphs_off is None else None
+        if self.decode_graphs is not None and not self.decode_graphs.capture():
+            self.decode_graphs = None
 
     def metadata(self, context_lens: list[int], query_lens: list[int],
                  block_tables: list[list[int]]) -> AttentionMetadata:
@@ -76,6 +85,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         """Run the plan; rank 0 gets float32 logits [len(sample_rows), V], the others None."""
+        if self.decode_graphs is not None:
+            replayed, logits = self.decode_graphs.execute(plan)
+            if replayed:
+                self.dcp_timing.after_step()
+                return logits
         meta = self.metadata(plan.context_lens, plan.query_lens, plan.block_tables)
         input_ids = torch.tensor(plan.token_ids, dtype=torch.long, device=self.device)
         rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=self.device)
