@@ -9,10 +9,17 @@ Sections, each recorded in one JSON file (--out) with its figures and whether it
    chunk's causal attention with its LSE (attention/kernels.py) against the reference.
 2. `bandwidth`: the kernel's time on decode batches and the KV bytes it reads per second, against
    the device's copy bandwidth measured here (a large device-to-device copy).
-3. `tests`: the suite's kernel and engine files that run on the device (pytest), their counts.
+3. `graphs`: decode steps replayed as CUDA graphs (engine/cuda_graphs.py) against the same steps run
+   eagerly on a tiny random Llama: batches of 1, 3 and 8 (padded to 1, 4 and 8), their logits' largest
+   difference and each path's time per step.
+4. `e2e`: the whole model through the Triton backend against transformers on the same weights (greedy
+   tokens and logprobs; a tiny random Llama with GQA): one rank with its decode graphs, the same with
+   `enforce_eager`, and tp=2 dcp=2 as two ranks sharing the one GPU (their collectives on gloo).
+5. `tests`: the suite's kernel and engine files that run on the device (pytest), their counts.
 
 `--dry-run` runs all of it on the CPU (the kernels under Triton's interpreter, small shapes, the
-tests' CPU subset) so the script's own bugs are found without a GPU; its figures mean nothing.
+graphs replaced by a stand-in that re-runs the step, the tests' CPU subset) so the script's own bugs
+are found without a GPU; its figures mean nothing.
 Nothing is downloaded: the tests use the models the suite builds or finds in the cache.
 """
 
@@ -30,14 +37,14 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+SECTIONS = ["kernels", "bandwidth", "graphs", "e2e", "tests"]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="everything on the CPU, small shapes")
     parser.add_argument("--out", default="device_check.json")
-    parser.add_argument("--sections", nargs="+", default=["kernels", "bandwidth", "tests"],
-                        choices=["kernels", "bandwidth", "tests"])
+    parser.add_argument("--sections", nargs="+", default=SECTIONS, choices=SECTIONS)
     parser.add_argument("--test-timeout", type=int, default=300, help="seconds for the pytest section")
     args = parser.parse_args(argv)
     if args.dry_run:
@@ -54,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         print(f"device_check: {name} ...", flush=True)
         try:
-            section = {"kernels": check_kernels, "bandwidth": measure_bandwidth,
-                       "tests": run_tests}[name](torch, device, args)
+            section = {"kernels": check_kernels, "bandwidth": measure_bandwidth, "graphs": check_graphs,
+                       "e2e": check_end_to_end, "tests": run_tests}[name](torch, device, args)
         except Exception as exc:  # noqa: BLE001 - a section that breaks is recorded, the others still run
             section = {"passed": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
         section["seconds"] = round(time.perf_counter() - started, 1)
@@ -244,8 +251,126 @@ def measure_bandwidth(torch, device, args) -> dict:
     return {"passed": True, "copy_gib_per_s": round(copy_bw / 2**30, 1), "rows": rows}
 
 
+def _tiny_llama(directory: Path) -> Path:
+    """The suite's tiny random Llama (GQA: 4 query heads on 1 KV head), written with transformers."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import save_hf_checkpoint, tiny_llama_config
+
+    return save_hf_checkpoint(tiny_llama_config(), directory)
+
+
+def check_graphs(torch, device, args) -> dict:
+    import tempfile
+
+    from kvshard.engine import cuda_graphs
+    from kvshard.engine.arg_utils import EngineArgs
+    from kvshard.engine.model_runner import ModelRunner
+    from kvshard.engine.step_plan import StepPlan
+    from kvshard.kv.cache import allocate_kv_cache
+    from kvshard.parallel import single_rank_state
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _tiny_llama(Path(tmp) / "llama")
+        config = EngineArgs(model=str(path), attention_backend="triton", max_model_len=128, num_kv_blocks=64,
+                            max_num_seqs=8, block_size=16).create_engine_config()
+        runner = ModelRunner(config, single_rank_state(), device)
+        if device.type == "cuda":
+            graphed = runner.decode_graphs
+            if graphed is None:
+                return {"passed": False, "error": "the runner captured no decode graphs: "
+                        + str(cuda_graphs.graphs_unavailable(config, device.type))}
+        else:  # the stand-in graphs on the CPU, over a cache with the scratch block, as on CUDA
+            runner.kv_caches = allocate_kv_cache(config.kv_cache_spec, config.num_kv_blocks + 1, 16,
+                                                 config.model.dtype, device)
+            graphed = cuda_graphs.GraphedDecode(runner, cuda_graphs.RerunGraphApi())
+            if not graphed.capture():
+                return {"passed": False, "error": "capture failed (see the log)"}
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        lengths = [5, 40, 17, 1, 70, 9, 33, 64]
+        tables = [[8 * i + j for j in range(8)] for i in range(len(lengths))]
+        prompts = [[(3 * i + 7 * j) % 120 + 1 for j in range(n)] for i, n in enumerate(lengths)]
+        rows, passed = [], True
+        with torch.inference_mode():
+            runner.execute(StepPlan([t for p in prompts for t in p], lengths, [0] * len(lengths), tables,
+                                    [sum(lengths[:i + 1]) - 1 for i in range(len(lengths))]))
+            for batch in (1, 3, 8):
+                plan = StepPlan([11] * batch, [1] * batch, lengths[:batch], tables[:batch], list(range(batch)))
+                times = {}
+                for name in ("graph", "eager"):
+                    samples = []
+                    for _ in range(3 if args.dry_run else 20):
+                        sync()
+                        start = time.perf_counter()
+                        if name == "graph":
+                            replayed, logits = graphed.execute(plan)
+                            if not replayed:
+                                return {"passed": False, "error": f"a batch of {batch} decodes was not replayed"}
+                        else:
+                            logits = runner.execute(plan) if device.type != "cuda" else _eager(runner, plan)
+                        sync()
+                        samples.append(time.perf_counter() - start)
+                    times[name] = (sorted(samples)[len(samples) // 2], logits.float().clone())
+                err = float((times["graph"][1] - times["eager"][1]).abs().max())
+                good = err <= 1e-4
+                passed &= good
+                rows.append({"batch": batch, "graph_size": graphed.graphs.size_for(batch), "max_logit_error": err,
+                             "graph_ms": round(times["graph"][0] * 1e3, 3),
+                             "eager_ms": round(times["eager"][0] * 1e3, 3), "passed": good})
+        return {"passed": passed, "captured_sizes": sorted(graphed.graphs.graphs), "rows": rows,
+                "replays": graphed.graphs.replays}
+
+
+def _eager(runner, plan):
+    """The step without its graph (the runner's own eager path)."""
+    graphs, runner.decode_graphs = runner.decode_graphs, None
+    try:
+        return runner.execute(plan)
+    finally:
+        runner.decode_graphs = graphs
+
+
+def check_end_to_end(torch, device, args) -> dict:
+    import tempfile
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import hf_greedy_with_logprobs
+
+    from kvshard import LLM, SamplingParams
+
+    prompts = [[3, 1, 4], [(7 * i) % 97 + 1 for i in range(21)]]
+    new_tokens = 4 if args.dry_run else 16
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, logprobs=3)
+    layouts = [("tp1 graphs", dict()), ("tp1 eager", dict(enforce_eager=True)),
+               ("tp2 dcp2 one device", dict(tensor_parallel_size=2, decode_context_parallel_size=2))]
+    rows, passed = [], True
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _tiny_llama(Path(tmp) / "llama")
+        want_tokens, want_steps = hf_greedy_with_logprobs(path, prompts, new_tokens)
+        for name, layout in layouts:
+            row = {"layout": name}
+            try:
+                with LLM(str(path), attention_backend="triton", block_size=16, max_model_len=64, num_kv_blocks=32,
+                         max_num_seqs=4, max_num_batched_tokens=12, **layout) as llm:
+                    outs = llm.generate(prompts, params, use_tqdm=False)
+                    graphs = llm.engine.runner.decode_graphs
+                    row["graph_replays"] = graphs.graphs.replays if graphs is not None else 0
+                tokens = [o.outputs[0].token_ids for o in outs]
+                err = max(abs(lp - float(want_steps[p][s][tok])) for p, o in enumerate(outs)
+                          for s, step in enumerate(o.outputs[0].logprobs) for tok, lp in step.items())
+                good = tokens == want_tokens and err <= 1e-3
+                row.update(same_tokens=tokens == want_tokens, max_logprob_error=err, passed=good)
+            except Exception as exc:  # noqa: BLE001 - a layout that breaks is recorded, the others still run
+                row.update(passed=False, error=f"{type(exc).__name__}: {exc}")
+            passed &= row["passed"]
+            rows.append(row)
+    if device.type == "cuda":  # the one-rank engine with graphs must have replayed them
+        passed &= rows[0].get("graph_replays", 0) > 0
+    return {"passed": passed, "rows": rows}
+
+
 def run_tests(torch, device, args) -> dict:
-    files = ["tests/test_triton_attention.py", "tests/test_merge.py"]
+    files = ["tests/test_triton_attention.py", "tests/test_cuda_graphs.py", "tests/test_nccl_groups.py",
+             "tests/test_merge.py"]
     if not args.dry_run:
         files += ["tests/test_generate.py"]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -1,6 +1,7 @@
 """Decode graphs (kvshard/engine/cuda_graphs.py) without a GPU: the sizes, the padding, capture once
 per size and replay, driven through a stand-in for torch.cuda's graphs that records the step and, on
-replay, runs it again over the same buffers into the same output tensor (what a graph does); and the
+replay, runs it again over the same buffers into the same output tensor (what a graph does:
+`RerunGraphApi`); and the
 graph's own decode step on a real model (through the Triton backend on the interpreter) against the
 eager step. scripts/device_check.py replays real graphs on a GPU."""
 
@@ -12,38 +13,8 @@ import pytest
 import torch
 
 from kvshard.engine import cuda_graphs
-from kvshard.engine.cuda_graphs import DecodeGraphs, DecodeInputs, capture_sizes, padded_size
+from kvshard.engine.cuda_graphs import DecodeGraphs, DecodeInputs, RerunGraphApi, capture_sizes, padded_size
 from kvshard.engine.step_plan import StepPlan
-
-
-class FakeGraphs:
-    """torch.cuda's graphs as the manager uses them, on the CPU."""
-
-    def __init__(self) -> None:
-        self.captured: list[int] = []
-        self.warmed = 0
-        self.replayed = 0
-
-    def new_graph(self):
-        return SimpleNamespace(step=None, output=None)
-
-    def warm_up(self, step):
-        self.warmed += 1
-        step()
-
-    def capture(self, graph, pool, step):
-        graph.step, graph.output = step, step()
-        self.captured.append(graph.output.shape[0] if graph.output is not None else -1)
-        return graph.output
-
-    def pool(self, graph):
-        return "pool"
-
-    def replay(self, graph):
-        self.replayed += 1
-        fresh = graph.step()
-        if graph.output is not None:
-            graph.output.copy_(fresh)
 
 
 def test_capture_sizes_double_then_step_and_end_at_max_num_seqs():
@@ -90,7 +61,7 @@ def _toy_step(calls):
 
 
 def test_each_size_is_captured_once_and_a_step_replays_the_smallest_that_holds_it():
-    api, calls = FakeGraphs(), []
+    api, calls = RerunGraphApi(), []
     graphs = DecodeGraphs(_toy_step(calls), lambda size: DecodeInputs.allocate(size, 2, 9, 16, torch.device("cpu")),
                           [1, 2, 4, 8], api)
     graphs.capture()
@@ -108,7 +79,7 @@ def test_each_size_is_captured_once_and_a_step_replays_the_smallest_that_holds_i
 
 
 def test_ranks_without_logits_replay_and_return_none():
-    api = FakeGraphs()
+    api = RerunGraphApi()
     graphs = DecodeGraphs(lambda inputs: None, lambda size: DecodeInputs.allocate(size, 1, 0, 16, torch.device("cpu")),
                           [2], api)
     graphs.capture()
@@ -181,7 +152,7 @@ def test_the_graphs_decode_step_gives_the_eager_steps_logits(checkpoints):
     assert runner.decode_graphs is None  # never on a CPU
     runner.kv_caches = allocate_kv_cache(config.kv_cache_spec, config.num_kv_blocks + 1, 16, config.model.dtype,
                                          torch.device("cpu"))  # with the scratch block, as on CUDA
-    graphed = cuda_graphs.GraphedDecode(runner, FakeGraphs())
+    graphed = cuda_graphs.GraphedDecode(runner, RerunGraphApi())
     assert graphed.capture() and sorted(graphed.graphs.graphs) == [1, 2, 4]
     # the second one longer than a tile of the kernel (32 tokens): a split sized too short would drop tokens
     prompts = [[3, 1, 4, 1, 5], [(7 * i) % 97 + 1 for i in range(40)], [9]]

@@ -20,8 +20,8 @@ batch-invariant mode (`graphs_unavailable` says why not); `--enforce-eager` turn
 On a CPU they are never used.
 
 The bookkeeping (sizes, padding, capture once per size, replay, slicing) is plain Python over a
-`GraphApi`; tests drive it with a stand-in that re-runs the step on the buffers
-(tests/test_cuda_graphs.py), scripts/device_check.py replays real graphs against eager steps.
+`GraphApi`; tests drive it with a stand-in that re-runs the step on the buffers (`RerunGraphApi`,
+tests/test_cuda_graphs.py), scripts/device_check.py replays real graphs against eager steps.
 """
 
 from __future__ import annotations
@@ -126,6 +126,38 @@ class CudaGraphApi:
 
     def replay(self, graph):
         graph.replay()
+
+
+class RerunGraphApi:
+    """A stand-in for CUDA graphs on a CPU (tests, `scripts/device_check.py --dry-run`): capture runs the
+    step once and keeps it; replay runs it again over the same buffers and copies the result into the
+    output captured, which is what a graph's replay amounts to. Counts what it did."""
+
+    def __init__(self) -> None:
+        self.captured: list[int] = []  # rows of each output captured, in order (-1: no output)
+        self.warmed = 0
+        self.replayed = 0
+
+    def new_graph(self):
+        return {"step": None, "output": None}
+
+    def warm_up(self, step):
+        self.warmed += 1
+        step()
+
+    def capture(self, graph, pool, step):
+        graph["step"], graph["output"] = step, step()
+        self.captured.append(graph["output"].shape[0] if graph["output"] is not None else -1)
+        return graph["output"]
+
+    def pool(self, graph):
+        return None
+
+    def replay(self, graph):
+        self.replayed += 1
+        fresh = graph["step"]()
+        if graph["output"] is not None:
+            graph["output"].copy_(fresh)
 
 
 @dataclass
