@@ -5,8 +5,9 @@ Sections, each recorded in one JSON file (--out) with its figures and whether it
 1. `kernels`: the Triton paged attention (attention/triton_paged.py) on the device against the
    plain-matmul reference on the same device: GQA head groups (8 on 1, 9 on 3), MLA's latent,
    block sizes 16 and 64, DCP interleaves 1 and 16 with a rank that holds none of a short request
-   (LSE -inf), several rows per request (verification), bfloat16 and FP8 e4m3 caches; and a
-   chunk's causal attention with its LSE (attention/kernels.py) against the reference.
+   (LSE -inf), several rows per request (verification), bfloat16 and FP8 e4m3 caches; a chunk's
+   causal attention with its LSE (attention/kernels.py) against the reference; and a long context
+   with a bias as the gather backend attends it (tile by tile over the keys on a GPU).
 2. `bandwidth`: the kernel's time on decode batches and the KV bytes it reads per second, against
    the device's copy bandwidth measured here (a large device-to-device copy).
 3. `graphs`: decode steps replayed as CUDA graphs (engine/cuda_graphs.py) against the same steps run
@@ -199,6 +200,19 @@ def check_kernels(torch, device, args) -> dict:
         err = max(float((got[0] - want[0]).abs().max()), float((got[1] - want[1]).abs().max()))
         passed &= err <= tol
         rows.append({"chunk_causal": str(dtype), "max_error": err, "passed": err <= tol})
+    # attention over cached context with a bias where the Triton backend is not used (the gather backend):
+    # tile by tile over the keys on a GPU (kernels.tiled_attention_with_lse), a decode of a long context
+    length = 600 if small else 5000
+    q = torch.randn(2, 1, 8, 64, generator=g).to(device)
+    k = torch.randn(2, length, 1, 64, generator=g).to(device)
+    v = torch.randn(2, length, 1, 64, generator=g).to(device)
+    bias = torch.zeros(2, 1, length, device=device)
+    bias[1, :, length // 3:] = float("-inf")
+    got = attention_with_lse(q, k, v, bias, 0.125)
+    want = reference_attention_with_lse(q, k, v, bias, 0.125)
+    err = max(float((got[0] - want[0]).abs().max()), float((got[1] - want[1]).abs().max()))
+    passed &= err <= 1e-4
+    rows.append({"context_with_bias": length, "max_error": err, "passed": err <= 1e-4})
     return {"passed": passed, "cases": rows}
 
 
@@ -370,7 +384,7 @@ def check_end_to_end(torch, device, args) -> dict:
 
 def run_tests(torch, device, args) -> dict:
     files = ["tests/test_triton_attention.py", "tests/test_cuda_graphs.py", "tests/test_nccl_groups.py",
-             "tests/test_merge.py"]
+             "tests/test_cuda_attention_paths.py", "tests/test_merge.py"]
     if not args.dry_run:
         files += ["tests/test_generate.py"]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import torch
 
+from kvshard.attention.merge import merge_attention_states
 
 # PyTorch's fused CPU attention (flash-style, tiled, one pass) returns the log-sum-exp with the
 # output; it is what `scaled_dot_product_attention` runs on CPU. On CUDA, a chunk's own causal
 # attention runs PyTorch's fused CUDA kernels that return the LSE (flash for 16-bit inputs, the
 # memory-efficient one for float32); attention over cached context on CUDA is the Triton backend's
-# (attention/triton_paged.py). The reference below, in plain matmuls, is what remains.
+# (attention/triton_paged.py), or, with the gather backend, the reference below tile by tile over the
+# keys (`tiled_attention_with_lse`). The reference in plain matmuls is what remains (the test oracle).
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -38,7 +40,31 @@ def attention_with_lse(
     if causal:
         s = q.shape[1]
         bias = torch.full((s, s), float("-inf"), device=q.device).triu_(1).unsqueeze(0)
+    if q.device.type != "cpu":  # a GPU's cached context with a bias (the gather backend): tile by tile
+        return tiled_attention_with_lse(q, k, v, bias, scale)
     return reference_attention_with_lse(q, k, v, bias, scale)
+
+
+# Keys per tile of `tiled_attention_with_lse`: the scores held at once are [g, H, s, KEY_TILE].
+KEY_TILE = 1024
+
+
+def tiled_attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float, tile: int = KEY_TILE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention_with_lse over `tile` keys at a time, the tiles' partial attentions merged by their LSE
+    (attention/merge.py): what runs on a GPU where no fused kernel applies (the gather backend's decodes
+    and chunks over cached context), so that no path there holds the whole score matrix of a long context."""
+    length = k.shape[1]
+    if length <= tile:
+        return reference_attention_with_lse(q, k, v, bias, scale)
+    outs, lses = [], []
+    for start in range(0, length, tile):
+        keys = slice(start, min(start + tile, length))
+        o, l = reference_attention_with_lse(q, k[:, keys], v[:, keys], bias[..., keys], scale)
+        outs.append(o)
+        lses.append(l)
+    return merge_attention_states(torch.stack(outs), torch.stack(lses))
 
 
 def _flash_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
