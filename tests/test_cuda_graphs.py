@@ -102,7 +102,13 @@ def _config(path, **engine):
 
 
 def test_graphs_are_used_only_where_they_can_be_captured(checkpoints):
+    from transformers import DeepseekV3Config
+
     from conftest import tiny_llama_config
+    from test_attention_backends import MLA_CONFIG
+
+    MOE_CONFIG = {**MLA_CONFIG, "first_k_dense_replace": 1, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                  "n_shared_experts": 1, "moe_intermediate_size": 32, "n_group": 1, "topk_group": 1}
 
     path = checkpoints("graphs-llama", tiny_llama_config())
     triton = _config(path, attention_backend="triton", max_model_len=64, num_kv_blocks=16, max_num_seqs=4)
@@ -116,6 +122,9 @@ def test_graphs_are_used_only_where_they_can_be_captured(checkpoints):
     assert why(eager, "cuda") == "--enforce-eager" and "decode steps: eager (--enforce-eager)" in eager.layout_report()
     assert "gather attention backend" in why(_config(path, attention_backend="gather", max_model_len=64,
                                                      num_kv_blocks=16), "cuda")
+    moe = _config(checkpoints("graphs-moe", DeepseekV3Config(**MOE_CONFIG)), attention_backend="triton",
+                  max_model_len=64, num_kv_blocks=16)
+    assert "MoE layers pick their experts on the host" in why(moe, "cuda")
     two = _config(path, attention_backend="triton", max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)
     assert why(two, "cuda", "nccl") is None and "run on gloo" in why(two, "cuda", "gloo")
 

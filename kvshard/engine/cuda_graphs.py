@@ -15,8 +15,8 @@ kernel with a split sized for the longest sequence `max_model_len` allows (no ho
 lengths, attention/backends.py `TritonBackend(static_max_len=...)`), and a step that is not a
 batch of plain decodes (a prefill chunk, speculative rows, a draft model's step, more rows than
 the largest size) runs eagerly as before. Graphs are used only on CUDA, with the Triton backend,
-one rank or NCCL collectives (gloo's cannot be captured), no speculative proposer and outside
-batch-invariant mode (`graphs_unavailable` says why not); `--enforce-eager` turns them off.
+one rank or NCCL collectives (gloo's cannot be captured), no speculative proposer, no MoE layers
+(their experts are picked on the host) and outside batch-invariant mode (`graphs_unavailable` says why not); `--enforce-eager` turns them off.
 On a CPU they are never used.
 
 The bookkeeping (sizes, padding, capture once per size, replay, slicing) is plain Python over a
@@ -66,6 +66,10 @@ def graphs_unavailable(config: EngineConfig, device_type: str, collectives: str 
         return f"the {config.attention_backend} attention backend cannot be captured (triton can)"
     if config.speculative is not None:
         return "speculative decoding steps are not captured"
+    cfg = config.model.hf_config
+    routed = getattr(cfg, "n_routed_experts", None) or getattr(cfg, "num_experts", None) or 0
+    if routed and getattr(cfg, "first_k_dense_replace", 0) < cfg.num_hidden_layers:
+        return "the MoE layers pick their experts on the host, which a graph cannot capture"
     if config.batch_invariant:
         return "--batch-invariant: the captured kernel's split would depend on the batch size"
     if config.parallel.world_size > 1 and collectives != "nccl":
