@@ -379,6 +379,10 @@ def shm_op_counters(state: ParallelState) -> tuple[tuple[int, ...], ...]:
 # --- collectives over TP -------------------------------------------------------
 
 _TIMEOUT_S: float = envs.env("KVSHARD_COLLECTIVE_TIMEOUT_S").default  # until init_distributed reads it
+# torch's names for the one-tensor all-gather and reduce-scatter: `*_single` in the torch pinned here, the
+# older `all_gather_into_tensor` / `reduce_scatter_tensor` in a GPU machine's older torch (2.11 and on)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _shm_for(group: ShmGroup | None, x: torch.Tensor) -> ShmGroup | None:
@@ -430,7 +434,7 @@ def dcp_reduce_scatter(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
     if (shm := _shm_for(state.dcp_shm, x)) is not None:
         return shm.reduce_scatter(x, _TIMEOUT_S)
     out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_single(out, x.contiguous().flatten(0, 1), group=state.dcp_group)
+    _reduce_scatter_single(out, x.contiguous().flatten(0, 1), group=state.dcp_group)
     return out
 
 
@@ -459,7 +463,7 @@ def _all_gather_stacked(x: torch.Tensor, size: int, group, shm: ShmGroup | None)
         return shm.all_gather(x, _TIMEOUT_S)
     x = x.contiguous()
     gathered = torch.empty((size * x.shape[0], *x.shape[1:]) if x.dim() else (size,), dtype=x.dtype, device=x.device)
-    dist.all_gather_single(gathered, x.view(-1) if not x.dim() else x, group=group)
+    _all_gather_single(gathered, x.view(-1) if not x.dim() else x, group=group)
     return gathered.view(size, *x.shape)
 
 
