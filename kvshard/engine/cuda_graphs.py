@@ -3,8 +3,8 @@
 A decode step launches a few kernels per layer for a handful of tokens; on a GPU its time is
 mostly the launches. A CUDA graph records the step's launches once, over fixed input buffers,
 and replays them in one call. So at start-up each rank captures the whole decode step (every
-layer, the DCP collectives on NCCL inside it, the logits) for batches of 1, 2, 4, 8, 16, 32, ...
-up to `max_num_seqs` (`capture_sizes`); a step of n decodes copies its inputs into the buffers
+layer, the DCP collectives on NCCL inside it, the logits) for batches of 1, 2, 4, 8, 16, then
+every 16 up to 256 and every 64 after, and `max_num_seqs` (`capture_sizes`); a step of n decodes copies its inputs into the buffers
 of the smallest captured size >= n, the rows past n padded (`DecodeInputs.load`: they read no
 token, write their K/V to a scratch block no request owns), replays, and keeps the first n rows
 of the logits. Every rank sees the same step plan, so every rank replays the same graph, and the
@@ -16,8 +16,8 @@ lengths, attention/backends.py `TritonBackend(static_max_len=...)`), and a step 
 batch of plain decodes (a prefill chunk, speculative rows, a draft model's step, more rows than
 the largest size) runs eagerly as before. Graphs are used only on CUDA, with the Triton backend,
 one rank or NCCL collectives (gloo's cannot be captured), no speculative proposer, no MoE layers
-(their experts are picked on the host) and outside batch-invariant mode (`graphs_unavailable` says why not); `--enforce-eager` turns them off.
-On a CPU they are never used.
+(their experts are picked on the host) and outside batch-invariant mode (`graphs_unavailable` says
+why not); `--enforce-eager` turns them off. On a CPU they are never used.
 
 The bookkeeping (sizes, padding, capture once per size, replay, slicing) is plain Python over a
 `GraphApi`; tests drive it with a stand-in that re-runs the step on the buffers (`RerunGraphApi`,
