@@ -16,7 +16,11 @@ Sections, each recorded in one JSON file (--out) with its figures and whether it
 4. `e2e`: the whole model through the Triton backend against transformers on the same weights (greedy
    tokens and logprobs; a tiny random Llama with GQA): one rank with its decode graphs, the same with
    `enforce_eager`, and tp=2 dcp=2 as two ranks sharing the one GPU (their collectives on gloo).
-5. `tests`: the suite's kernel and engine files that run on the device (pytest), their counts.
+5. `floor`: a decode step of a random Llama (bfloat16, GQA; about 0.3 B parameters on a GPU) at 32
+   requests of 1,024 tokens against its memory-bandwidth floor (weights + KV read once, at the
+   device's copy bandwidth: `kvshard bench decode-floor`'s measure), with its decode graphs and with
+   `enforce_eager`.
+6. `tests`: the suite's kernel and engine files that run on the device (pytest), their counts.
 
 `--dry-run` runs all of it on the CPU (the kernels under Triton's interpreter, small shapes, the
 graphs replaced by a stand-in that re-runs the step, the tests' CPU subset) so the script's own bugs
@@ -38,7 +42,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ["kernels", "bandwidth", "graphs", "e2e", "tests"]
+SECTIONS = ["kernels", "bandwidth", "graphs", "e2e", "floor", "tests"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"device_check: {name} ...", flush=True)
         try:
             section = {"kernels": check_kernels, "bandwidth": measure_bandwidth, "graphs": check_graphs,
-                       "e2e": check_end_to_end, "tests": run_tests}[name](torch, device, args)
+                       "e2e": check_end_to_end, "floor": measure_floor,
+                       "tests": run_tests}[name](torch, device, args)
         except Exception as exc:  # noqa: BLE001 - a section that breaks is recorded, the others still run
             section = {"passed": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
         section["seconds"] = round(time.perf_counter() - started, 1)
@@ -380,6 +385,37 @@ def check_end_to_end(torch, device, args) -> dict:
     if device.type == "cuda":  # the one-rank engine with graphs must have replayed them
         passed &= rows[0].get("graph_replays", 0) > 0
     return {"passed": passed, "rows": rows}
+
+
+def measure_floor(torch, device, args) -> dict:
+    import tempfile
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import save_hf_checkpoint, tiny_llama_config
+
+    from kvshard.bench.decode_floor import measure_decode_floor
+    from kvshard.engine.arg_utils import EngineArgs
+
+    if args.dry_run:
+        size, batch, context, steps = dict(), 4, 64, 3
+    else:  # ~0.3 B parameters: 4 layers of hidden 2048 (16 query heads on 4 KV heads), a 32K vocabulary
+        size = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
+                    num_attention_heads=16, num_key_value_heads=4, head_dim=128, max_position_embeddings=4096,
+                    initializer_range=0.02)
+        batch, context, steps = 32, 1024, 20
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = save_hf_checkpoint(tiny_llama_config(**size), Path(tmp) / "llama")
+        for name, eager in (("graphs", False), ("eager", True)):
+            engine_args = EngineArgs(model=str(path), dtype="bfloat16", max_model_len=context + steps + 16,
+                                     max_num_seqs=batch, max_num_batched_tokens=max(2048, context),
+                                     enforce_eager=eager, **({"num_kv_blocks": 64} if args.dry_run else {}))
+            result = measure_decode_floor(engine_args, batch, context, steps,
+                                          bandwidth_bytes=(1 << 24) if args.dry_run else (1 << 30))
+            rows.append({"decode": name, **{k: result[k] for k in (
+                "batch_size", "context_len", "copy_bandwidth_gb_s", "weight_bytes_per_step", "kv_bytes_per_step",
+                "floor_ms", "median_step_ms", "min_step_ms", "ratio_to_floor", "decode_tokens_per_s")}})
+    return {"passed": True, "rows": rows}
 
 
 def run_tests(torch, device, args) -> dict:

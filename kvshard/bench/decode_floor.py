@@ -32,15 +32,19 @@ if TYPE_CHECKING:
     from kvshard.engine.arg_utils import EngineArgs
 
 
-def copy_bandwidth(num_bytes: int = 2**30, repeats: int = 10) -> float:
-    """Bytes per second (read + written) of the best of `repeats` copies of a `num_bytes` float32 tensor."""
-    source = torch.ones(num_bytes // 4, dtype=torch.float32)
+def copy_bandwidth(num_bytes: int = 2**30, repeats: int = 10, device: str | torch.device = "cpu") -> float:
+    """Bytes per second (read + written) of the best of `repeats` copies of a `num_bytes` float32 tensor
+    on `device` (a GPU's copies are timed to their end)."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    source = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
     target = torch.empty_like(source)
     target.copy_(source)  # first touch: page faults are not bandwidth
     best = float("inf")
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         target.copy_(source)
+        sync()
         best = min(best, time.perf_counter() - start)
     return 2 * source.numel() * source.element_size() / best
 
@@ -61,7 +65,8 @@ def measure_decode_floor(engine_args: EngineArgs, batch_size: int, context_len: 
                          warmup_steps: int = 3, bandwidth_bytes: int = 2**30) -> dict:
     from kvshard import LLM, SamplingParams
 
-    bandwidth = copy_bandwidth(bandwidth_bytes)
+    # the device rank 0 runs on (engine/process_setup.py), measured before any rank starts
+    bandwidth = copy_bandwidth(bandwidth_bytes, device="cuda" if torch.cuda.is_available() else "cpu")
     with LLM(**asdict(engine_args)) as llm:
         engine, config = llm.engine, llm.config
         spec = WorkloadSpec("random", config.model.hf_config.vocab_size, engine_args.seed,
