@@ -137,6 +137,23 @@ def test_whitespace_runs_are_bounded(manager, smollm2_tokenizer):
     ends(compact, tok)
 
 
+def test_bounded_strings_hold_no_raw_control_characters(manager, smollm2_tokenizer):
+    """A string with maxLength (as pydantic's max_length writes it) takes no raw tab, newline or U+0000-U+001F,
+    which would not parse as JSON (xgrammar 0.2.8 lets them through there); as an unbounded string."""
+    tok = smollm2_tokenizer
+    controls = {t for t in range(len(tok)) if any(ord(c) < 0x20 for c in tok.decode([t]))}
+    assert len(controls) > 20  # the tokenizer has such tokens (its byte tokens, "\t", "\n\n", ...)
+    for bound in ({"maxLength": 8}, {"minLength": 1, "maxLength": 8}, {}):
+        schema = {"type": "object", "properties": {"s": {"type": "string", **bound}}, "required": ["s"],
+                  "additionalProperties": False}
+        grammar = grammar_for(manager, SO(json=schema))
+        walk(grammar, tok, '{"s": "a')
+        inside = allowed(grammar)
+        assert ids(tok, "b")[0] in inside and not inside & controls, (bound, [tok.decode([t]) for t in inside & controls])
+        walk(grammar, tok, 'b"}')
+        ends(grammar, tok)
+
+
 def test_json_object_allows_any_object_only(manager, smollm2_tokenizer):
     tok = smollm2_tokenizer
     grammar = grammar_for(manager, SO(json_object=True))
