@@ -124,6 +124,10 @@ def test_tool_constraints_are_the_tools_schemas():
     assert required["items"]["anyOf"][0]["properties"]["parameters"] == WEATHER
     assert tool_constraint(request.tools, "required", None, False).json["maxItems"] == 1
     assert tool_constraint(request.tools, "auto", None, True) is None
+    compact = _parse(ChatCompletionRequest, json.dumps({
+        "model": "m", "messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
+        "structured_outputs": {"disable_any_whitespace": True}}).encode())
+    assert compact.with_whitespace_option(named).disable_any_whitespace and not named.disable_any_whitespace
     for mode, name in (("named", "get_weather"), ("required", None)):
         check_compiles(tool_constraint(request.tools, mode, name, False))  # xgrammar takes them
 
@@ -144,6 +148,11 @@ def test_field_mapping_to_structured_outputs():
     assert (constraint(guided_regex="a+")[0].regex, constraint(guided_regex="a+")[1]) == ("a+", "guided_regex")
     assert constraint(guided_choice=["a", "b"])[0].choice == ["a", "b"]
     assert constraint(guided_grammar='root ::= "a"')[0].grammar == 'root ::= "a"'
+    # disable_any_whitespace alone: an option of the constraint another field gives, as vLLM takes it
+    compact = constraint(response_format={"type": "json_object"}, structured_outputs={"disable_any_whitespace": True})
+    assert compact[0].json_object and compact[0].disable_any_whitespace and compact[1] == "response_format"
+    assert not constraint(response_format={"type": "json_object"})[0].disable_any_whitespace
+    assert constraint(structured_outputs={"disable_any_whitespace": True}) == (None, None)
     for fields, param in [({"guided_json": {}}, "guided_json"), ({"guided_choice": []}, "guided_choice"),
                           ({"structured_outputs": {"json": WEATHER, "regex": "a"}}, "structured_outputs"),
                           ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
@@ -152,7 +161,9 @@ def test_field_mapping_to_structured_outputs():
                            "response_format.json_schema.schema"),
                           ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
                            "response_format.json_schema.schema"),
-                          ({"response_format": {"type": "yaml"}}, "response_format.type")]:
+                          ({"response_format": {"type": "yaml"}}, "response_format.type"),
+                          ({"structured_outputs": {"disable_any_whitespace": "yes"}},
+                           "structured_outputs.disable_any_whitespace")]:
         with pytest.raises(APIError) as error:
             constraint(**fields)
         assert (error.value.status, error.value.param) == (400, param), (fields, error.value.message)
