@@ -480,11 +480,15 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, Any] | None = None
     truncation: Literal["disabled", "auto"] | None = None
     seed: int | None = None  # vLLM's extension
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: here only {"disable_any_whitespace": bool}
     background: bool | None = None
 
     def check_supported(self) -> None:
         if self.background:
             raise APIError(400, "background is not supported by kvshard; leave it out", "background")
+        if self.structured_outputs is not None and not self.structured_outputs.keys() <= {"disable_any_whitespace"}:
+            raise APIError(400, "structured_outputs takes only disable_any_whitespace in the Responses API; give the "
+                                "output's format in text.format", "structured_outputs")
         if self.tools is not None and not self.tools:
             self.tools = None  # the Agents SDK sends [] for an agent without tools: no tools
         check_tools(self.tools, self.tool_choice, "tools", "tool_choice")
