@@ -354,8 +354,11 @@ SERVED = {
           "--tool-call-parser", "deepseek_v3"],
 }
 # A random model's greedy pick among the tokens a JSON constraint allows is mostly whitespace, up to the bound of
-# each run: it is asked for compact JSON (vLLM's option), so that its outputs end well within max_tokens.
-EXTRA = {SMOL: {}, MLA: {"structured_outputs": {"disable_any_whitespace": True}}}
+# each run (and SmolLM2-135M writes its tool calls with runs of blanks in every gap): these are asked for compact
+# JSON (vLLM's option), so that the outputs end well within max_tokens. SmolLM2's parse() answers keep the
+# default whitespace.
+COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}
+EXTRA = {SMOL: None, MLA: COMPACT}
 WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]
 TWO_CALLS_QUESTION = [{"role": "user", "content": "What is the weather in Paris for 2 days, and the time in Rome?"}]
 
@@ -487,10 +490,11 @@ def smol(servers):
 async def _answers(server, model: str) -> dict[str, Any]:
     """Every request of the tests that only read their answers, sent at once (they share decode steps)."""
     client = server.async_client()
-    greedy = dict(model=model, temperature=0, extra_body=EXTRA[model] or None)
-    required = dict(tools=SDK_TOOLS, tool_choice="required", max_tokens=120, **greedy)
-    named = dict(messages=WEATHER_QUESTION, tools=SDK_TOOLS, max_tokens=80,
-                 tool_choice={"type": "function", "function": {"name": "get_weather"}}, **greedy)
+    greedy = dict(model=model, temperature=0)
+    compact = dict(greedy, extra_body=COMPACT)
+    required = dict(tools=SDK_TOOLS, tool_choice="required", max_tokens=80, **compact)
+    named = dict(messages=WEATHER_QUESTION, tools=SDK_TOOLS, max_tokens=60,
+                 tool_choice={"type": "function", "function": {"name": "get_weather"}}, **compact)
 
     async def reassembled(**request):
         async with client.chat.completions.stream(**request) as stream:
@@ -503,18 +507,19 @@ async def _answers(server, model: str) -> dict[str, Any]:
         turn = WEATHER_QUESTION + [
             {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
             {"role": "tool", "tool_call_id": call.id, "content": "sunny, 22 C"}]
-        return turn, await client.chat.completions.create(messages=turn, tools=SDK_TOOLS, max_tokens=12, **greedy)
+        return turn, await client.chat.completions.create(messages=turn, tools=SDK_TOOLS, max_tokens=12, **compact)
 
     responses = dict(model=model, input="What is the weather in Paris for 2 days?", temperature=0,
-                     tools=[RESPONSES_TOOL], tool_choice="required", parallel_tool_calls=False, max_output_tokens=120,
-                     extra_body=EXTRA[model] or None)
+                     tools=[RESPONSES_TOOL], tool_choice="required", parallel_tool_calls=False, max_output_tokens=80,
+                     extra_body=COMPACT)
 
     async def events():
         return [event async for event in await client.responses.create(stream=True, **responses)]
 
     requests = {
         **{f"parse {schema.__name__}": client.chat.completions.parse(
-            messages=[{"role": "user", "content": question}], response_format=schema, max_tokens=200, **greedy)
+            messages=[{"role": "user", "content": question}], response_format=schema, max_tokens=200,
+            extra_body=EXTRA[model], **greedy)
            for schema, question in SCHEMAS},
         "required": first,
         "required streamed": reassembled(messages=WEATHER_QUESTION, **required),
