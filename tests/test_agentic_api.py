@@ -2,9 +2,10 @@
 
 Three layers, cheapest first: the tool-call parsers of the four formats on whole texts and on streams cut at
 every character; the request fields checked by the app in this process, whose engine loop never runs (a bad
-request that reached the engine would hang, so each 400 also shows it stopped at the door); and one shared
-`kvshard serve smollm2-135m-instruct` (hermes parser) spoken to by the official `openai` client. Tests that need
-the grammar engine (constraints enforced while sampling) skip, saying so, on an engine without it.
+request that reached the engine would hang, so each 400 also shows it stopped at the door); and two shared
+servers at tp=2, dcp=2, `kvshard serve smollm2-135m-instruct` (hermes parser) and the random `kvshard-demo-mla`
+(deepseek_v3 parser), spoken to by the official `openai` client. The requests whose answers the tests only read
+are sent to both at once, so that they share decode steps.
 """
 
 from __future__ import annotations
@@ -12,9 +13,13 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from enum import Enum
+from typing import Annotated, Any, Literal
 
 import httpx
+import openai
 import pytest
+from pydantic import BaseModel, ConfigDict, Field
 
 from kvshard.entrypoints.openai.protocol import APIError, ChatCompletionRequest, _parse
 from kvshard.entrypoints.openai.serving_chat import chat_message, shipped_template, tool_constraint
@@ -124,6 +129,10 @@ def test_tool_constraints_are_the_tools_schemas():
     assert required["items"]["anyOf"][0]["properties"]["parameters"] == WEATHER
     assert tool_constraint(request.tools, "required", None, False).json["maxItems"] == 1
     assert tool_constraint(request.tools, "auto", None, True) is None
+    compact = _parse(ChatCompletionRequest, json.dumps({
+        "model": "m", "messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
+        "structured_outputs": {"disable_any_whitespace": True}}).encode())
+    assert compact.with_whitespace_option(named).disable_any_whitespace and not named.disable_any_whitespace
     for mode, name in (("named", "get_weather"), ("required", None)):
         check_compiles(tool_constraint(request.tools, mode, name, False))  # xgrammar takes them
 
@@ -144,6 +153,11 @@ def test_field_mapping_to_structured_outputs():
     assert (constraint(guided_regex="a+")[0].regex, constraint(guided_regex="a+")[1]) == ("a+", "guided_regex")
     assert constraint(guided_choice=["a", "b"])[0].choice == ["a", "b"]
     assert constraint(guided_grammar='root ::= "a"')[0].grammar == 'root ::= "a"'
+    # disable_any_whitespace alone: an option of the constraint another field gives, as vLLM takes it
+    compact = constraint(response_format={"type": "json_object"}, structured_outputs={"disable_any_whitespace": True})
+    assert compact[0].json_object and compact[0].disable_any_whitespace and compact[1] == "response_format"
+    assert not constraint(response_format={"type": "json_object"})[0].disable_any_whitespace
+    assert constraint(structured_outputs={"disable_any_whitespace": True}) == (None, None)
     for fields, param in [({"guided_json": {}}, "guided_json"), ({"guided_choice": []}, "guided_choice"),
                           ({"structured_outputs": {"json": WEATHER, "regex": "a"}}, "structured_outputs"),
                           ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
@@ -152,7 +166,9 @@ def test_field_mapping_to_structured_outputs():
                            "response_format.json_schema.schema"),
                           ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
                            "response_format.json_schema.schema"),
-                          ({"response_format": {"type": "yaml"}}, "response_format.type")]:
+                          ({"response_format": {"type": "yaml"}}, "response_format.type"),
+                          ({"structured_outputs": {"disable_any_whitespace": "yes"}},
+                           "structured_outputs.disable_any_whitespace")]:
         with pytest.raises(APIError) as error:
             constraint(**fields)
         assert (error.value.status, error.value.param) == (400, param), (fields, error.value.message)
@@ -213,6 +229,7 @@ CHAT_REFUSALS = [
     ({"guided_grammar": "root ::= " + " | ".join(['"a"'] * (MAX_CONSTRAINT_CHARS // 6))}, "guided_grammar"),
     ({"guided_grammar": 'root ::= "a" | b'}, "guided_grammar"),  # an undefined rule
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+    ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools"),  # a tool type other than function
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": [{"role": "tool", "content": "sunny"}]}, "messages.0.tool_call_id"),
 ]
@@ -257,6 +274,7 @@ RESPONSES_REFUSALS = [
     ({"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
       "tool_choice": {"type": "function", "name": "g"}}, "tool_choice"),
     ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
+    ({"input": "hi", "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
 ]
 
 
@@ -323,51 +341,291 @@ def test_shipped_template_renders_as_smollm2s_own_without_tools(app_server):
     assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n" in text
 
 
-# --- one real server, the official openai client --------------------------------------------------------------
+# --- two real servers at tp=2, dcp=2, the official openai client -------------------------------------------
 
-SMOL = "smollm2-135m-instruct"
-# tp=1: the serving layer is the same at every layout (tests/test_smollm2_server.py runs SmolLM2 at tp=2, dcp=2)
-SMOL_ARGS = [SMOL, "--max-model-len", "2048", "--kv-cache-memory", "128MiB", "--enable-auto-tool-choice",
-             "--tool-call-parser", "hermes"]
+SMOL, MLA = "smollm2-135m-instruct", "kvshard-demo-mla"
+LAYOUT = ["--tensor-parallel-size", "2", "--decode-context-parallel-size", "2"]
+SERVED = {
+    # SmolLM2 has 9 query and 3 KV heads: tp=2, dcp=2 runs its replicated attention layout; hermes, its format
+    SMOL: [SMOL, *LAYOUT, "--max-model-len", "2048", "--kv-cache-memory", "128MiB", "--enable-auto-tool-choice",
+           "--tool-call-parser", "hermes"],
+    # DeepSeek-V3 in miniature (latent attention: the cache split along the sequence only), random weights
+    MLA: [MLA, *LAYOUT, "--max-model-len", "1024", "--kv-cache-memory", "16MiB", "--enable-auto-tool-choice",
+          "--tool-call-parser", "deepseek_v3"],
+}
+# A random model's greedy pick among the tokens a JSON constraint allows is mostly whitespace, up to the bound of
+# each run (and SmolLM2-135M writes its tool calls with runs of blanks in every gap): these are asked for compact
+# JSON (vLLM's option), so that the outputs end well within max_tokens. SmolLM2's parse() answers keep the
+# default whitespace.
+COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}
+EXTRA = {SMOL: None, MLA: COMPACT}
 WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]
-# strict, as the SDK's stream and parse helpers ask of the tools they reassemble
-SMOL_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather forecast in a city",
-                                                "parameters": WEATHER, "strict": True}},
-              {"type": "function", "function": {"name": "get_time", "description": "The local time in a city",
-                                                "parameters": {"type": "object",
-                                                               "properties": {"city": {"type": "string"}},
-                                                               "required": ["city"], "additionalProperties": False},
-                                                "strict": True}}]
-GREEDY = dict(model=SMOL, temperature=0)
+TWO_CALLS_QUESTION = [{"role": "user", "content": "What is the weather in Paris for 2 days, and the time in Rome?"}]
 
 
-def grammar_engine() -> bool:
-    from kvshard.engine.llm_engine import LLMEngine
+# Tools and output schemas as Pydantic models, bounded (maxLength, maxItems, ranges) so that a 135M or random
+# model cannot run on to max_tokens; the SDK writes their strict JSON schemas, as its helpers ask.
+class GetWeather(BaseModel):
+    """The weather forecast in a city"""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    city: str = Field(max_length=16)
+    days: int = Field(ge=1, le=7)
 
-    return hasattr(LLMEngine, "check_structured_outputs")
+
+class GetTime(BaseModel):
+    """The local time in a city"""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    city: str = Field(max_length=16)
 
 
-needs_grammar = pytest.mark.skipif(not grammar_engine(), reason="the engine does not enforce output constraints yet "
-                                                                 "(no grammar backend in this tree)")
+TOOL_MODELS = {"get_weather": GetWeather, "get_time": GetTime}
+SDK_TOOLS = [openai.pydantic_function_tool(model, name=name) for name, model in TOOL_MODELS.items()]
+RESPONSES_TOOL = {"type": "function", "name": "get_weather", "parameters": SDK_TOOLS[0]["function"]["parameters"],
+                  "strict": True}
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class Capital(Strict):  # flat strings
+    country: str = Field(max_length=16)
+    capital: str = Field(max_length=16)
+
+
+class Unit(str, Enum):
+    celsius = "celsius"
+    fahrenheit = "fahrenheit"
+
+
+class Day(Strict):
+    name: str = Field(max_length=10)
+    high: int = Field(ge=-60, le=60)
+
+
+class Forecast(Strict):  # an enum and an array of objects
+    city: str = Field(max_length=16)
+    unit: Unit
+    days: list[Day] = Field(min_length=1, max_length=2)
+
+
+class Person(Strict):  # an integer range and an optional field
+    name: str = Field(max_length=16)
+    age: int = Field(ge=0, le=120)
+    email: str | None = Field(default=None, max_length=24)
+
+
+class Item(Strict):
+    sku: str = Field(max_length=8)
+    quantity: int = Field(ge=1, le=9)
+
+
+class Order(Strict):  # a literal enum and an array of objects
+    status: Literal["pending", "shipped", "delivered"]
+    items: list[Item] = Field(min_length=1, max_length=2)
+
+
+class Review(Strict):  # a boolean
+    rating: int = Field(ge=1, le=5)
+    recommended: bool
+    summary: str = Field(max_length=24)
+
+
+class Address(Strict):
+    city: str = Field(max_length=16)
+    country: str = Field(max_length=16)
+
+
+class Company(Strict):  # a nested object
+    name: str = Field(max_length=16)
+    headquarters: Address
+
+
+class Room(Strict):
+    name: str = Field(max_length=8)
+    floor: int = Field(ge=0, le=20)
+
+
+class Meeting(Strict):  # an optional nested object and an array of strings
+    title: str = Field(max_length=20)
+    room: Room | None
+    attendees: list[Annotated[str, Field(max_length=10)]] = Field(max_length=3)
+
+
+class Colors(Strict):  # an array of enum values and an optional enum
+    colors: list[Literal["red", "white", "blue", "green"]] = Field(min_length=1, max_length=3)
+    favourite: Literal["red", "white", "blue", "green"] | None
+
+
+SCHEMAS = [(Capital, "What is the capital of France?"), (Forecast, "Give a one-day weather forecast for Paris."),
+           (Person, "Describe Ann, who is 31 years old."), (Order, "An order of 2 apples (sku APL) has shipped."),
+           (Review, "Review the film Up in one short line."), (Company, "Where is the company Airbus based?"),
+           (Meeting, "A team meeting in room 4B on floor 2 with Ann and Bob."),
+           (Colors, "Which of these colors are on the French flag?")]
 
 
 @pytest.fixture(scope="module")
-def smol(tmp_path_factory):
+def servers(tmp_path_factory):
+    """One SmolLM2 and one MLA server, started together."""
     from kvshard.errors import ConfigError
     from kvshard.models.fetch import fetch_gguf_model
-    from server_harness import Server
+    from server_harness import Server, start_together, stop_all
 
     try:
         fetch_gguf_model(SMOL)
     except ConfigError as error:
         pytest.skip(f"SmolLM2 not fetchable here: {error}")
-    running = Server(SMOL_ARGS, tmp_path_factory.mktemp("smol") / "log", startup_timeout=600)
-    yield running
-    assert running.stop() == 0, running.log
+    logs = tmp_path_factory.mktemp("servers")
+    started = start_together([lambda model=model: Server(SERVED[model], logs / f"{model}.log", startup_timeout=600)
+                              for model in SERVED])
+    yield dict(zip(SERVED, started))
+    assert stop_all(started) == [0, 0], [server.log for server in started]
 
 
-def tokenized(smol, **body) -> list[int]:
-    return smol.http.post("/tokenize", json={"model": SMOL, **body}).json()["tokens"]
+@pytest.fixture(scope="module")
+def smol(servers):
+    return servers[SMOL]
+
+
+async def _answers(server, model: str) -> dict[str, Any]:
+    """Every request of the tests that only read their answers, sent at once (they share decode steps)."""
+    client = server.async_client()
+    greedy = dict(model=model, temperature=0)
+    compact = dict(greedy, extra_body=COMPACT)
+    required = dict(tools=SDK_TOOLS, tool_choice="required", max_tokens=80, **compact)
+    named = dict(messages=WEATHER_QUESTION, tools=SDK_TOOLS, max_tokens=60,
+                 tool_choice={"type": "function", "function": {"name": "get_weather"}}, **compact)
+
+    async def reassembled(**request):
+        async with client.chat.completions.stream(**request) as stream:
+            return await stream.get_final_completion()
+
+    first = asyncio.ensure_future(client.chat.completions.create(messages=WEATHER_QUESTION, **required))
+
+    async def second_turn():
+        call = (await first).choices[0].message.tool_calls[0]
+        turn = WEATHER_QUESTION + [
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
+            {"role": "tool", "tool_call_id": call.id, "content": "sunny, 22 C"}]
+        return turn, await client.chat.completions.create(messages=turn, tools=SDK_TOOLS, max_tokens=12, **compact)
+
+    responses = dict(model=model, input="What is the weather in Paris for 2 days?", temperature=0,
+                     tools=[RESPONSES_TOOL], tool_choice="required", parallel_tool_calls=False, max_output_tokens=80,
+                     extra_body=COMPACT)
+
+    async def events():
+        return [event async for event in await client.responses.create(stream=True, **responses)]
+
+    requests = {
+        **{f"parse {schema.__name__}": client.chat.completions.parse(
+            messages=[{"role": "user", "content": question}], response_format=schema, max_tokens=200,
+            extra_body=EXTRA[model], **greedy)
+           for schema, question in SCHEMAS},
+        "required": first,
+        "required streamed": reassembled(messages=WEATHER_QUESTION, **required),
+        "one call": client.chat.completions.create(messages=TWO_CALLS_QUESTION, parallel_tool_calls=False, **required),
+        "one call streamed": reassembled(messages=TWO_CALLS_QUESTION, parallel_tool_calls=False, **required),
+        "named": client.chat.completions.create(**named),
+        "named streamed": reassembled(**named),
+        "second turn": second_turn(),
+        "responses": client.responses.create(**responses),
+        "responses streamed": events(),
+    }
+    try:
+        return dict(zip(requests, await asyncio.gather(*requests.values(), return_exceptions=True)))
+    finally:
+        await client.close()
+
+
+@pytest.fixture(scope="module")
+def answers(servers):
+    async def both():
+        return await asyncio.gather(*(_answers(server, model) for model, server in servers.items()))
+
+    return dict(zip(servers, asyncio.run(both())))
+
+
+def answer(answers, model: str, name: str):
+    value = answers[model][name]
+    if isinstance(value, BaseException):
+        raise value
+    return value
+
+
+def tokenized(server, model: str = SMOL, **body) -> list[int]:
+    return server.http.post("/tokenize", json={"model": model, **body}).json()["tokens"]
+
+
+def valid_call(call) -> BaseModel:
+    """A tool call's arguments, validated (strictly) against its tool's schema."""
+    assert call.type == "function" and call.id and call.function.name in TOOL_MODELS, call
+    return TOOL_MODELS[call.function.name].model_validate_json(call.function.arguments)
+
+
+BOTH = pytest.mark.parametrize("model", [SMOL, MLA], ids=["smollm2", "mla"])
+
+
+@BOTH
+def test_parse_returns_a_parsed_object_for_eight_schemas(answers, model):
+    for schema, _ in SCHEMAS:
+        reply = answer(answers, model, f"parse {schema.__name__}")
+        message = reply.choices[0].message
+        assert reply.choices[0].finish_reason == "stop", (schema.__name__, message.content)
+        assert isinstance(message.parsed, schema), (schema.__name__, message.content)
+        assert schema.model_validate_json(message.content) == message.parsed  # strictly, too
+
+
+@BOTH
+def test_required_and_named_tool_calls_validate_streamed_and_not(answers, model):
+    for name in ("required", "required streamed"):
+        choice = answer(answers, model, name).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, (name, choice)
+        for call in choice.message.tool_calls:
+            parsed = valid_call(call)
+            if name == "required streamed":  # reassembled by the SDK's stream helper, which parses them too
+                assert call.function.parsed_arguments == parsed
+    for name in ("named", "named streamed"):
+        choice = answer(answers, model, name).choices[0]
+        assert choice.finish_reason == "stop"  # as OpenAI answers a named function
+        [call] = choice.message.tool_calls
+        assert call.function.name == "get_weather" and isinstance(valid_call(call), GetWeather)
+
+
+@BOTH
+def test_parallel_tool_calls_false_gives_one_call(answers, model):
+    for name in ("one call", "one call streamed"):
+        choice = answer(answers, model, name).choices[0]
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, (name, choice)
+        valid_call(choice.message.tool_calls[0])
+
+
+@BOTH
+def test_a_second_turn_answers_from_the_tools_result(servers, answers, model):
+    turn, reply = answer(answers, model, "second turn")
+    choice = reply.choices[0]
+    assert choice.message.content and choice.finish_reason in ("stop", "length"), choice
+    tokens = tokenized(servers[model], model, messages=turn, tools=SDK_TOOLS)
+    assert reply.usage.prompt_tokens == len(tokens)  # it answered the conversation rendered with the result
+    prompt = servers[model].http.post("/detokenize", json={"model": model, "tokens": tokens}).json()["prompt"]
+    assert "sunny, 22 C" in prompt
+
+
+@BOTH
+def test_responses_with_a_function_tool(answers, model):
+    response = answer(answers, model, "responses")
+    [call] = [item for item in response.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id and call.status == "completed"
+    GetWeather.model_validate_json(call.arguments)
+    # streamed: the call's item, its argument fragments adding up to the arguments it ends with
+    events = answer(answers, model, "responses streamed")
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert added[0].type == "function_call" and added[0].name == "get_weather"
+    fragments = "".join(e.delta for e in events
+                        if e.type == "response.function_call_arguments.delta" and e.item_id == added[0].id)
+    done = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
+    assert fragments == done[0] and GetWeather.model_validate_json(fragments)
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert events[-1].type == "response.completed" and events[-1].response.output[0].arguments == fragments
 
 
 def test_second_turn_renders_the_call_and_its_result(smol):
@@ -376,10 +634,7 @@ def test_second_turn_renders_the_call_and_its_result(smol):
             {"id": "call_1", "type": "function", "function": {"name": "get_weather",
                                                               "arguments": '{"city": "Paris", "days": 3}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 22 C"}]
-    reply = smol.client().chat.completions.create(messages=turn, tools=SMOL_TOOLS, max_tokens=12, **GREEDY)
-    assert reply.choices[0].message.content and reply.choices[0].finish_reason in ("stop", "length")
-    tokens = tokenized(smol, messages=turn, tools=SMOL_TOOLS)
-    assert reply.usage.prompt_tokens == len(tokens)  # the prompt it answered is the one rendered here
+    tokens = tokenized(smol, messages=turn, tools=SDK_TOOLS)
     prompt = smol.http.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
     assert '<tools>\n{"name": "get_weather"' in prompt
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>' in prompt
@@ -393,7 +648,7 @@ def test_responses_conversation_and_stream(smol):
     assert first.status in ("completed", "incomplete") and first.output_text
     assert first.output[0].type == "message" and first.output[0].role == "assistant"
     second = client.responses.create(model=SMOL, input="And of Italy?", previous_response_id=first.id,
-                                     temperature=0, max_output_tokens=16)
+                                     temperature=0, max_output_tokens=8)
     # the second's prompt is the first question and answer, then its own (the instructions are not carried over)
     carried = [{"role": "user", "content": "What is the capital of France?"},
                {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "And of Italy?"}]
@@ -403,8 +658,8 @@ def test_responses_conversation_and_stream(smol):
              {"type": "function_call", "call_id": "call_9", "name": "get_weather",
               "arguments": '{"city": "Paris", "days": 1}'},
              {"type": "function_call_output", "call_id": "call_9", "output": "sunny, 22 C"}]
-    answer = client.responses.create(model=SMOL, input=items, temperature=0, max_output_tokens=12,
-                                     tools=[{"type": "function", "name": "get_weather", "parameters": WEATHER}])
+    answer = client.responses.create(model=SMOL, input=items, temperature=0, max_output_tokens=8,
+                                     tools=[RESPONSES_TOOL])
     assert answer.output_text
     # streamed: OpenAI's event sequence, and the same text as the same request not streamed
     events = list(client.responses.create(model=SMOL, input="What is the capital of France?", temperature=0,
@@ -420,115 +675,19 @@ def test_responses_conversation_and_stream(smol):
         events[-1].response.output_text == first.output_text
 
 
-def test_bad_requests_leave_the_server_healthy(smol):
-    client = smol.client()
-    reference = client.chat.completions.create(messages=WEATHER_QUESTION, max_tokens=8, **GREEDY)
-    for fields, param in CHAT_REFUSALS[:7] + [({"tools": SMOL_TOOLS, "tool_choice": {
+@BOTH
+def test_bad_requests_leave_the_server_healthy(servers, model):
+    server = servers[model]
+    client = server.client()
+    question = dict(messages=WEATHER_QUESTION, max_tokens=8, model=model, temperature=0)
+    reference = client.chat.completions.create(**question)
+    for fields, param in CHAT_REFUSALS[:8] + [({"tools": SDK_TOOLS, "tool_choice": {
             "type": "function", "function": {"name": "get_news"}}}, "tool_choice")]:
-        answer = smol.http.post("/v1/chat/completions", json={"model": SMOL, "messages": WEATHER_QUESTION, **fields})
+        answer = server.http.post("/v1/chat/completions", json={"model": model, "messages": WEATHER_QUESTION, **fields})
         assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
-    assert smol.http.get("/health").status_code == 200
-    again = client.chat.completions.create(messages=WEATHER_QUESTION, max_tokens=8, **GREEDY)
+    assert server.http.get("/health").status_code == 200
+    again = client.chat.completions.create(**question)
     assert again.choices[0].message.content == reference.choices[0].message.content
-
-
-def weather_args(arguments: str) -> dict:
-    """Arguments that validate against WEATHER (pydantic, strictly)."""
-    from pydantic import BaseModel, ConfigDict
-
-    class Weather(BaseModel):
-        model_config = ConfigDict(extra="forbid", strict=True)
-        city: str
-        days: int
-
-    return Weather.model_validate_json(arguments).model_dump()
-
-
-@needs_grammar
-def test_required_and_named_tool_calls_validate(smol):
-    client = smol.client()
-    required = client.chat.completions.create(messages=WEATHER_QUESTION, tools=SMOL_TOOLS, tool_choice="required",
-                                              parallel_tool_calls=False, max_tokens=60, **GREEDY)
-    choice = required.choices[0]
-    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
-    call = choice.message.tool_calls[0]
-    assert call.type == "function" and call.id
-    if call.function.name == "get_weather":
-        weather_args(call.function.arguments)
-    else:
-        assert set(json.loads(call.function.arguments)) == {"city"}
-    # the same, streamed and reassembled by the SDK's own stream helper
-    with client.chat.completions.stream(messages=WEATHER_QUESTION, tools=SMOL_TOOLS, tool_choice="required",
-                                        parallel_tool_calls=False, max_tokens=60, **GREEDY) as stream:
-        final = stream.get_final_completion()
-    assert final.choices[0].finish_reason == "tool_calls"
-    assert [(c.function.name, c.function.arguments) for c in final.choices[0].message.tool_calls] == \
-        [(call.function.name, call.function.arguments)]
-    named = dict(messages=WEATHER_QUESTION, tools=SMOL_TOOLS, max_tokens=40,
-                 tool_choice={"type": "function", "function": {"name": "get_weather"}}, **GREEDY)
-    whole = client.chat.completions.create(**named)
-    assert whole.choices[0].finish_reason == "stop"
-    assert whole.choices[0].message.tool_calls[0].function.name == "get_weather"
-    args = weather_args(whole.choices[0].message.tool_calls[0].function.arguments)
-    # streamed, reassembled by the SDK's own stream helper: the same call
-    with client.chat.completions.stream(**named) as stream:
-        final = stream.get_final_completion()
-    streamed_call = final.choices[0].message.tool_calls[0]
-    assert streamed_call.function.name == "get_weather" and weather_args(streamed_call.function.arguments) == args
-
-
-@needs_grammar
-def test_parse_with_pydantic_models_and_responses_with_a_function_tool(smol):
-    from enum import Enum
-
-    from pydantic import BaseModel, Field
-
-    # bounded (maxLength, maxItems in the schema), so that a 135M model cannot run on to max_tokens
-    class Unit(str, Enum):
-        celsius = "celsius"
-        fahrenheit = "fahrenheit"
-
-    class Day(BaseModel):
-        name: str = Field(max_length=12)
-        high: int
-
-    class Forecast(BaseModel):
-        city: str = Field(max_length=20)
-        unit: Unit
-        days: list[Day] = Field(min_length=1, max_length=2)
-        note: str | None = Field(max_length=20)
-
-    class Capital(BaseModel):
-        country: str = Field(max_length=20)
-        capital: str = Field(max_length=20)
-
-    client = smol.client()
-    for model, question in ((Capital, "What is the capital of France?"),
-                            (Forecast, "Give a two-day weather forecast for Paris.")):
-        reply = client.chat.completions.parse(messages=[{"role": "user", "content": question}], response_format=model,
-                                              max_tokens=160, **GREEDY)
-        assert reply.choices[0].finish_reason == "stop", reply.choices[0].message.content
-        assert isinstance(reply.choices[0].message.parsed, model)
-    response = client.responses.create(model=SMOL, input="What is the weather in Paris for 2 days?", temperature=0,
-                                       tools=[{"type": "function", "name": "get_weather", "parameters": WEATHER,
-                                               "strict": True}], tool_choice="required", parallel_tool_calls=False,
-                                       max_output_tokens=60)
-    calls = [item for item in response.output if item.type == "function_call"]
-    assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].call_id
-    weather_args(calls[0].arguments)
-    # streamed: the call's item, its argument fragments adding up to the same arguments
-    events = list(client.responses.create(model=SMOL, input="What is the weather in Paris for 2 days?",
-                                          temperature=0, tools=[{"type": "function", "name": "get_weather",
-                                                                 "parameters": WEATHER, "strict": True}],
-                                          tool_choice="required", parallel_tool_calls=False, max_output_tokens=60,
-                                          stream=True))
-    added = [e.item for e in events if e.type == "response.output_item.added"]
-    assert added[0].type == "function_call" and added[0].name == "get_weather"
-    fragments = "".join(e.delta for e in events
-                        if e.type == "response.function_call_arguments.delta" and e.item_id == added[0].id)
-    done = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
-    assert fragments == done[0] == calls[0].arguments
-    assert events[-1].type == "response.completed" and events[-1].response.output[0].arguments == fragments
 
 
 def test_response_store_is_a_bounded_lru():

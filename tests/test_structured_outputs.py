@@ -137,6 +137,24 @@ def test_whitespace_runs_are_bounded(manager, smollm2_tokenizer):
     ends(compact, tok)
 
 
+def test_bounded_strings_hold_no_raw_control_characters(manager, smollm2_tokenizer):
+    """A string with maxLength (as pydantic's max_length writes it) takes no raw tab, newline or U+0000-U+001F,
+    which would not parse as JSON (xgrammar 0.2.8 lets them through there); as an unbounded string."""
+    tok = smollm2_tokenizer
+    controls = {t for t in range(len(tok)) if any(ord(c) < 0x20 for c in tok.decode([t]))}
+    assert len(controls) > 20  # the tokenizer has such tokens (its byte tokens, "\t", "\n\n", ...)
+    for bound in ({"maxLength": 8}, {"minLength": 1, "maxLength": 8}, {}):
+        schema = {"type": "object", "properties": {"s": {"type": "string", **bound}}, "required": ["s"],
+                  "additionalProperties": False}
+        grammar = grammar_for(manager, SO(json=schema))
+        walk(grammar, tok, '{"s": "a')
+        inside = allowed(grammar)
+        assert ids(tok, "b")[0] in inside
+        assert not inside & controls, (bound, [tok.decode([t]) for t in inside & controls])
+        walk(grammar, tok, 'b"}')
+        ends(grammar, tok)
+
+
 def test_json_object_allows_any_object_only(manager, smollm2_tokenizer):
     tok = smollm2_tokenizer
     grammar = grammar_for(manager, SO(json_object=True))
@@ -317,7 +335,8 @@ def engines():
         llm.close()
 
 
-def run(llm, temperature: float = 0.0, speculate: bool = False, max_tokens: int = 40) -> list[tuple[str, str]]:
+def run(llm, temperature: float = 0.0, speculate: bool = False,
+        max_tokens: int = 40) -> list[tuple[str, str, list[int]]]:
     engine = llm.engine
     speculative, engine.speculative = engine.speculative, (engine.speculative if speculate else None)
     try:
@@ -327,7 +346,7 @@ def run(llm, temperature: float = 0.0, speculate: bool = False, max_tokens: int 
     finally:
         engine.speculative = speculative
     assert all(o.error is None for o in outputs)
-    return [(o.outputs[0].text, o.outputs[0].finish_reason) for o in outputs]
+    return [(o.outputs[0].text, o.outputs[0].finish_reason, list(o.outputs[0].token_ids)) for o in outputs]
 
 
 @pytest.fixture(scope="module")
@@ -342,7 +361,7 @@ def reference(engines):
 def test_outputs_obey_the_constraint_and_do_not_depend_on_speculation_caching_or_layout(engines, reference,
                                                                                        layout):
     for mode in ("greedy", "seeded"):
-        for (text, reason), (_, check) in zip(reference[mode], CONSTRAINTS):
+        for (text, reason, _), (_, check) in zip(reference[mode], CONSTRAINTS):
             assert reason == "stop" and check(text), (mode, text, reason)
     llm = engines(layout)
     stats = llm.engine.stats

@@ -25,6 +25,22 @@ def _message(error: BaseException) -> str:
     return _LOCATION.sub("", str(error).strip()).strip()
 
 
+# xgrammar 0.2.8 writes a string with maxLength / minLength as characters of this class, which lets raw control
+# characters (a tab, U+0000...) through: invalid JSON that a parser refuses. They are refused as in its unbounded
+# strings (an escape is still not offered inside a bounded string: what is written stays valid JSON).
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+
+
+def json_schema_grammar(xgr, schema: str, whitespace: dict):
+    """xgrammar's grammar of a JSON schema (strict mode), its bounded strings' control characters refused."""
+    grammar = xgr.Grammar.from_json_schema(schema, strict_mode=True, **whitespace)
+    text = str(grammar)
+    if _BOUNDED_STRING_CHAR not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
+
+
 class XgrammarGrammar(Grammar):
     def __init__(self, matcher) -> None:
         self.matcher = matcher
@@ -64,7 +80,7 @@ class XgrammarBackend(Backend):
         try:
             if kind == "json":
                 schema = value if isinstance(value, str) else json.dumps(value)
-                return self.compiler.compile_json_schema(schema, **whitespace)
+                return self.compiler.compile_grammar(json_schema_grammar(self._xgr, schema, whitespace))
             if kind == "json_object":
                 return self.compiler.compile_json_schema('{"type": "object"}', **whitespace)
             if kind == "regex":

@@ -6,6 +6,7 @@ a bad one is a 400 whose `param` names it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -159,7 +160,12 @@ class _GenerationRequest(BaseModel):
                 raise APIError(400, f"structured_outputs.{unknown[0]} is not supported by kvshard; it takes one of "
                                     "json, regex, choice, grammar, json_object (and disable_any_whitespace)",
                                "structured_outputs")
-            found.append((_constraint("structured_outputs", **self.structured_outputs), "structured_outputs"))
+            if self.structured_outputs.keys() <= {"disable_any_whitespace"}:  # an option only
+                if not isinstance(self.structured_outputs.get("disable_any_whitespace", False), bool):
+                    raise APIError(400, "structured_outputs.disable_any_whitespace must be true or false",
+                                   "structured_outputs.disable_any_whitespace")
+            else:
+                found.append((_constraint("structured_outputs", **self.structured_outputs), "structured_outputs"))
         for alias, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                             ("guided_grammar", "grammar")):
             if getattr(self, alias) is not None:
@@ -172,7 +178,15 @@ class _GenerationRequest(BaseModel):
         if len(found) > 1:
             raise APIError(400, f"{found[1][1]}: give at most one output constraint, got {found[0][1]} and "
                                 f"{found[1][1]}", found[1][1])
-        return found[0] if found else (None, None)
+        return (self.with_whitespace_option(found[0][0]), found[0][1]) if found else (None, None)
+
+    def with_whitespace_option(self, constraint: StructuredOutputsParams | None) -> StructuredOutputsParams | None:
+        """`structured_outputs: {"disable_any_whitespace": true}` alone is an option of the constraint another
+        field asks for (response_format, the tools), as vLLM takes it."""
+        option = self.structured_outputs
+        if constraint is None or not option or option.keys() != {"disable_any_whitespace"}:
+            return constraint
+        return dataclasses.replace(constraint, disable_any_whitespace=option["disable_any_whitespace"])
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
@@ -466,11 +480,15 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, Any] | None = None
     truncation: Literal["disabled", "auto"] | None = None
     seed: int | None = None  # vLLM's extension
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: here only {"disable_any_whitespace": bool}
     background: bool | None = None
 
     def check_supported(self) -> None:
         if self.background:
             raise APIError(400, "background is not supported by kvshard; leave it out", "background")
+        if self.structured_outputs is not None and not self.structured_outputs.keys() <= {"disable_any_whitespace"}:
+            raise APIError(400, "structured_outputs takes only disable_any_whitespace in the Responses API; give the "
+                                "output's format in text.format", "structured_outputs")
         if self.tools is not None and not self.tools:
             self.tools = None  # the Agents SDK sends [] for an agent without tools: no tools
         check_tools(self.tools, self.tool_choice, "tools", "tool_choice")

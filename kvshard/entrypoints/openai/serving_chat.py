@@ -99,7 +99,7 @@ class ChatServing:
             if asked is not None:
                 raise APIError(400, f"{field} cannot be combined with tool_choice {body.tool_choice!r}: the tool "
                                     "calls are the output", field)
-            asked, field = from_tools, "tools"
+            asked, field = body.with_whitespace_option(from_tools), "tools"
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None, asked)
         self._check_choices(1, params.n)

@@ -142,12 +142,14 @@ class ResponsesServing:
         for key, value in (("tools", [t.as_chat_tool().model_dump(exclude_none=True) for t in body.tools or []]),
                            ("tool_choice", tool_choice), ("parallel_tool_calls", body.parallel_tool_calls),
                            ("max_completion_tokens", body.max_output_tokens), ("temperature", body.temperature),
-                           ("top_p", body.top_p), ("seed", body.seed)):
+                           ("top_p", body.top_p), ("seed", body.seed),
+                           ("structured_outputs", body.structured_outputs)):
             if value not in (None, []):
                 chat[key] = value
         chat_body = _parse(ChatCompletionRequest, json.dumps(chat).encode())
         chat_body.check_supported()
-        params, prompts = await self._chat_prepare(chat_body, constraint)
+        params, prompts = await self._chat_prepare(chat_body, (chat_body.with_whitespace_option(constraint[0]),
+                                                               constraint[1]))
         self._check_alive()
         parser, mode, max_calls = self._tool_parser_for(chat_body)
         response_id = f"resp_{uuid.uuid4().hex}"

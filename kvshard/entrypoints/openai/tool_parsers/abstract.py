@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -137,6 +138,75 @@ def scan_call_object(text: str, i: int, name_keys: tuple[str, ...] = ("name",),
             name = json.loads(text[j:end])
         j = skip_ws(text, end)
     return ParsedCall(name, arguments), None
+
+
+def scan_call_objects(text: str, i: int, next_start: Callable[[str, int], int]) -> list[ParsedCall]:
+    """Calls written as JSON objects one after another from text[i] (`scan_call_object`), as far as they are
+    written; `next_start(text, end)`: where the call after one that ends at `end` begins (its `{`), or -1."""
+    calls: list[ParsedCall] = []
+    while 0 <= i < len(text) and text[i] == "{":
+        call, end = scan_call_object(text, i)
+        if call is None:
+            break
+        calls.append(call)
+        if end is None:
+            break
+        i = next_start(text, end)
+    return calls
+
+
+def after_separator(separator: str) -> Callable[[str, int], int]:
+    """`next_start` for calls separated by `separator` (and whitespace)."""
+    def next_start(text: str, end: int) -> int:
+        i = skip_ws(text, end)
+        return skip_ws(text, i + 1) if text.startswith(separator, i) else i
+    return next_start
+
+
+def after_marker(marker: str) -> Callable[[str, int], int]:
+    """`next_start` for calls that each follow `marker` (and whitespace)."""
+    def next_start(text: str, end: int) -> int:
+        at = text.find(marker, end)
+        return skip_ws(text, at + len(marker)) if at >= 0 else -1
+    return next_start
+
+
+def scan_marked_calls(text: str, section: int, call_begin: str,
+                      header: Callable[[str, int], tuple[ParsedCall, int] | None]) -> list[ParsedCall]:
+    """Calls each opened by `call_begin` after the section marker at `section` (-1: none), as far as they are
+    written: `header(text, at)` reads the call's name (and id) from the call opened at `at` and says where its
+    arguments' JSON begins, or None while that is not written yet; the arguments end with their JSON value."""
+    calls: list[ParsedCall] = []
+    at = text.find(call_begin, section) if section >= 0 else -1
+    while at >= 0:
+        head = header(text, at)
+        if head is None:
+            break
+        call, i = head
+        calls.append(call)
+        if i >= len(text):
+            break
+        end = value_end(text, i)
+        call.arguments = text[i:end] if end is not None else text[i:]
+        if end is None:
+            break
+        call.complete = True
+        at = text.find(call_begin, end)
+    return calls
+
+
+def section_parse(text: str, section: int, marker: str, calls: list[ParsedCall], final: bool) -> Parsed:
+    """The parse of a format whose calls follow a section `marker` at `section` (-1: none yet)."""
+    if final and not calls:
+        return Parsed(text)
+    return Parsed(content_before(text, section if section >= 0 else None, (marker,), final), calls)
+
+
+def no_call_is_content(text: str, calls: list[ParsedCall], final: bool, content: str = "") -> Parsed:
+    """A parse whose calls are `calls`; once the output has ended without a named call, all of it is content."""
+    if final and not any(call.name for call in calls):
+        return Parsed(text)
+    return Parsed(content, calls)
 
 
 def held_back(text: str, markers: tuple[str, ...]) -> int:

@@ -5,8 +5,9 @@ tools' JSON schemas writes (serving_chat.tool_constraint): for a named tool its 
 
 from __future__ import annotations
 
-from kvshard.entrypoints.openai.tool_parsers.abstract import (Parsed, ParsedCall, ToolParser, scan_call_object,
-                                                              skip_ws, value_end)
+from kvshard.entrypoints.openai.tool_parsers.abstract import (Parsed, ParsedCall, ToolParser, after_separator,
+                                                              no_call_is_content, scan_call_objects, skip_ws,
+                                                              value_end)
 
 
 class NamedToolParser(ToolParser):
@@ -31,20 +32,6 @@ class RequiredToolParser(ToolParser):
 
     def parse(self, text: str, final: bool) -> Parsed:
         i = skip_ws(text, 0)
-        calls: list[ParsedCall] = []
         if i >= len(text) or text[i] != "[":
-            return Parsed(text if final else "", calls)
-        i = skip_ws(text, i + 1)
-        while i < len(text) and text[i] == "{":
-            call, end = scan_call_object(text, i)
-            if call is None:
-                break
-            calls.append(call)
-            if end is None:
-                break
-            i = skip_ws(text, end)
-            if i < len(text) and text[i] == ",":
-                i = skip_ws(text, i + 1)
-        if final and not any(call.name for call in calls):
-            return Parsed(text)
-        return Parsed("", calls)
+            return Parsed(text if final else "")
+        return no_call_is_content(text, scan_call_objects(text, skip_ws(text, i + 1), after_separator(",")), final)

@@ -10,7 +10,8 @@ with any content before the section.
 
 from __future__ import annotations
 
-from kvshard.entrypoints.openai.tool_parsers.abstract import Parsed, ParsedCall, ToolParser, content_before, value_end
+from kvshard.entrypoints.openai.tool_parsers.abstract import (Parsed, ParsedCall, ToolParser, scan_marked_calls,
+                                                              section_parse)
 
 SECTION_BEGIN = "<｜tool▁calls▁begin｜>"
 CALL_BEGIN, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
@@ -21,27 +22,15 @@ class DeepSeekV3ToolParser(ToolParser):
 
     def parse(self, text: str, final: bool) -> Parsed:
         section = text.find(SECTION_BEGIN)
-        calls: list[ParsedCall] = []
-        at = text.find(CALL_BEGIN, section) if section >= 0 else -1
-        while at >= 0:
-            sep = text.find(SEP, at)
-            if sep < 0:
-                break
-            name_start = sep + len(SEP)
-            newline = text.find("\n", name_start)
-            if newline < 0:
-                break
-            call = ParsedCall(text[name_start:newline].strip(), "")
-            calls.append(call)
-            brace = text.find("{", newline)
-            if brace < 0:
-                break
-            end = value_end(text, brace)
-            call.arguments = text[brace:end] if end is not None else text[brace:]
-            if end is None:
-                break
-            call.complete = True
-            at = text.find(CALL_BEGIN, end)
-        if final and not calls:
-            return Parsed(text)
-        return Parsed(content_before(text, section if section >= 0 else None, (SECTION_BEGIN,), final), calls)
+        return section_parse(text, section, SECTION_BEGIN, scan_marked_calls(text, section, CALL_BEGIN, _header),
+                             final)
+
+
+def _header(text: str, at: int) -> tuple[ParsedCall, int] | None:
+    """`function<｜tool▁sep｜>NAME` and a newline; the arguments begin at the fenced block's `{`."""
+    sep = text.find(SEP, at)
+    newline = text.find("\n", sep + len(SEP)) if sep >= 0 else -1
+    if newline < 0:
+        return None
+    brace = text.find("{", newline)
+    return ParsedCall(text[sep + len(SEP):newline].strip(), ""), brace if brace >= 0 else len(text)

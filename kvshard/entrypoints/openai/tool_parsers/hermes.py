@@ -10,8 +10,8 @@ with any content before the first call.
 
 from __future__ import annotations
 
-from kvshard.entrypoints.openai.tool_parsers.abstract import (Parsed, ToolParser, content_before, scan_call_object,
-                                                              skip_ws)
+from kvshard.entrypoints.openai.tool_parsers.abstract import (Parsed, ToolParser, after_marker, content_before,
+                                                              no_call_is_content, scan_call_objects)
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -21,19 +21,7 @@ class HermesToolParser(ToolParser):
 
     def parse(self, text: str, final: bool) -> Parsed:
         first = text.find(START)
-        calls = []
-        at = first
-        while at >= 0:
-            i = skip_ws(text, at + len(START))
-            if i >= len(text) or text[i] != "{":
-                break
-            call, end = scan_call_object(text, i)
-            if call is None:
-                break
-            calls.append(call)
-            if end is None:
-                break
-            at = text.find(START, end)
-        if final and not any(call.name for call in calls):
-            return Parsed(text)  # no call after all: all of it is content
-        return Parsed(content_before(text, first if first >= 0 else None, (START,), final), calls)
+        next_call = after_marker(START)
+        calls = scan_call_objects(text, next_call(text, 0), next_call)
+        return no_call_is_content(text, calls, final,
+                                  content_before(text, first if first >= 0 else None, (START,), final))

@@ -8,7 +8,8 @@ An output that does not start with `{` is content.
 
 from __future__ import annotations
 
-from kvshard.entrypoints.openai.tool_parsers.abstract import Parsed, ToolParser, scan_call_object, skip_ws
+from kvshard.entrypoints.openai.tool_parsers.abstract import (Parsed, ToolParser, after_separator,
+                                                              no_call_is_content, scan_call_objects, skip_ws)
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -26,17 +27,4 @@ class Llama3JsonToolParser(ToolParser):
             if final or i < len(text):
                 return Parsed(text if final else text.rstrip())
             return Parsed("")
-        calls = []
-        while i < len(text) and text[i] == "{":
-            call, end = scan_call_object(text, i)
-            if call is None:
-                break
-            calls.append(call)
-            if end is None:
-                break
-            i = skip_ws(text, end)
-            if i < len(text) and text[i] == ";":
-                i = skip_ws(text, i + 1)
-        if final and not any(call.name for call in calls):
-            return Parsed(text)
-        return Parsed("", calls)
+        return no_call_is_content(text, scan_call_objects(text, i, after_separator(";")), final)
