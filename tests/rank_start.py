@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-from multiprocessing import forkserver
+from multiprocessing import forkserver, resource_tracker
+from pathlib import Path
 
 PRELOAD = ["torch"]  # not kvshard: its modules read settings from the environment when they run, in the rank
+# Set in a server's environment (server_harness.ForkedServer): a folder where each of its ranks leaves its pid.
+RANK_PIDS_DIR = "SUITE_RANK_PIDS_DIR"
 
 
 def _in_environment(environ: dict[str, str]) -> RankTarget:
@@ -33,6 +36,9 @@ class RankTarget:
     def __call__(self, *args) -> None:
         from kvshard.engine.workers import spawned_worker
 
+        if os.environ.get(RANK_PIDS_DIR):
+            Path(os.environ[RANK_PIDS_DIR], str(os.getpid())).touch()
+
         spawned_worker(*args)
 
 
@@ -42,5 +48,16 @@ def use_forkserver() -> None:
 
     multiprocessing.set_forkserver_preload(PRELOAD)
     forkserver.ensure_running()
+    executor.RANK_START_METHOD = "forkserver"
+    executor.spawned_worker = RankTarget()
+
+
+def ranks_from_this_forkserver() -> None:
+    """In a process the forkserver started (a server of the suite's, server_harness.ForkedServer): its LocalRanks
+    fork from the same forkserver. Such a child knows the forkserver's address and holds its alive-pipe, but
+    not its pid, from which `ensure_running` would conclude there is none and start another."""
+    from kvshard.engine import executor
+
+    forkserver._forkserver.ensure_running = resource_tracker.ensure_running
     executor.RANK_START_METHOD = "forkserver"
     executor.spawned_worker = RankTarget()
