@@ -5,7 +5,9 @@ of CPU per rank, most of a tiny engine's start-up, times a few hundred ranks per
 forkserver child starts with torch already loaded. It is forked from the server, though, so it would see the
 environment the server started with, not the one the tests set around an engine (`conftest.environment`):
 `RankTarget` stands in for the ranks' target and carries the caller's `os.environ` of the moment the rank is
-started, which the child puts back before it imports anything of kvshard.
+started, which the child puts back before it runs anything of kvshard. kvshard's rank and server modules are
+imported in the forkserver too: none reads a setting when it is imported (tests/test_settings.py checks it).
+The suite's servers fork from the same forkserver (server_harness.ForkedServer).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import os
 from multiprocessing import forkserver, resource_tracker
 from pathlib import Path
 
-PRELOAD = ["torch"]  # not kvshard: its modules read settings from the environment when they run, in the rank
+# what a rank and a server import (kvshard's modules read settings when they run, in the rank, never on import)
+PRELOAD = ["torch", "kvshard.engine.workers", "kvshard.entrypoints.cli", "kvshard.entrypoints.serve",
+           "kvshard.entrypoints.openai_server"]
 # Set in a server's environment (server_harness.ForkedServer): a folder where each of its ranks leaves its pid.
 RANK_PIDS_DIR = "SUITE_RANK_PIDS_DIR"
 
