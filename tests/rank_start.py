@@ -12,8 +12,10 @@ The suite's servers fork from the same forkserver (server_harness.ForkedServer).
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
+import sys
 from multiprocessing import forkserver, resource_tracker
 from pathlib import Path
 
@@ -42,6 +44,7 @@ class RankTarget:
 
         if os.environ.get(RANK_PIDS_DIR):
             Path(os.environ[RANK_PIDS_DIR], str(os.getpid())).touch()
+            name_this_process("kvshard-rank")  # a forked server's rank
 
         spawned_worker(*args)
 
@@ -65,3 +68,10 @@ def ranks_from_this_forkserver() -> None:
     forkserver._forkserver.ensure_running = resource_tracker.ensure_running
     executor.RANK_START_METHOD = "forkserver"
     executor.spawned_worker = RankTarget()
+
+
+def name_this_process(name: str) -> None:
+    """The name `ps -o comm` and `pgrep NAME` show (Linux's PR_SET_NAME; elsewhere nothing): a process forked from
+    the forkserver has the forkserver's command line."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(15, name.encode()[:15])  # PR_SET_NAME = 15

@@ -263,6 +263,7 @@ class _ServeTarget:
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
                                       errors="backslashreplace")
+        rank_start.name_this_process("kvshard-serve")  # its command line is the forkserver's: `pgrep kvshard-serve`
         rank_start.ranks_from_this_forkserver()
         from kvshard.entrypoints import cli
 
