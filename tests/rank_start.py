@@ -5,16 +5,25 @@ of CPU per rank, most of a tiny engine's start-up, times a few hundred ranks per
 forkserver child starts with torch already loaded. It is forked from the server, though, so it would see the
 environment the server started with, not the one the tests set around an engine (`conftest.environment`):
 `RankTarget` stands in for the ranks' target and carries the caller's `os.environ` of the moment the rank is
-started, which the child puts back before it imports anything of kvshard.
+started, which the child puts back before it runs anything of kvshard. kvshard's rank and server modules are
+imported in the forkserver too: none reads a setting when it is imported (tests/test_settings.py checks it).
+The suite's servers fork from the same forkserver (server_harness.ForkedServer).
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
-from multiprocessing import forkserver
+import sys
+from multiprocessing import forkserver, resource_tracker
+from pathlib import Path
 
-PRELOAD = ["torch"]  # not kvshard: its modules read settings from the environment when they run, in the rank
+# what a rank and a server import (kvshard's modules read settings when they run, in the rank, never on import)
+PRELOAD = ["torch", "kvshard.engine.workers", "kvshard.entrypoints.cli", "kvshard.entrypoints.serve",
+           "kvshard.entrypoints.openai_server"]
+# Set in a server's environment (server_harness.ForkedServer): a folder where each of its ranks leaves its pid.
+RANK_PIDS_DIR = "SUITE_RANK_PIDS_DIR"
 
 
 def _in_environment(environ: dict[str, str]) -> RankTarget:
@@ -33,6 +42,10 @@ class RankTarget:
     def __call__(self, *args) -> None:
         from kvshard.engine.workers import spawned_worker
 
+        if os.environ.get(RANK_PIDS_DIR):
+            Path(os.environ[RANK_PIDS_DIR], str(os.getpid())).touch()
+            name_this_process("kvshard-rank")  # a forked server's rank
+
         spawned_worker(*args)
 
 
@@ -44,3 +57,21 @@ def use_forkserver() -> None:
     forkserver.ensure_running()
     executor.RANK_START_METHOD = "forkserver"
     executor.spawned_worker = RankTarget()
+
+
+def ranks_from_this_forkserver() -> None:
+    """In a process the forkserver started (a server of the suite's, server_harness.ForkedServer): its LocalRanks
+    fork from the same forkserver. Such a child knows the forkserver's address and holds its alive-pipe, but
+    not its pid, from which `ensure_running` would conclude there is none and start another."""
+    from kvshard.engine import executor
+
+    forkserver._forkserver.ensure_running = resource_tracker.ensure_running
+    executor.RANK_START_METHOD = "forkserver"
+    executor.spawned_worker = RankTarget()
+
+
+def name_this_process(name: str) -> None:
+    """The name `ps -o comm` and `pgrep NAME` show (Linux's PR_SET_NAME; elsewhere nothing): a process forked from
+    the forkserver has the forkserver's command line."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(15, name.encode()[:15])  # PR_SET_NAME = 15

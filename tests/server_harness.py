@@ -1,12 +1,19 @@
 """A real `kvshard serve` process for the server tests (no tests here).
 
-The server runs as a subprocess exactly as a user starts it, on a port the OS
-picks (`--port 0`, read back from the URL line it prints), and is reached over
-HTTP only: by the official `openai` client, httpx, and the Prometheus text.
+The server runs in a process of its own, with the arguments a user gives `kvshard serve`, on a port the
+OS picks (`--port 0`, read back from the URL line it prints), and is reached over HTTP only: by the
+official `openai` client, httpx, and the Prometheus text. It is forked, as its ranks are, from the
+suite's forkserver, which imported torch once (tests/rank_start.py), rather than started as a fresh
+interpreter that imports torch anew, per server and per rank: `ForkedServer` runs `kvshard.entrypoints.cli`'s
+`main` there, in the environment and working directory a subprocess would get, its output in the log.
+A `command` (torchrun, the proxy) still runs as a subprocess.
 """
 
 from __future__ import annotations
 
+import atexit
+import io
+import multiprocessing
 import os
 import re
 import signal
@@ -19,6 +26,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import rank_start
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,9 +52,12 @@ class Server:
         self._terminated = False
         extra = ["--api-key", api_key] if api_key else []
         self._log = open(log_path, "wb")
-        self.process = subprocess.Popen(command or serve_command(*args, *extra, "--port", str(port)), cwd=ROOT,
-                                        stdout=self._log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        if command is None and forked_servers():
+            self.process = ForkedServer([*args, *extra, "--port", str(port)], log_path, environ)
+        else:
+            self.process = subprocess.Popen(command or serve_command(*args, *extra, "--port", str(port)), cwd=ROOT,
+                                            stdout=self._log, stderr=subprocess.STDOUT, env=environ)
         self.url = self._wait_for_url(startup_timeout)
         self.http = httpx.Client(base_url=self.url, timeout=60,
                                  headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
@@ -108,7 +119,10 @@ class Server:
             time.sleep(0.05)
 
     def rank_pids(self) -> list[int]:
-        """Child processes that run ranks > 0 (multiprocessing 'spawn' children, not its resource tracker)."""
+        """Child processes that run ranks > 0 (multiprocessing 'spawn' children, not its resource tracker);
+        of a forked server, the live ranks it started (children of the forkserver)."""
+        if isinstance(self.process, ForkedServer):
+            return self.process.rank_pids()
         pids = []
         for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
@@ -156,3 +170,102 @@ def start_together(starters: list[Callable[[], Server]]) -> list[Server]:
         stop_all(started)
         raise next(f.exception() for f in futures if f.exception() is not None)
     return started
+
+
+def forked_servers() -> bool:
+    """Servers start from the suite's forkserver once conftest started it (tests/rank_start.py); a script
+    that imports this module without it starts them as subprocesses."""
+    from kvshard.engine import executor
+
+    return executor.RANK_START_METHOD == "forkserver"
+
+
+class ForkedServer:
+    """`kvshard serve ARGS` forked from the suite's forkserver (torch already imported), with the
+    `subprocess.Popen` methods the tests use: pid, poll, wait, send_signal, kill, returncode."""
+
+    def __init__(self, args: list[str], log_path: Path, environ: dict[str, str]) -> None:
+        self._ranks = Path(f"{log_path}.ranks")  # each rank leaves its pid here (rank_start.RankTarget)
+        self._ranks.mkdir(exist_ok=True)
+        self._process = multiprocessing.get_context("forkserver").Process(
+            target=_ServeTarget(args, str(log_path), {**environ, rank_start.RANK_PIDS_DIR: str(self._ranks)}),
+            name="kvshard-serve")
+        self._process.start()
+        # not one of this process's multiprocessing children, as a subprocess is not: `active_children()` (which
+        # tests check for ranks left behind) does not list it, and multiprocessing's exit hook does not wait on it
+        multiprocessing.process._children.discard(self._process)
+        self.pid = self._process.pid
+        _running.add(self)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        code = self._process.exitcode
+        if code is not None:
+            _running.discard(self)
+            self._process.join()
+        return code
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(["kvshard", "serve"], timeout)
+        _running.discard(self)
+        return self._process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._process.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def rank_pids(self) -> list[int]:
+        pids = []
+        for entry in self._ranks.iterdir():
+            try:
+                if Path(f"/proc/{entry.name}/cmdline").read_bytes():  # alive, not a zombie
+                    pids.append(int(entry.name))
+            except (OSError, ValueError):
+                continue
+        return sorted(pids)
+
+
+_running: set[ForkedServer] = set()
+
+
+@atexit.register
+def _kill_servers_left_running() -> None:
+    """A server a failed test did not stop goes with the test process."""
+    for server in list(_running):
+        server.kill()
+        server.wait(30)
+
+
+class _ServeTarget:
+    """What the forked server runs: `kvshard serve ARGS` as `python -m kvshard.entrypoints.cli` would."""
+
+    def __init__(self, args: list[str], log_path: str, environ: dict[str, str]) -> None:
+        self.args, self.log_path, self.environ = args, log_path, environ
+
+    def __call__(self) -> None:
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.chdir(ROOT)
+        with open(self.log_path, "ab") as log:
+            for fd in (1, 2):
+                os.dup2(log.fileno(), fd)
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
+                                      errors="backslashreplace")
+        rank_start.name_this_process("kvshard-serve")  # its command line is the forkserver's: `pgrep kvshard-serve`
+        rank_start.ranks_from_this_forkserver()
+        from kvshard.entrypoints import cli
+
+        sys.argv = [cli.__file__, "serve", *self.args]
+        sys.exit(cli.main(sys.argv[1:]))

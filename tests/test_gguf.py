@@ -360,8 +360,9 @@ def transformers_reference(path: Path, prompts: list[list[int]]):
 @pytest.fixture(scope="module")
 def smollm2_reference_started(smollm2_gguf, smollm2_prompts) -> Iterator[Future]:
     """transformers' reference, computed in a process of its own while the layouts' engines run: reading the
-    .gguf is mostly one busy Python thread, and the engines leave part of the machine idle."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    .gguf is mostly one busy Python thread, and the engines leave part of the machine idle. The process forks
+    from the suite's forkserver, torch already imported (tests/rank_start.py)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("forkserver")) as pool:
         yield pool.submit(transformers_reference, smollm2_gguf, smollm2_prompts)
 
 

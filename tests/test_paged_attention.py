@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -263,3 +264,28 @@ def test_without_a_compiler_one_log_line_and_the_gather_path(monkeypatch, caplog
     _check(out, lse, *_oracle(q, key_f, value_f, tables, row_seq, row_lens, 16, 0.125), atol=2e-5, rtol=2e-5)
     with pytest.raises(RuntimeError, match="unavailable"):
         paged.paged_attention(q, key, value, tables, row_seq, row_lens, 16, 0.125, use_kernel=True)
+
+
+def test_the_build_compiles_a_copy_in_its_folder_so_checkouts_at_other_paths_share_it(monkeypatch, tmp_path):
+    # ninja rebuilds when a source's path changes: two checkouts (one source, two paths) loading the source
+    # where it lies would rebuild in turn, each in the other's build folder; the copy's path is the folder's
+    import torch.utils.cpp_extension
+
+    loads = []
+    monkeypatch.setattr(paged, "_module", None)
+    monkeypatch.setattr(paged, "_unavailable", None)
+    monkeypatch.setenv("KVSHARD_KERNEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(paged, "_ninja_on_path", lambda: True)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kwargs: loads.append(kwargs) or "module")
+    for checkout in ("a", "b"):
+        source = tmp_path / checkout / "paged_attention.cpp"
+        source.parent.mkdir()
+        source.write_bytes(paged._SOURCE.read_bytes())
+        monkeypatch.setattr(paged, "_SOURCE", source)
+        monkeypatch.setattr(paged, "_module", None)
+        assert paged.load_extension() == "module"
+    first, second = loads
+    assert first["sources"] == second["sources"] and first["build_directory"] == second["build_directory"]
+    (compiled,) = first["sources"]
+    assert Path(compiled).parent == Path(first["build_directory"]) and Path(compiled).read_bytes() == \
+        paged._SOURCE.read_bytes()

