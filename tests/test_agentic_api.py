@@ -465,21 +465,15 @@ SCHEMAS = [(Capital, "What is the capital of France?"), (Forecast, "Give a one-d
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    """One SmolLM2 and one MLA server, started together."""
-    from kvshard.errors import ConfigError
-    from kvshard.models.fetch import fetch_gguf_model
-    from server_harness import Server, start_together, stop_all
+def servers(smollm2_server, tmp_path_factory):
+    """The session's SmolLM2 server (conftest's `smollm2_server`, started with `SERVED[SMOL]`) and one MLA server."""
+    from conftest import SMOLLM2_SERVE_ARGS
+    from server_harness import Server
 
-    try:
-        fetch_gguf_model(SMOL)
-    except ConfigError as error:
-        pytest.skip(f"SmolLM2 not fetchable here: {error}")
-    logs = tmp_path_factory.mktemp("servers")
-    started = start_together([lambda model=model: Server(SERVED[model], logs / f"{model}.log", startup_timeout=600)
-                              for model in SERVED])
-    yield dict(zip(SERVED, started))
-    assert stop_all(started) == [0, 0], [server.log for server in started]
+    assert SMOLLM2_SERVE_ARGS == SERVED[SMOL], "the shared SmolLM2 server must be the one these tests describe"
+    mla = Server(SERVED[MLA], tmp_path_factory.mktemp("servers") / f"{MLA}.log", startup_timeout=600)
+    yield {SMOL: smollm2_server, MLA: mla}
+    assert mla.stop() == 0, mla.log
 
 
 @pytest.fixture(scope="module")
