@@ -4,8 +4,9 @@ rank's attention metadata, at a given number of running requests and context len
 `python -m kvshard.bench.host_step --requests 64 --contexts 1024,32768` drives the real scheduler,
 step plan and metadata code over a block pool large enough for every context (no KV cache is
 allocated: the metadata addresses blocks, it reads none). Each timed step: `Scheduler.schedule`,
-the plan built (`StepRows`, `StepPlan`), pickled and unpickled as the broadcast to the other ranks
-does, and the metadata the rank builds from it; then a token is appended to every request, as if
+the plan built (`StepRows`, `StepPlan` with the block tables' changes), pickled and unpickled as the
+broadcast to the other ranks does, and the rank's work on it (the changes applied to its persistent
+block tables, its attention metadata built); then a token is appended to every request, as if
 sampled (not timed). The figures are medians over the steps; the time per step should not grow with
 the context (docs/design.md#ranks-and-steps).
 """
@@ -24,6 +25,7 @@ import torch
 from kvshard.attention.backends import ReferenceBackend
 from kvshard.attention.metadata import AttentionMetadata
 from kvshard.config import SchedulerConfig
+from kvshard.engine.block_tables import BlockTableSender, RankBlockTables
 from kvshard.engine.scheduler import Scheduler
 from kvshard.engine.sequence import Sequence
 from kvshard.engine.step_plan import StepPlan, StepRows
@@ -64,6 +66,7 @@ def measure(num_requests: int, context: int, steps: int, block_size: int = 16, d
     scheduler, seqs = _decoding(num_requests, context, layout, seed)
     backend = ReferenceBackend()  # the metadata of the paged and Triton backends: the same (causal_rows)
     cpu = torch.device("cpu")
+    sender, tables = BlockTableSender(), RankBlockTables(cpu, num_requests)  # rank 0's and a rank's (engine/block_tables.py)
     times = {phase: [] for phase in PHASES}
     plan_bytes = 0
     for _ in range(steps):
@@ -71,13 +74,14 @@ def measure(num_requests: int, context: int, steps: int, block_size: int = 16, d
         batch = scheduler.schedule()
         t1 = time.perf_counter()
         rows = StepRows.from_batch(batch)
-        plan = StepPlan.from_batch(batch, rows)
+        plan = StepPlan.from_batch(batch, rows, tables=sender.changes(batch.seqs))
         t2 = time.perf_counter()
         wire = pickle.dumps(plan)
         received = pickle.loads(wire)
         t3 = time.perf_counter()
-        AttentionMetadata.build(received.context_lens, received.query_lens, received.block_tables, layout, 0, cpu,
-                                backend=backend)
+        tables.apply(received.tables)  # as ModelRunner.execute does
+        AttentionMetadata.build(received.context_lens, received.query_lens, tables.table, layout, 0, cpu,
+                                backend=backend, table_rows=received.tables.slots)
         t4 = time.perf_counter()
         assert batch.query_lens == [1] * num_requests, "every request decodes"
         scheduler.mark_computed(batch)

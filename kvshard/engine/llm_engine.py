@@ -178,7 +178,9 @@ class LLMEngine:
                 return failed
             draft_probs = self.proposer.draft(batch)
             rows = StepRows.from_batch(batch)
-            logits = self.executor.execute(StepPlan.from_batch(batch, rows, self.proposer.target_step(batch, rows)))
+            plan = StepPlan.from_batch(batch, rows, self.proposer.target_step(batch, rows),
+                                       self.executor.block_tables.changes(batch.seqs))
+            logits = self.executor.execute(plan)
             self.steps += 1
             return failed + self._update_from_output(batch, rows, logits, draft_probs)
 
