@@ -96,6 +96,7 @@ def drive(seed: int, steps: int = 160, check_metadata: bool = True) -> dict[str,
         rank.apply(plan.tables)
         whole = whole_tables(batch.seqs)
         assert_rank_holds(rank, plan.tables.slots, whole)
+        assert max(plan.tables.slots) < 6, "a slot per running request at most (max_num_seqs): left ones are reused"
         events["updates"] += len(changes.updates)
         events["freed"] += len(changes.freed)
         if check_metadata:
