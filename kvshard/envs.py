@@ -134,6 +134,9 @@ REGISTRY: dict[str, EnvVar] = _declare(
     EnvVar("KVSHARD_DECODE_GROUP_SPREAD", NON_NEGATIVE_INT, 1024,
            "decodes attend in groups padded to their longest member, spanning at most this many tokens of "
            "local context; 0 gives each local length a group of its own", numerics=True),
+    EnvVar("KVSHARD_CHECK_BLOCK_TABLES", SWITCH, False,
+           "1: every step's plan also carries each request's whole block table, and every rank checks the "
+           "tables it keeps against them (slow: for tests and debugging)"),
     EnvVar("KVSHARD_ONEDNN_LINEAR", SWITCH, True,
            "CPU: linear layers run oneDNN on weights reordered once at load; 0 keeps torch's linear",
            numerics=True),

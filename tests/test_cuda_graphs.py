@@ -26,12 +26,14 @@ def test_capture_sizes_double_then_step_and_end_at_max_num_seqs():
     assert [padded_size(n, [1, 2, 4, 8]) for n in (0, 1, 3, 4, 5, 8, 9)] == [None, 1, 4, 4, 8, 8, None]
 
 
-def _meta(n, write_index, tables, row_lens, block_size=16):
+def _meta(n, write_index, tables, row_lens, block_size=16, row_seq=None):
+    """`row_seq`: each row's table (a rank's persistent tables, engine/block_tables.py); row r's own by default."""
     positions = torch.arange(n) + 10
     return SimpleNamespace(positions=positions, write_index=torch.tensor(write_index, dtype=torch.long),
                            write_slots=torch.tensor([100 + i for i in write_index], dtype=torch.long),
                            block_tables=torch.tensor(tables, dtype=torch.int32),
-                           row_lens=torch.tensor(row_lens, dtype=torch.int32))
+                           row_lens=torch.tensor(row_lens, dtype=torch.int32),
+                           row_seq=torch.tensor(row_seq if row_seq is not None else range(n), dtype=torch.int32))
 
 
 def test_load_pads_the_rows_past_the_batch_and_the_tokens_another_rank_owns():
@@ -50,6 +52,17 @@ def test_load_pads_the_rows_past_the_batch_and_the_tokens_another_rank_owns():
     assert [t.data_ptr() for t in (inputs.input_ids, inputs.write_slots, inputs.block_tables)] == addresses
     with pytest.raises(ValueError, match="4 blocks exceeds the captured 3"):
         inputs.load(torch.tensor([1]), _meta(1, [0], [[1, 2, 3, 4]], [1]), 16)
+
+
+def test_load_reads_each_rows_table_from_the_ranks_persistent_tables():
+    inputs = DecodeInputs.allocate(4, max_blocks=3, scratch_block=9, block_size=16, device=torch.device("cpu"))
+    # slots 0..3 of a rank's tables, wider than the graph's (their entries past each table are 0); the step's
+    # two decodes are the requests of slots 2 and 0
+    persistent = [[1, 2, 0, 0], [7, 7, 7, 0], [4, 5, 6, 0], [0, 0, 0, 0]]
+    inputs.load(torch.tensor([11, 12]), _meta(2, [0, 1], persistent, [3, 4], row_seq=[2, 0]), 16)
+    # (a table's entries past its blocks are copied as they are, 0: never read, row_lens bound the kernel)
+    assert inputs.block_tables.tolist() == [[4, 5, 6], [1, 2, 0], [9, 9, 9], [9, 9, 9]]
+    assert inputs.row_seq.tolist() == [0, 1, 2, 3]  # the graph's rows read their own copied tables
 
 
 def _toy_step(calls):

@@ -124,12 +124,12 @@ class ReferenceBackend(_Backend):
         t, heads = q.shape[:2]
         out, lse = paged.empty_packed(t, heads, cache.value.shape[-1], q.device)
         b = cache.block_size
-        tables = meta.block_tables.long()
+        tables = meta.block_tables  # [rows, width] int32 (the persistent tables: a row read per request)
         for r, (seq, n) in enumerate(zip(meta.row_seq[:t].tolist(), meta.row_lens[:t].tolist())):
             if n == 0:
                 continue
             j = torch.arange(n, device=tables.device)
-            slots = tables[seq][j // b] * b + j % b
+            slots = tables[seq].long()[j // b] * b + j % b
             keys, values = cache.key[slots].float(), cache.value[slots].float()
             if _quantized(cache):  # the stored values are x / scale
                 keys, values = keys * cache.scales.key, values * _value_scale(cache)

@@ -16,6 +16,7 @@ request's tokens up to its own position, and the chunk attends to nothing else.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -51,8 +52,14 @@ class AttentionGroup:
     start: int  # rows [start, end) of the flat token batch
     end: int
     query_len: int  # new tokens per request: 1 for a decode group
-    context_blocks: torch.Tensor | None  # [g, nb] this rank's blocks of the requests; None if it holds no token
-    context_bias: torch.Tensor | None  # [g, 1, nb * B]: 0 for this rank's cached tokens, -inf past them
+    # what `context_blocks` and `context_bias` are worked out from, on first use (the gather backend's:
+    # the others never read them, and they grow with the context): the step's block tables [slots, width],
+    # the group's requests' rows in them, and their local context lengths
+    tables: torch.Tensor = field(repr=False, default=None)
+    table_rows: torch.Tensor = field(repr=False, default=None)  # [g] long
+    local_lens: torch.Tensor = field(repr=False, default=None)  # [g] long
+    block_size: int = 0
+    device: torch.device | None = field(repr=False, default=None)
     buffers: GatherBuffers = field(default_factory=GatherBuffers)  # the layers reuse them within the step
     rows_in_cache: bool = False  # a chunk read whole from the cache, row by row (see the module's doc)
 
@@ -68,6 +75,28 @@ class AttentionGroup:
     def attends_itself(self) -> bool:
         """A prefill chunk whose causal attention to its own K/V is computed apart (and merged)."""
         return self.query_len > 1 and not self.rows_in_cache
+
+    @cached_property
+    def _context(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        max_len = int(self.local_lens.max())
+        if max_len == 0:
+            return None, None
+        num_blocks = -(-max_len // self.block_size)
+        blocks = self.tables[self.table_rows, :num_blocks].long()
+        span = torch.arange(num_blocks * self.block_size)
+        bias = torch.zeros(self.table_rows.numel(), 1, span.numel()).masked_fill_(
+            (span >= self.local_lens.unsqueeze(1)).unsqueeze(1), float("-inf"))
+        return blocks.to(self.device), bias.to(self.device)
+
+    @property
+    def context_blocks(self) -> torch.Tensor | None:
+        """[g, nb] this rank's blocks of the requests; None if it holds no token of them."""
+        return self._context[0]
+
+    @property
+    def context_bias(self) -> torch.Tensor | None:
+        """[g, 1, nb * B]: 0 for this rank's cached tokens, -inf past them."""
+        return self._context[1]
 
 
 @dataclass(frozen=True)
@@ -85,9 +114,9 @@ class AttentionMetadata:
     writes_every_token: bool  # write_index is every row, in order: the layers write k and v unindexed
     backend: AttentionBackend  # what attends (attention/backends.py), the same for the whole step
     # every row as the paged kernel reads it: row r sees the first row_lens[r] of this rank's tokens
-    # of request row_seq[r], whose blocks are block_tables[row_seq[r]] (0 for rows past context_rows)
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
-    row_seq: torch.Tensor  # [t] int32
+    # of the request whose blocks are block_tables[row_seq[r]] (0 for rows past context_rows)
+    block_tables: torch.Tensor  # [rows, width] int32: the ranks' persistent tables, or the step's own
+    row_seq: torch.Tensor  # [t] int32: the block-table row of each token's request
     row_lens: torch.Tensor  # [t] int32
 
     @property
@@ -99,29 +128,38 @@ class AttentionMetadata:
         cls,
         context_lens: list[int],
         query_lens: list[int],
-        block_tables: list[list[int]],
+        block_tables: list[list[int]] | torch.Tensor,
         layout: DCPLayout,
         dcp_rank: int,
         device: torch.device,
         decode_group_spread: int = DECODE_GROUP_SPREAD,
         backend: AttentionBackend | None = None,
+        table_rows: list[int] | None = None,
     ) -> "AttentionMetadata":
-        """`backend`: the one the model runner chose at start-up; `auto`'s when None."""
+        """`block_tables`: each request's blocks, or a rank's persistent tables [slots, width] int32
+        (engine/block_tables.py) on `device` with `table_rows`, each request's row in them.
+        `backend`: the one the model runner chose at start-up; `auto`'s when None."""
         if backend is None:
             from kvshard.attention.backends import default_backend
 
             backend = default_backend()
         num_seqs = len(query_lens)
-        max_blocks = max(1, max(len(t) for t in block_tables))
-        tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.long)
+        if table_rows is None:
+            max_blocks = max(1, max(len(t) for t in block_tables))
+            tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int32)
+            rows_of_seq = torch.arange(num_seqs)
+            on_device = tables.to(device)
+        else:
+            on_device = block_tables
+            rows_of_seq = torch.tensor(table_rows, dtype=torch.long)
         ctx = torch.tensor(context_lens, dtype=torch.long)
         qlens = torch.tensor(query_lens, dtype=torch.long)
         starts = torch.cumsum(qlens, 0) - qlens
 
-        seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), qlens)
+        seq_of_token = _seq_of_token(query_lens, starts)
         positions = ctx[seq_of_token] + (torch.arange(int(qlens.sum())) - starts[seq_of_token])
         write_index = (layout.owner_of(positions) == dcp_rank).nonzero().squeeze(1)
-        write_slots = layout.slots_of(positions[write_index], tables[seq_of_token[write_index]])
+        write_slots = _slots(layout, positions[write_index], on_device, rows_of_seq[seq_of_token[write_index]])
 
         # a decode reads its own new token from the cache (written first); a prefill chunk does not
         is_decode = qlens == 1
@@ -150,7 +188,10 @@ class AttentionMetadata:
                         max(longest, lens[j]) - min(shortest, lens[j]) <= decode_group_spread:
                     longest, shortest = max(longest, lens[j]), min(shortest, lens[j])
                     j += 1
-            groups.append(_group(i, j, query_lens[i], int(starts[i]), local_ctx, tables, layout, device, in_cache[i]))
+            start = int(starts[i])
+            groups.append(AttentionGroup(start, start + (j - i) * query_lens[i], query_lens[i], on_device,
+                                         rows_of_seq[i:j].to(on_device.device), local_ctx[i:j], layout.block_size,
+                                         device, rows_in_cache=in_cache[i]))
             i = j
         return cls(
             positions=positions.to(device),
@@ -162,21 +203,29 @@ class AttentionMetadata:
             has_prefill=any(group.attends_itself for group in groups),
             writes_every_token=write_index.numel() == positions.numel(),
             backend=backend,
-            block_tables=tables.to(torch.int32).to(device),
-            row_seq=seq_of_token.to(torch.int32).to(device),
+            block_tables=on_device,
+            row_seq=rows_of_seq[seq_of_token].to(torch.int32).to(device),
             row_lens=row_lens.to(device),
         )
 
 
-def _group(first: int, last: int, query_len: int, start: int, local_ctx: torch.Tensor, tables: torch.Tensor,
-           layout: DCPLayout, device: torch.device, rows_in_cache: bool = False) -> AttentionGroup:
-    end = start + (last - first) * query_len
-    lens = local_ctx[first:last]
-    max_len = int(lens.max())
-    if max_len == 0:
-        return AttentionGroup(start, end, query_len, None, None, rows_in_cache=rows_in_cache)
-    num_blocks = -(-max_len // layout.block_size)
-    blocks = tables[first:last, :num_blocks]
-    span = torch.arange(num_blocks * layout.block_size)
-    bias = torch.zeros(last - first, 1, span.numel()).masked_fill_((span >= lens.unsqueeze(1)).unsqueeze(1), float("-inf"))
-    return AttentionGroup(start, end, query_len, blocks.to(device), bias.to(device), rows_in_cache=rows_in_cache)
+def _seq_of_token(query_lens: list[int], starts: torch.Tensor) -> torch.Tensor:
+    """[t]: the request of each row (every query length >= 1). Not `repeat_interleave`, whose CPU kernel
+    hands even a few rows to the thread pool: on a busy machine, milliseconds of waiting per step."""
+    num_seqs, num_tokens = len(query_lens), int(starts[-1]) + query_lens[-1] if query_lens else 0
+    if num_tokens == num_seqs:  # every request one row (decodes)
+        return torch.arange(num_seqs)
+    first = torch.zeros(num_tokens, dtype=torch.long)
+    first[starts[1:]] = 1
+    return first.cumsum(0)
+
+
+def _slots(layout: DCPLayout, positions: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Cache slots of `positions` [w] of the requests whose tables are rows `rows` [w] of `tables`: one
+    block id read per token (`DCPLayout.slots_of` without a copy of each token's whole table)."""
+    n, i, b = layout.dcp_size, layout.interleave, layout.block_size
+    vb = torch.div(positions, layout.tokens_per_virtual_block, rounding_mode="floor")
+    offset = positions % layout.tokens_per_virtual_block
+    local = torch.div(offset, n * i, rounding_mode="floor") * i + offset % i
+    blocks = tables[rows.to(tables.device), vb.to(tables.device)].long().cpu()
+    return blocks * b + local

@@ -194,10 +194,15 @@ class DecodeInputs:
         """A step of n <= size decodes, its metadata built eagerly (on any device): rows [0, n) get
         it, rows [n, size) padding; what is copied never changes a buffer's address."""
         n = input_ids.shape[0]
-        tables = meta.block_tables
-        if tables.shape[1] > self.block_tables.shape[1]:
-            raise ValueError(f"a block table of {tables.shape[1]} blocks exceeds the captured "
-                             f"{self.block_tables.shape[1]}")
+        # each decode row's own table (row r reads table row_seq[r]: the step's tables, or the rank's persistent
+        # ones, engine/block_tables.py), cut to the captured width: execute() let in no request with more blocks,
+        # and the entries past a request's blocks are never read (row_lens bound the kernel)
+        tables = meta.block_tables.index_select(0, meta.row_seq[:n].to(torch.long))
+        width = self.block_tables.shape[1]
+        if tables.shape[1] > width and bool(tables[:, width:].any()):  # a table's blocks past the captured width
+            used = int((tables != 0).long().cumsum(1).argmax(1).max()) + 1
+            raise ValueError(f"a block table of {used} blocks exceeds the captured {width}")
+        tables = tables[:, :width]
         scratch_slot = self.scratch_block * block_size
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.input_ids[n:].zero_()
@@ -309,10 +314,15 @@ class GraphedDecode:
         n = len(plan.query_lens)
         if not is_plain_decode(plan) or self.graphs.size_for(n) is None:
             return False, None
-        if max(len(table) for table in plan.block_tables) > self.max_blocks:
-            return False, None
         runner = self.runner
-        meta = runner.metadata(plan.context_lens, plan.query_lens, plan.block_tables)
+        if plan.tables is not None:  # the rank's persistent tables, the plan's changes applied (model_runner)
+            if max(plan.tables.num_blocks) > self.max_blocks:
+                return False, None
+            meta = runner.metadata(plan.context_lens, plan.query_lens, slots=plan.tables.slots)
+        else:  # a plan built by hand, with whole tables
+            if max(len(table) for table in plan.block_tables) > self.max_blocks:
+                return False, None
+            meta = runner.metadata(plan.context_lens, plan.query_lens, plan.block_tables)
         input_ids = torch.tensor(plan.token_ids, dtype=torch.long, device=runner.device)
         logits = self.graphs.run(n, lambda inputs: inputs.load(input_ids, meta, self.block_size))
         return True, logits

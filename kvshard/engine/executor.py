@@ -34,6 +34,7 @@ from kvshard.config import ConfigError, EngineConfig
 from kvshard.engine.model_runner import ModelRunner
 from kvshard.engine.process_setup import configure_process, rank_environment
 from kvshard.engine.rank_messages import HEARTBEAT, SHUTDOWN, send
+from kvshard.engine.block_tables import BlockTableSender
 from kvshard.engine.step_plan import StepPlan
 from kvshard.engine.workers import spawned_worker
 from kvshard import envs
@@ -189,6 +190,8 @@ class Executor:
         self._last_contact = time.monotonic()  # of the last plan every rank received
         self._busy_since: float | None = None  # start of the step (or heartbeat) in flight
         self._in_heartbeat = False  # whether what is in flight is the idle round trip (heartbeat_timeout)
+        # what every rank's block tables hold: each plan carries their changes (engine/block_tables.py)
+        self.block_tables = BlockTableSender(check=envs.get("KVSHARD_CHECK_BLOCK_TABLES"))
         try:
             self.runner = ModelRunner(config, self.parallel, self.device)
         except BaseException:

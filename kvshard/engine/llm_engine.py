@@ -178,7 +178,9 @@ class LLMEngine:
                 return failed
             draft_probs = self.proposer.draft(batch)
             rows = StepRows.from_batch(batch)
-            logits = self.executor.execute(StepPlan.from_batch(batch, rows, self.proposer.target_step(batch, rows)))
+            plan = StepPlan.from_batch(batch, rows, self.proposer.target_step(batch, rows),
+                                       self.executor.block_tables.changes(batch.seqs))
+            logits = self.executor.execute(plan)
             self.steps += 1
             return failed + self._update_from_output(batch, rows, logits, draft_probs)
 
@@ -265,7 +267,7 @@ class LLMEngine:
                 if isinstance(outcome, Exception):
                     raise outcome
                 for offset, token in enumerate(outcome):
-                    self._append(seq, token, logits[first_rows[i] + offset])
+                    self._append(seq, token, logits, first_rows[i] + offset)
                     if seq.is_finished:
                         break
                 if drafts and not seq.is_finished:
@@ -281,10 +283,10 @@ class LLMEngine:
             outputs.append(output)
         return outputs
 
-    def _append(self, seq: Sequence, token: int, logits: torch.Tensor) -> None:
-        """logits [V] of the row that gave `token`."""
+    def _append(self, seq: Sequence, token: int, logits: torch.Tensor, row: int) -> None:
+        """logits[row] [V]: the row that gave `token` (read only for logprobs)."""
         if seq.params.logprobs is not None:
-            seq.output_logprobs.append(top_logprobs(logits.unsqueeze(0), [token], [seq.params.logprobs])[0])
+            seq.output_logprobs.append(top_logprobs(logits[row : row + 1], [token], [seq.params.logprobs])[0])
         self.generation_tokens_total += 1
         if seq.grammar is not None and not seq.grammar.accept_token(token):
             raise ValueError(f"token {token} breaks the output's structured_outputs constraint (min_tokens, "

@@ -12,6 +12,7 @@ from kvshard.attention.metadata import AttentionMetadata, decode_group_spread_fr
 from kvshard.attention.timing import DcpTimingGather
 from kvshard.config import EngineConfig, ModelConfig
 from kvshard.engine import cuda_graphs
+from kvshard.engine.block_tables import RankBlockTables
 from kvshard.engine.step_plan import StepPlan
 from kvshard.kv.cache import allocate_kv_cache, load_kv_scales
 from kvshard.layers.batch_invariant import batch_invariant_mode
@@ -62,15 +63,20 @@ class ModelRunner:
         self.drafter = make_draft_module(config, parallel, device, self.metadata,
                                          lambda build, model_config: load_module(build, model_config, device))
         self.dcp_timing = DcpTimingGather(parallel)  # rank 0's .report: every rank's DCP time
+        # every running request's block table, kept from plan to plan (plans carry changes: engine/block_tables.py)
+        self.block_tables = RankBlockTables(device, config.scheduler.max_num_seqs,
+                                            min(self.layout.num_virtual_blocks(config.scheduler.max_model_len) + 1, 4096))
         self.decode_graphs = cuda_graphs.GraphedDecode(self) if graphs_off is None else None
         if self.decode_graphs is not None and not self.decode_graphs.capture():
             self.decode_graphs = None
 
-    def metadata(self, context_lens: list[int], query_lens: list[int],
-                 block_tables: list[list[int]]) -> AttentionMetadata:
-        """This rank's attention metadata of a step's requests."""
-        return AttentionMetadata.build(context_lens, query_lens, block_tables, self.layout, self.parallel.dcp_rank,
-                                       self.device, self.decode_group_spread, self.attention_backend)
+    def metadata(self, context_lens: list[int], query_lens: list[int], block_tables: list[list[int]] | None = None,
+                 slots: list[int] | None = None) -> AttentionMetadata:
+        """This rank's attention metadata of a step's requests: their tables whole (`block_tables`), or
+        their `slots` in the persistent tables."""
+        tables = self.block_tables.table if slots is not None else block_tables
+        return AttentionMetadata.build(context_lens, query_lens, tables, self.layout, self.parallel.dcp_rank,
+                                       self.device, self.decode_group_spread, self.attention_backend, slots)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -85,12 +91,17 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         """Run the plan; rank 0 gets float32 logits [len(sample_rows), V], the others None."""
+        if plan.tables is not None:
+            self.block_tables.apply(plan.tables)  # BlockTablesOutOfSync where this rank is not in step
         if self.decode_graphs is not None:
             replayed, logits = self.decode_graphs.execute(plan)
             if replayed:
                 self.dcp_timing.after_step()
                 return logits
-        meta = self.metadata(plan.context_lens, plan.query_lens, plan.block_tables)
+        if plan.tables is not None:
+            meta = self.metadata(plan.context_lens, plan.query_lens, slots=plan.tables.slots)
+        else:  # a plan built by hand, with whole tables
+            meta = self.metadata(plan.context_lens, plan.query_lens, plan.block_tables)
         input_ids = torch.tensor(plan.token_ids, dtype=torch.long, device=self.device)
         rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=self.device)
         with batch_invariant_mode(self.config.batch_invariant):

@@ -189,7 +189,7 @@ class Scheduler:
         if not self.enable_prefix_caching:
             return []
         per_block = self.layout.tokens_per_virtual_block
-        extend_block_hashes(seq.block_hashes, seq.all_token_ids, per_block)
+        _extend_hashes(seq, per_block)
         reusable = seq.num_tokens - 1
         if pending := seq.pending_prompt_logprobs(0, reusable):
             reusable = pending.start  # a position whose prompt logprobs are still missing must be computed
@@ -207,7 +207,7 @@ class Scheduler:
         full = seq.num_computed_tokens // per_block
         if full <= seq.num_named_blocks:
             return
-        extend_block_hashes(seq.block_hashes, seq.all_token_ids, per_block)
+        _extend_hashes(seq, per_block)
         for index in range(seq.num_named_blocks, full):
             self.pool.name(seq.block_table[index], seq.block_hashes[index])
         seq.num_named_blocks = full
@@ -349,3 +349,10 @@ class Scheduler:
             del seq.block_table[needed:]
         if self.enable_prefix_caching:
             self._name_full_blocks(seq)
+
+
+def _extend_hashes(seq: Sequence, per_block: int) -> None:
+    """Name `seq`'s full blocks not named yet, reading only their tokens (not a copy of all of them)."""
+    start = len(seq.block_hashes) * per_block
+    if seq.num_tokens - start >= per_block:
+        extend_block_hashes(seq.block_hashes, seq.token_ids(start, seq.num_tokens), per_block, start)

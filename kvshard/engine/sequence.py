@@ -7,6 +7,7 @@ import itertools
 
 import torch
 
+from kvshard.engine.block_tables import BlockTable
 from kvshard.kv.prefix_cache import BlockHash
 from kvshard.sampling_params import SamplingParams
 
@@ -37,7 +38,7 @@ class Sequence:
         self.params = params
         self.generator = generator
         self.status = SequenceStatus.WAITING
-        self.block_table: list[int] = []  # virtual block ids, shared by every rank of the DCP group
+        self.block_table = []  # virtual block ids, shared by every rank of the DCP group (a BlockTable)
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_spec_tokens = 0  # drafts its proposer asks room for in the next step (after all_token_ids)
         self.draft_num_computed_tokens = 0  # tokens whose K/V are in a draft model's cache
@@ -50,12 +51,34 @@ class Sequence:
         self.grammar = None
 
     @property
+    def block_table(self) -> BlockTable:
+        return self._block_table
+
+    @block_table.setter
+    def block_table(self, blocks: list[int]) -> None:
+        """A new table (a list is copied into a BlockTable: the plans send it whole once, then its changes)."""
+        self._block_table = blocks if isinstance(blocks, BlockTable) else BlockTable(blocks)
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """all_token_ids[start:stop] without building all_token_ids (whose copy grows with the context)."""
+        prompt = len(self.prompt_token_ids)
+        if stop <= prompt:
+            return self.prompt_token_ids[start:stop]
+        if start >= prompt:
+            return self.output_token_ids[start - prompt : stop - prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - prompt]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     @property
     def num_uncomputed_tokens(self) -> int:

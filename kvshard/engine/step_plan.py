@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvshard.engine.block_tables import BlockTableChanges
 from kvshard.engine.scheduler import ScheduledBatch
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class StepRows:
             num_sampled = 1 + len(drafts) if do_sample else 0
             requests.append(RequestRows(start, positions, len(logit_rows), num_sampled))
             logit_rows.extend(start + p - ctx for p in positions)
-            token_ids.extend(seq.all_token_ids[ctx : ctx + n - len(drafts)])
+            token_ids.extend(seq.token_ids(ctx, ctx + n - len(drafts)))
             token_ids.extend(drafts)
             # with drafts, every row from the last known token on gives the next token's logits
             logit_rows.extend(range(start + n - num_sampled, start + n))
@@ -53,26 +54,35 @@ class StepRows:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """Small, plain Python, broadcast once per step."""
+    """Small, plain Python, broadcast once per step: its size grows with the step's tokens and
+    requests, not with their contexts (the block tables travel as changes, engine/block_tables.py)."""
 
     token_ids: list[int]  # new tokens of all requests, flattened
     query_lens: list[int]
     context_lens: list[int]
-    block_tables: list[list[int]]
+    # every request's whole block table: only in a plan built by hand (tests, tools), which leaves the
+    # ranks' persistent tables alone; the engine's plans carry `tables` instead
+    block_tables: list[list[int]] | None
     sample_rows: list[int]  # rows of the flat batch whose logits rank 0 gets back (StepRows.logit_rows)
     draft: bool = False  # run the speculative proposer's module (and its cache) instead of the target
     # what the proposer's module on the ranks needs of this step, in its own typed object (e.g.
     # spec_decode/mtp.py's MtpTargetRows and MtpDraftRows); None for every other method
     spec: object | None = None
+    # the block tables' changes since the last plan, and each request's slot in the ranks' tables
+    tables: BlockTableChanges | None = None
 
     @classmethod
-    def from_batch(cls, batch: ScheduledBatch, rows: StepRows | None = None, spec: object | None = None) -> StepPlan:
+    def from_batch(cls, batch: ScheduledBatch, rows: StepRows | None = None, spec: object | None = None,
+                   tables: BlockTableChanges | None = None) -> StepPlan:
+        """`tables`: the executor's `BlockTableSender.changes(batch.seqs)`; without them (a plan built
+        outside the engine) the plan carries the whole tables."""
         rows = rows if rows is not None else StepRows.from_batch(batch)
         return cls(
             token_ids=rows.token_ids,
             query_lens=batch.query_lens,
             context_lens=batch.context_lens,
-            block_tables=[list(s.block_table) for s in batch.seqs],
+            block_tables=None if tables is not None else [list(s.block_table) for s in batch.seqs],
             sample_rows=rows.logit_rows,
             spec=spec,
+            tables=tables,
         )

@@ -24,7 +24,11 @@ def hash_block(parent: BlockHash | None, token_ids: list[int]) -> BlockHash:
     return digest.digest()
 
 
-def extend_block_hashes(hashes: list[BlockHash], token_ids: list[int], tokens_per_block: int) -> None:
-    """Append the names of the full blocks of `token_ids` that `hashes` does not name yet."""
-    for start in range(len(hashes) * tokens_per_block, len(token_ids) - tokens_per_block + 1, tokens_per_block):
-        hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[start : start + tokens_per_block]))
+def extend_block_hashes(hashes: list[BlockHash], token_ids: list[int], tokens_per_block: int,
+                        offset: int = 0) -> None:
+    """Append the names of the full blocks of `token_ids` that `hashes` does not name yet; `token_ids`
+    may start at position `offset` (a sequence's tokens from there on)."""
+    for start in range(len(hashes) * tokens_per_block, offset + len(token_ids) - tokens_per_block + 1,
+                       tokens_per_block):
+        hashes.append(hash_block(hashes[-1] if hashes else None,
+                                 token_ids[start - offset : start - offset + tokens_per_block]))

@@ -64,7 +64,7 @@ class DraftModelProposer:
             for i in active:
                 seq = seqs[i]
                 if step == 0:
-                    new = seq.all_token_ids[seq.draft_num_computed_tokens:]
+                    new = seq.token_ids(seq.draft_num_computed_tokens, seq.num_tokens)
                     context_lens.append(seq.draft_num_computed_tokens)
                 else:
                     new = [drafts[i][-1]]
@@ -72,8 +72,8 @@ class DraftModelProposer:
                 token_ids.extend(new)
                 query_lens.append(len(new))
                 sample_rows.append(len(token_ids) - 1)
-            plan = StepPlan(token_ids, query_lens, context_lens, [list(seqs[i].block_table) for i in active],
-                            sample_rows, draft=True)
+            plan = StepPlan(token_ids, query_lens, context_lens, None, sample_rows, draft=True,
+                            tables=self.executor.block_tables.changes([seqs[i] for i in active]))
             logits = self.executor.execute(plan).cpu()  # [len(active), V]
             for i, (token, row_probs) in zip(active, sample_with_probs(logits, [seqs[i] for i in active],
                                                                          self.default_generator)):

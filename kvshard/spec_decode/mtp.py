@@ -97,7 +97,7 @@ class MtpProposer:
         for seq, ctx, n, r in zip(batch.seqs, batch.context_lens, batch.query_lens, rows.requests):
             following = rows.token_ids[r.start + 1 : r.start + n]
             if ctx + n < seq.num_tokens:  # a prompt chunk's last row: the next chunk's first token follows
-                following.append(seq.all_token_ids[ctx + n])
+                following += seq.token_ids(ctx + n, ctx + n + 1)
             num_known.append(len(following))
             next_token_ids += following
             if r.num_sampled:  # its last known token's row and one per draft
@@ -125,9 +125,9 @@ class MtpProposer:
         while active:
             seqs = [batch.seqs[i] for i in active]
             wanted = [j for j, i in enumerate(active) if batch.num_drafts[i] > step]
-            token_ids = [seq.all_token_ids[-1] if step == 0 else drafts[i][-1] for i, seq in zip(active, seqs)]
-            plan = StepPlan(token_ids, [1] * len(active), [seq.num_tokens - 2 + step for seq in seqs],
-                            [list(seq.block_table) for seq in seqs], wanted, draft=True, spec=MtpDraftRows(rows))
+            token_ids = [seq.last_token_id if step == 0 else drafts[i][-1] for i, seq in zip(active, seqs)]
+            plan = StepPlan(token_ids, [1] * len(active), [seq.num_tokens - 2 + step for seq in seqs], None, wanted,
+                            draft=True, spec=MtpDraftRows(rows), tables=self.executor.block_tables.changes(seqs))
             logits = self.executor.execute(plan).cpu()  # [len(wanted), V]
             for j, (token, row_probs) in zip(wanted, sample_with_probs(logits, [seqs[j] for j in wanted],
                                                                          self.default_generator)):
@@ -170,16 +170,19 @@ class MtpModule:
         first rejected one on), and keep the rows the next draft pass starts from. The states are
         replicated over TP after the last all-reduce, so every rank has them: nothing is sent."""
         spec: MtpTargetRows = plan.spec
-        context_lens, query_lens, block_tables, known_rows, start = [], [], [], [], 0
-        for ctx, n, table, known in zip(plan.context_lens, plan.query_lens, plan.block_tables, spec.num_known):
+        context_lens, query_lens, tables, known_rows, start = [], [], [], [], 0
+        whole = plan.tables is None  # a plan built by hand carries whole tables, the engine's the slots
+        for ctx, n, table, known in zip(plan.context_lens, plan.query_lens,
+                                        plan.block_tables if whole else plan.tables.slots, spec.num_known):
             if known:
                 context_lens.append(ctx)
                 query_lens.append(known)
-                block_tables.append(table)
+                tables.append(table)
                 known_rows += range(start, start + known)
             start += n
         if known_rows:
-            meta = self.metadata(context_lens, query_lens, block_tables)
+            meta = self.metadata(context_lens, query_lens, tables) if whole else \
+                self.metadata(context_lens, query_lens, slots=tables)
             next_ids = torch.tensor(spec.next_token_ids, dtype=torch.long, device=self.device)
             self.module(next_ids, states[known_rows], meta, self.kv_caches[0])
         self.hidden = states[spec.keep_rows]  # [kept rows, D]
