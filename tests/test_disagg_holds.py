@@ -146,10 +146,10 @@ def test_no_sequence_of_events_leaks_a_held_block(ops):
             transfer_id = ids[op[1] % len(ids)]
             hold = connector._holds.get(transfer_id)
             before = (hold.claimed if hold else None)
-            if kind == "pull":
-                body = pull_body(connector, transfer_id, hold.num_tokens - 1 if hold else 3)
-            else:
-                body = pull_body(connector, transfer_id, hold.num_tokens - 1 if hold else 3, BAD_PULLS[op[2]])
+            # a consumer asks for all but the last token; at least one, so that a pull with no blocks is bad
+            # (a pull of 0 tokens needs none)
+            num_tokens = max(1, hold.num_tokens - 1) if hold else 3
+            body = pull_body(connector, transfer_id, num_tokens, BAD_PULLS[op[2]] if kind == "bad_pull" else None)
             try:
                 answer = connector.serve_pull(body)
             except PullRefused as refusal:
