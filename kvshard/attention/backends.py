@@ -188,11 +188,42 @@ class PagedBackend(_Backend):
 
     def attend_context(self, q, cache, meta, scale):
         c = q.shape[0]
+        invariant = batch_invariant_active()
+        # a long prefill chunk's rows all see the same cached context: there, gathering its blocks once and
+        # multiplying (the gather backend's flash path) beats the kernel's row-by-row reads, 2x on the trace
+        # workload (BENCHMARKS.md section 10); the batch-invariant mode keeps every row in the kernel
+        chunks = [] if invariant else [g for g in meta.groups if g.start < c and g.attends_itself]
+        if not chunks:
+            return self._paged(q, cache, meta, scale, slice(0, c), invariant)
+        t, heads = q.shape[:2]
+        out, lse = paged.empty_packed(t, heads, cache.value.shape[-1], q.device)
+        done = 0  # rows [done, group.start) go to the kernel in one call
+        for group in chunks:
+            if group.start > done:
+                rows = slice(done, group.start)
+                out[rows], lse[rows] = self._paged(q[rows], cache, meta, scale, rows, invariant)
+            rows = slice(group.start, min(group.end, c))
+            done = rows.stop
+            if group.context_blocks is None:  # this rank holds none of these requests' tokens yet
+                lse[rows] = float("-inf")
+                out[rows] = 0
+                continue
+            keys, values = cache.gather(group.context_blocks, group.buffers)  # [g, L, Hk, dk], [g, L, Hk, dv]
+            queries = q[rows].unflatten(0, (group.num_seqs, group.query_len))  # [g, s, H, dk]
+            o, l = attention_with_lse(queries, keys, values, group.context_bias, scale)
+            out[rows], lse[rows] = o.flatten(0, 1), l.flatten(0, 1)
+        if done < c:
+            rows = slice(done, c)
+            out[rows], lse[rows] = self._paged(q[rows], cache, meta, scale, rows, invariant)
+        return out[:c], lse[:c]
+
+    @staticmethod
+    def _paged(q, cache, meta, scale, rows: slice, invariant: bool):
         quantized = _quantized(cache)
         return paged.paged_attention(
-            q, cache.key, cache.value, meta.block_tables, meta.row_seq[:c], meta.row_lens[:c], cache.block_size,
+            q, cache.key, cache.value, meta.block_tables, meta.row_seq[rows], meta.row_lens[rows], cache.block_size,
             scale, k_scale=cache.scales.key if quantized else 1.0, v_scale=_value_scale(cache) if quantized else 1.0,
-            split_tokens=NO_SPLIT if batch_invariant_active() else 0, use_kernel=True)
+            split_tokens=NO_SPLIT if invariant else 0, use_kernel=True)
 
 
 class TritonBackend(_Backend):
