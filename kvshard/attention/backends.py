@@ -167,13 +167,18 @@ class GatherBackend(_Backend):
                     cache.block_size, scale, cache.scales.key if quantized else 1.0,
                     _value_scale(cache) if quantized else 1.0)
                 continue
-            if group.context_blocks is None:  # this rank holds none of these requests' tokens yet
-                continue
-            keys, values = cache.gather(group.context_blocks, group.buffers)  # [g, L, Hk, dk], [g, L, Hk, dv]
-            queries = q[rows].unflatten(0, (group.num_seqs, group.query_len))  # [g, s, H, dk]
-            o, l = attention_with_lse(queries, keys, values, group.context_bias, scale)
-            out[rows], lse[rows] = o.flatten(0, 1), l.flatten(0, 1)
+            if group.context_blocks is not None:  # else this rank holds none of these requests' tokens yet
+                out[rows], lse[rows] = _gathered_context(q[rows], cache, group, scale)
         return out, lse
+
+
+def _gathered_context(q, cache, group, scale):
+    """A group's rows over its requests' whole cached context: their blocks gathered into the group's
+    buffers (reused by the step's layers), then PyTorch's flash kernel; (out, lse) per row."""
+    keys, values = cache.gather(group.context_blocks, group.buffers)  # [g, L, Hk, dk], [g, L, Hk, dv]
+    queries = q.unflatten(0, (group.num_seqs, group.query_len))  # [g, s, H, dk]
+    o, l = attention_with_lse(queries, keys, values, group.context_bias, scale)
+    return o.flatten(0, 1), l.flatten(0, 1)
 
 
 class PagedBackend(_Backend):
@@ -204,14 +209,8 @@ class PagedBackend(_Backend):
                 out[rows], lse[rows] = self._paged(q[rows], cache, meta, scale, rows, invariant)
             rows = slice(group.start, min(group.end, c))
             done = rows.stop
-            if group.context_blocks is None:  # this rank holds none of these requests' tokens yet
-                lse[rows] = float("-inf")
-                out[rows] = 0
-                continue
-            keys, values = cache.gather(group.context_blocks, group.buffers)  # [g, L, Hk, dk], [g, L, Hk, dv]
-            queries = q[rows].unflatten(0, (group.num_seqs, group.query_len))  # [g, s, H, dk]
-            o, l = attention_with_lse(queries, keys, values, group.context_bias, scale)
-            out[rows], lse[rows] = o.flatten(0, 1), l.flatten(0, 1)
+            if group.context_blocks is not None:  # else none of its tokens here: out 0, lse -inf as made
+                out[rows], lse[rows] = _gathered_context(q[rows], cache, group, scale)
         if done < c:
             rows = slice(done, c)
             out[rows], lse[rows] = self._paged(q[rows], cache, meta, scale, rows, invariant)
