@@ -6,7 +6,8 @@ official `openai` client, httpx, and the Prometheus text. It is forked, as its r
 suite's forkserver, which imported torch once (tests/rank_start.py), rather than started as a fresh
 interpreter that imports torch anew, per server and per rank: `ForkedServer` runs `kvshard.entrypoints.cli`'s
 `main` there, in the environment and working directory a subprocess would get, its output in the log.
-A `command` (torchrun, the proxy) still runs as a subprocess.
+Another subcommand forks the same way (`Server(args, log, subcommand="proxy")`: `kvshard proxy ARGS`); a
+`command` (torchrun) still runs as a subprocess.
 """
 
 from __future__ import annotations
@@ -37,26 +38,34 @@ SERVE_ARGS = [MODEL, "--tensor-parallel-size", "2", "--decode-context-parallel-s
               "--max-model-len", "512", "--kv-cache-memory", "64MiB"]
 
 
+def cli_command(*args: str) -> list[str]:
+    """`kvshard ARGS` as a subprocess runs it."""
+    return [sys.executable, "-m", "kvshard.entrypoints.cli", *args]
+
+
 def serve_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "kvshard.entrypoints.cli", "serve", *args]
+    return cli_command("serve", *args)
 
 
 class Server:
     """`kvshard serve ARGS --port PORT` in a subprocess, up and healthy once constructed; port 0, the default,
-    lets the OS pick one."""
+    lets the OS pick one. `subcommand`: another `kvshard` subcommand that serves HTTP and prints its URL as
+    serve does (`proxy`); `api_key` is then only what this client sends (the proxy passes it on)."""
 
     def __init__(self, args: list[str], log_path: Path, api_key: str | None = None, command: list[str] | None = None,
-                 startup_timeout: float = 180, env: dict[str, str] | None = None, port: int = 0) -> None:
+                 startup_timeout: float = 180, env: dict[str, str] | None = None, port: int = 0,
+                 subcommand: str = "serve") -> None:
         self.api_key = api_key
         self.log_path = log_path
         self._terminated = False
-        extra = ["--api-key", api_key] if api_key else []
+        extra = ["--api-key", api_key] if api_key and subcommand == "serve" else []
         self._log = open(log_path, "wb")
         environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        cli_args = [subcommand, *args, *extra, "--port", str(port)]
         if command is None and forked_servers():
-            self.process = ForkedServer([*args, *extra, "--port", str(port)], log_path, environ)
+            self.process = ForkedServer(cli_args, log_path, environ)
         else:
-            self.process = subprocess.Popen(command or serve_command(*args, *extra, "--port", str(port)), cwd=ROOT,
+            self.process = subprocess.Popen(command or cli_command(*cli_args), cwd=ROOT,
                                             stdout=self._log, stderr=subprocess.STDOUT, env=environ)
         self.url = self._wait_for_url(startup_timeout)
         self.http = httpx.Client(base_url=self.url, timeout=60,
@@ -181,15 +190,15 @@ def forked_servers() -> bool:
 
 
 class ForkedServer:
-    """`kvshard serve ARGS` forked from the suite's forkserver (torch already imported), with the
-    `subprocess.Popen` methods the tests use: pid, poll, wait, send_signal, kill, returncode."""
+    """`kvshard ARGS` (`serve ...`, `proxy ...`) forked from the suite's forkserver (torch already imported), with
+    the `subprocess.Popen` methods the tests use: pid, poll, wait, send_signal, kill, returncode."""
 
     def __init__(self, args: list[str], log_path: Path, environ: dict[str, str]) -> None:
         self._ranks = Path(f"{log_path}.ranks")  # each rank leaves its pid here (rank_start.RankTarget)
         self._ranks.mkdir(exist_ok=True)
         self._process = multiprocessing.get_context("forkserver").Process(
             target=_ServeTarget(args, str(log_path), {**environ, rank_start.RANK_PIDS_DIR: str(self._ranks)}),
-            name="kvshard-serve")
+            name=f"kvshard-{args[0]}")
         self._process.start()
         # not one of this process's multiprocessing children, as a subprocess is not: `active_children()` (which
         # tests check for ranks left behind) does not list it, and multiprocessing's exit hook does not wait on it
@@ -248,7 +257,7 @@ def _kill_servers_left_running() -> None:
 
 
 class _ServeTarget:
-    """What the forked server runs: `kvshard serve ARGS` as `python -m kvshard.entrypoints.cli` would."""
+    """What the forked server runs: `kvshard ARGS` as `python -m kvshard.entrypoints.cli` would."""
 
     def __init__(self, args: list[str], log_path: str, environ: dict[str, str]) -> None:
         self.args, self.log_path, self.environ = args, log_path, environ
@@ -263,9 +272,10 @@ class _ServeTarget:
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
                                       errors="backslashreplace")
-        rank_start.name_this_process("kvshard-serve")  # its command line is the forkserver's: `pgrep kvshard-serve`
+        # its command line is the forkserver's: `pgrep kvshard-serve` (`kvshard-proxy`)
+        rank_start.name_this_process(f"kvshard-{self.args[0]}")
         rank_start.ranks_from_this_forkserver()
         from kvshard.entrypoints import cli
 
-        sys.argv = [cli.__file__, "serve", *self.args]
+        sys.argv = [cli.__file__, *self.args]
         sys.exit(cli.main(sys.argv[1:]))
