@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -32,7 +32,9 @@ from server_harness import Server, start_together, stop_all
 from stand_in import Backend
 
 BLOCKS_USED = "kvshard:kv_cache_blocks_used"
-HOLD_TIMEOUT_S, TRANSFER_TIMEOUT_S = 4, 5
+# The fault pairs' servers (FAULT_PAIRS) start with these, and the fault checks wait them out; a single request's
+# own waits under them (its hold until the consumer's pull, the two sides' meeting) take a fraction of a second.
+HOLD_TIMEOUT_S, TRANSFER_TIMEOUT_S = 2, 2
 PROMPTS = [f"Request {i}: " + "Decode context parallelism shards the key value cache. " * i + "The capital of"
            for i in range(4)]  # 5 to 40 tokens: within one block and across several on every layout
 COMMON = ["--max-model-len", "256", "--kv-cache-memory", "8MiB"]
@@ -59,10 +61,16 @@ WITH_SECRET = {HEADER: deployment_secret()}
 # ranks, not on the consumer's layout nor the head count: one pair per producer layout (tp=2; tp=2,
 # dcp=2; tp=1 with MLA) runs those faults. The gqa2 pairs' producers (tp=1, tp=2) are layouts of these.
 FAULT_PAIRS = [FIRST_PAIR, "tp2-dcp2-i1_to_tp2-dcp2-i16", "mla_tp1_to_tp2-dcp2"]
+# Many requests at once queue their transfers from one producer, each waiting (within the timeouts) for the ones
+# before it: the concurrent check runs on a pair started with kvshard's default timeouts, as are all pairs but the
+# fault pairs (where a hold that no fetch frees would also outlast the checks' waits for the blocks to come back).
+CONCURRENT_PAIR = "tp1_to_tp4-dcp4-i16"
 
 
-def role(kv_role: str) -> list[str]:
-    extra = {"hold_timeout_s": HOLD_TIMEOUT_S, "transfer_timeout_s": TRANSFER_TIMEOUT_S}
+def role(kv_role: str, short_timeouts: bool = True) -> list[str]:
+    """--kv-transfer-config for `kv_role`: with the fault checks' HOLD_TIMEOUT_S and TRANSFER_TIMEOUT_S, or
+    kvshard's defaults."""
+    extra = {"hold_timeout_s": HOLD_TIMEOUT_S, "transfer_timeout_s": TRANSFER_TIMEOUT_S} if short_timeouts else {}
     return ["--kv-transfer-config", json.dumps({"kv_role": kv_role, "kv_connector_extra_config": extra})]
 
 
@@ -77,14 +85,7 @@ def free_ports(count: int) -> list[int]:
 
 def start_proxy(port: int, prefill: list[str], decode: list[str], log_path) -> Server:
     """`kvshard proxy` between the servers at these URLs; healthy once they are."""
-    command = [sys.executable, "-m", "kvshard.entrypoints.cli", "proxy", "--port", str(port),
-               "--prefill", *prefill, "--decode", *decode]
-    return Server([], log_path, command=command)
-
-
-def start_all(specs: list[tuple[list[str], str]], tmp) -> list[Server]:
-    """`kvshard serve ARGS` for every (args, name), started together."""
-    return start_together([partial(Server, args, tmp / f"{name}.log") for args, name in specs])
+    return Server(["--prefill", *prefill, "--decode", *decode], log_path, port=port, subcommand="proxy")
 
 
 @pytest.fixture(scope="module")
@@ -98,34 +99,77 @@ def models(tmp_path_factory) -> dict[str, list[str]]:
             "gqa2": [str(path), "--served-model-name", "gqa2"]}
 
 
+def pairs_in_run_order(request) -> list[str]:
+    """The layout pairs of this module's selected tests, in the order they run."""
+    return list(dict.fromkeys(item.callspec.params["pair"] for item in request.session.items
+                              if item.module is request.module
+                              and "pair" in getattr(getattr(item, "callspec", None), "params", {})))
+
+
+class Reference:
+    """A colocated reference server (its start a Future: waited for on first use). What it answered to a request is
+    kept: the pairs that serve the same model compare with the one answer (greedy and deterministic: asking again
+    gives the same)."""
+
+    def __init__(self, start: Future) -> None:
+        self.start = start
+        self._answers: dict[tuple, object] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def server(self) -> Server:
+        return self.start.result()
+
+    def _once(self, key: tuple, ask: Callable[[], object]):
+        with self._lock:
+            if key in self._answers:
+                return self._answers[key]
+        answer = ask()
+        with self._lock:
+            return self._answers.setdefault(key, answer)
+
+    def complete(self, model: str, prompt: str, **kwargs) -> dict:
+        return self._once(("complete", model, prompt, json.dumps(kwargs, sort_keys=True)),
+                          lambda: complete(self.server, model, prompt, **kwargs))
+
+    def stream(self, model: str, path: str, body: dict) -> str:
+        return self._once(("stream", model, path, json.dumps(body, sort_keys=True)),
+                          lambda: stream(self.server, model, path, body))
+
+    def post(self, path: str, body: dict) -> dict:
+        def ask() -> dict:
+            answer = self.server.http.post(path, json=body)
+            assert answer.status_code == 200, answer.text
+            return answer.json()
+
+        return self._once(("post", path, json.dumps(body, sort_keys=True)), ask)
+
+
 @pytest.fixture(scope="module")
-def references_started(models, tmp_path_factory) -> Iterator[Future]:
-    """The colocated reference servers by model, started in the background while the first pair starts."""
+def references(request, models, tmp_path_factory) -> Iterator[dict[str, Reference]]:
+    """The colocated tp=1 reference server of each model, started in the background one after the other in the
+    order of the pairs that use them: the first one alongside the first pair, the others while pairs are checked."""
     tmp = tmp_path_factory.mktemp("reference")
+    order = list(dict.fromkeys(PAIRS[name][0] for name in pairs_in_run_order(request)))
     with ThreadPoolExecutor(1) as pool:
-        start = pool.submit(start_all, [([*args, *COMMON], name) for name, args in models.items()], tmp)
-        yield start
-    if start.exception() is None:
-        servers = start.result()
-        for server, code in zip(servers, stop_all(servers)):
-            assert code == 0, server.log
-
-
-@pytest.fixture(scope="module")
-def references(models, references_started) -> dict[str, Server]:
-    return dict(zip(models, references_started.result()))
+        starts = {model: pool.submit(Server, [*models[model], *COMMON], tmp / f"{model}.log") for model in order}
+        yield {model: Reference(start) for model, start in starts.items()}
+        started = [start.result() for start in starts.values() if start.exception() is None]
+    for server, code in zip(started, stop_all(started)):
+        assert code == 0, server.log
 
 
 def start_pair(name: str, models: dict[str, list[str]], tmp: Path) -> tuple[Server, Server, Server]:
     """(producer, consumer, proxy) of a layout pair, started together."""
     model, producer_flags, consumer_flags = PAIRS[name]
+    fault = name in FAULT_PAIRS
     # the proxy starts with the servers (its startup is mostly imports), on ports chosen for them here
     producer_port, consumer_port, proxy_port = free_ports(3)
     producer_url, consumer_url = f"http://127.0.0.1:{producer_port}", f"http://127.0.0.1:{consumer_port}"
     producer, consumer, proxy = start_together([
-        partial(Server, [*models[model], *COMMON, *producer_flags, *role("kv_producer")], tmp / "producer.log",
+        partial(Server, [*models[model], *COMMON, *producer_flags, *role("kv_producer", fault)], tmp / "producer.log",
                 port=producer_port),
-        partial(Server, [*models[model], *COMMON, *consumer_flags, *role("kv_consumer")], tmp / "consumer.log",
+        partial(Server, [*models[model], *COMMON, *consumer_flags, *role("kv_consumer", fault)], tmp / "consumer.log",
                 port=consumer_port),
         partial(start_proxy, proxy_port, [producer_url], [consumer_url], tmp / "proxy.log"),
     ])
@@ -133,41 +177,70 @@ def start_pair(name: str, models: dict[str, list[str]], tmp: Path) -> tuple[Serv
     return producer, consumer, proxy
 
 
-@pytest.fixture(scope="module")
-def pair_starts(request, models, references_started,
-                tmp_path_factory) -> Iterator[Callable[[str], tuple[Server, Server, Server]]]:
-    """pair_starts(name) -> its started (producer, consumer, proxy). The next two pairs in the run's order start
-    in the background, one after the other, while a pair is checked: the fault checks mostly wait on the hold
-    and transfer timeouts, time enough for two pairs' startups, and a pair without them is checked in less
-    time than one pair takes to start. At most three pairs' servers are up at once."""
-    order = list(dict.fromkeys(item.callspec.params["pair"] for item in request.session.items
-                               if item.module is request.module and "pair" in item.callspec.params))
-    pool = ThreadPoolExecutor(1)
-    starts: dict[str, Future] = {}
+def start_doomed(model_args: list[str], tmp: Path) -> Server:
+    """A producer for a test to kill (`doomed`): tp=1."""
+    return Server([*model_args, *COMMON, "--block-size", "4", *role("kv_producer")], tmp / "doomed.log")
 
-    def submit(name: str) -> None:
-        if name not in starts:
-            starts[name] = pool.submit(start_pair, name, models, tmp_path_factory.mktemp(name))
 
-    def started(name: str) -> tuple[Server, Server, Server]:
-        submit(name)
-        servers = starts.pop(name).result()
-        if name in order:
-            for ahead in order[order.index(name) + 1 : order.index(name) + 3]:
-                submit(ahead)
+class PairStarts:
+    """pair(name) -> its started (producer, consumer, proxy). The next two pairs in the run's order start in the
+    background, one after the other, while a pair is checked: the fault checks mostly wait on the hold and
+    transfer timeouts, and a pair without them is checked in about the time one pair takes to start. At most
+    three pairs' servers are up at once. doomed(name) -> the producer a test of that pair kills, started in the
+    background once its pair is handed out."""
+
+    def __init__(self, order: list[str], doomed_for: set[str], models: dict[str, list[str]], tmp_path_factory) -> None:
+        self.order, self.doomed_for, self.models, self.tmp_path_factory = order, doomed_for, models, tmp_path_factory
+        self.pool, self.side = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
+        self.starts: dict[str, Future] = {}
+        self.doomed_starts: dict[str, Future] = {}
+
+    def _submit(self, name: str) -> None:
+        if name not in self.starts:
+            self.starts[name] = self.pool.submit(start_pair, name, self.models, self.tmp_path_factory.mktemp(name))
+
+    def _submit_doomed(self, name: str) -> None:
+        if name not in self.doomed_starts:
+            self.doomed_starts[name] = self.side.submit(start_doomed, self.models[PAIRS[name][0]],
+                                                        self.tmp_path_factory.mktemp(f"{name}-doomed"))
+
+    def pair(self, name: str) -> tuple[Server, Server, Server]:
+        self._submit(name)
+        servers = self.starts.pop(name).result()
+        if name in self.doomed_for:
+            self._submit_doomed(name)
+        if name in self.order:
+            for ahead in self.order[self.order.index(name) + 1 : self.order.index(name) + 3]:
+                self._submit(ahead)
         return servers
 
-    yield started
-    pool.shutdown()
-    for start in starts.values():  # started ahead for tests that did not run (a failure with -x)
-        if start.exception() is None:
-            stop_all(list(start.result()))
+    def doomed(self, name: str) -> Server:
+        self._submit_doomed(name)
+        return self.doomed_starts.pop(name).result()
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        self.side.shutdown()
+        # started ahead for tests that did not run (a failure with -x)
+        for start in [*self.starts.values(), *self.doomed_starts.values()]:
+            if start.exception() is None:
+                result = start.result()
+                stop_all(list(result) if isinstance(result, tuple) else [result])
+
+
+@pytest.fixture(scope="module")
+def pair_starts(request, models, references, tmp_path_factory) -> Iterator[PairStarts]:
+    doomed_for = {item.callspec.params["pair"] for item in request.session.items
+                  if item.module is request.module and "doomed" in item.fixturenames}
+    starts = PairStarts(pairs_in_run_order(request), doomed_for, models, tmp_path_factory)
+    yield starts
+    starts.close()
 
 
 @pytest.fixture(scope="module", params=list(PAIRS))
 def pair(request, pair_starts):
     model = PAIRS[request.param][0]
-    producer, consumer, proxy = pair_starts(request.param)
+    producer, consumer, proxy = pair_starts.pair(request.param)
     yield request.param, model, producer, consumer, proxy
     _, *codes = stop_all([proxy, producer, consumer])
     for server, code in zip((producer, consumer), codes):
@@ -210,7 +283,7 @@ def blocks_back_to_zero(*servers: Server, timeout: float = 15) -> list[float]:
 def test_greedy_completions_through_the_proxy_equal_a_colocated_server(pair, references):
     name, model, producer, consumer, proxy = pair
     for prompt in PROMPTS:
-        got, want = complete(proxy, model, prompt), complete(references[model], model, prompt)
+        got, want = complete(proxy, model, prompt), references[model].complete(model, prompt)
         assert got["text"] == want["text"]
         # the decode side's logprobs rest on the transferred KV: wrong KV moves them far from these
         assert got["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=2e-3)
@@ -222,19 +295,18 @@ def test_streamed_completion_and_chat_through_the_proxy_equal_a_colocated_server
     reference = references[model]
     for path, body in [("/v1/completions", {"prompt": PROMPTS[2]}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[1]}]})]:
-        assert stream(proxy, model, path, body) == stream(reference, model, path, body)
+        assert stream(proxy, model, path, body) == reference.stream(model, path, body)
     chat = {"model": model, "messages": [{"role": "user", "content": PROMPTS[3]}], "max_tokens": 6,
             "temperature": 0}
     assert (proxy.http.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]
-            == reference.http.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"])
+            == reference.post("/v1/chat/completions", chat)["choices"][0]["message"])
     assert blocks_back_to_zero(producer, consumer) == [0, 0]
 
 
-@pytest.mark.parametrize("pair", [FIRST_PAIR], indirect=True)  # one pair keeps the suite short
+@pytest.mark.parametrize("pair", [CONCURRENT_PAIR], indirect=True)  # one pair keeps the suite short
 def test_16_concurrent_requests_through_the_proxy_equal_one_at_a_time(pair, references):
     name, model, producer, consumer, proxy = pair
     prompts = [f"Question {i}: " + "why shard the cache? " * (i % 5) for i in range(16)]
-    want = [complete(references[model], model, p, logprobs=None)["text"] for p in prompts]
 
     async def all_at_once() -> list[str]:
         async with httpx.AsyncClient(base_url=proxy.url, timeout=120) as client:
@@ -243,7 +315,10 @@ def test_16_concurrent_requests_through_the_proxy_equal_one_at_a_time(pair, refe
                 for p in prompts))
         return [a.json()["choices"][0]["text"] for a in answers]
 
-    assert asyncio.run(all_at_once()) == want
+    with ThreadPoolExecutor(1) as pool:  # the reference answers one at a time while the proxy has all 16
+        want = pool.submit(lambda: [references[model].complete(model, p, logprobs=None)["text"] for p in prompts])
+        got = asyncio.run(all_at_once())
+    assert got == want.result()
     assert blocks_back_to_zero(producer, consumer) == [0, 0]
 
 
@@ -279,13 +354,20 @@ def test_a_consumer_that_dies_mid_transfer_lets_the_producer_free_the_kv(pair, r
     assert answer.status_code == 200, answer.text
     assert blocks_back_to_zero(producer, timeout=TRANSFER_TIMEOUT_S + 15) == [0]
     # and the pair still serves
-    assert complete(proxy, model, PROMPTS[0])["text"] == complete(references[model], model, PROMPTS[0])["text"]
+    assert complete(proxy, model, PROMPTS[0])["text"] == references[model].complete(model, PROMPTS[0])["text"]
+
+
+@pytest.fixture
+def doomed(pair, pair_starts) -> Iterator[Server]:
+    """A tp=1 producer of the pair's model, the test's to kill (started while the pair's other tests ran)."""
+    server = pair_starts.doomed(pair[0])
+    yield server
+    server.stop()
 
 
 @pytest.mark.parametrize("pair", [FIRST_PAIR], indirect=True)  # one pair keeps the suite short
-def test_a_producer_that_dies_fails_the_request_and_frees_the_consumer_blocks(pair, models, tmp_path):
+def test_a_producer_that_dies_fails_the_request_and_frees_the_consumer_blocks(pair, doomed):
     name, model, producer, consumer, proxy = pair
-    doomed = Server([*models[model], *COMMON, "--block-size", "4", *role("kv_producer")], tmp_path / "doomed.log")
     transfer_id = uuid.uuid4().hex
     prefill_and_hold(doomed, model, transfer_id)
     port = int(doomed.url.rsplit(":", 1)[1])
@@ -326,4 +408,4 @@ def test_a_producer_that_vanishes_mid_transfer_fails_the_request_and_frees_the_c
     assert len(vanishing.bodies) == 1
     assert blocks_back_to_zero(consumer) == [0]
     # the consumer's ranks all came back from the failed transfer: the pair still serves
-    assert complete(proxy, model, PROMPTS[0])["text"] == complete(references[model], model, PROMPTS[0])["text"]
+    assert complete(proxy, model, PROMPTS[0])["text"] == references[model].complete(model, PROMPTS[0])["text"]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -33,7 +32,7 @@ from server_harness import Server, start_together, stop_all
 MODEL = "kvshard-demo-gqa"
 SECRET = "security-test-secret-" + uuid.uuid4().hex
 API_KEY = "security-test-key"  # the deployment's: both servers, and the proxy's clients
-HOLD_TIMEOUT_S, TRANSFER_TIMEOUT_S = 4, 3
+HOLD_TIMEOUT_S, TRANSFER_TIMEOUT_S = 2, 2
 COMMON = [MODEL, "--max-model-len", "512", "--kv-cache-memory", "16MiB"]
 ENV = {"KVSHARD_KV_TRANSFER_SECRET": SECRET}
 BLOCKS_USED = "kvshard:kv_cache_blocks_used"
@@ -55,14 +54,13 @@ def free_port() -> int:
 def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("security")
     producer_port, consumer_port, proxy_port = free_port(), free_port(), free_port()
-    proxy_command = [sys.executable, "-m", "kvshard.entrypoints.cli", "proxy", "--port", str(proxy_port),
-                     "--prefill", f"http://127.0.0.1:{producer_port}", "--decode", f"http://127.0.0.1:{consumer_port}"]
+    proxy_args = ["--prefill", f"http://127.0.0.1:{producer_port}", "--decode", f"http://127.0.0.1:{consumer_port}"]
     started = start_together([
         partial(Server, [*COMMON, *role("kv_producer")], tmp / "producer.log", port=producer_port, env=ENV,
                 api_key=API_KEY),
         partial(Server, [*COMMON, *role("kv_consumer")], tmp / "consumer.log", port=consumer_port, env=ENV,
                 api_key=API_KEY),
-        partial(Server, [], tmp / "proxy.log", command=proxy_command, env=ENV, api_key=API_KEY),
+        partial(Server, proxy_args, tmp / "proxy.log", port=proxy_port, env=ENV, api_key=API_KEY, subcommand="proxy"),
     ])
     yield started
     _, *codes = stop_all([started[2], started[0], started[1]])
