@@ -24,6 +24,7 @@ import copy
 import hashlib
 import os
 import struct
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -273,16 +274,29 @@ def _transformers_reads_the_metadata_once() -> Iterator[None]:
     """transformers reads a .gguf's whole metadata (`load_gguf_checkpoint`, through `gguf.GGUFReader`: seconds for a
     real vocabulary) for the config, and once more inside AutoTokenizer, which needs the config to pick its class:
     inside this block the second read of a file is a copy of the first's result. Where transformers has no such
-    function (another version), nothing changes."""
+    function (another version), nothing changes. One block at a time in a process, so that conversions in two
+    threads cannot leave the stand-in in place."""
     try:
         from transformers import modeling_gguf_pytorch_utils as module
     except ImportError:
-        yield
-        return
-    original = getattr(module, "load_gguf_checkpoint", None)
-    if original is None:
-        yield
-        return
+        module = None
+    with _READ_ONCE_LOCK:
+        original = getattr(module, "load_gguf_checkpoint", None)
+        if original is None:
+            yield
+            return
+        module.load_gguf_checkpoint = _read_once(original)
+        try:
+            yield
+        finally:
+            module.load_gguf_checkpoint = original
+
+
+_READ_ONCE_LOCK = threading.Lock()
+
+
+def _read_once(original):
+    """`original` (transformers' `load_gguf_checkpoint`), its metadata-only reads done once per file."""
     read: dict[str, dict] = {}
 
     def read_once(gguf_checkpoint_path, return_tensors=False, *args, **kwargs):
@@ -293,11 +307,7 @@ def _transformers_reads_the_metadata_once() -> Iterator[None]:
             read[key] = original(gguf_checkpoint_path, return_tensors=False)
         return copy.deepcopy(read[key])  # a caller may change what it gets
 
-    module.load_gguf_checkpoint = read_once
-    try:
-        yield
-    finally:
-        module.load_gguf_checkpoint = original
+    return read_once
 
 
 def _read_with_transformers(auto_class, gguf_path: Path):
