@@ -6,7 +6,8 @@ forkserver child starts with torch already loaded. It is forked from the server,
 environment the server started with, not the one the tests set around an engine (`conftest.environment`):
 `RankTarget` stands in for the ranks' target and carries the caller's `os.environ` of the moment the rank is
 started, which the child puts back before it runs anything of kvshard. kvshard's rank and server modules are
-imported in the forkserver too: none reads a setting when it is imported (tests/test_settings.py checks it).
+imported in the forkserver too: none reads a setting when it is imported (tests/test_settings.py checks it);
+so are the parts of transformers a server reads a checkpoint with (no test sets transformers' own variables).
 The suite's servers fork from the same forkserver (server_harness.ForkedServer).
 """
 
@@ -19,9 +20,13 @@ import sys
 from multiprocessing import forkserver, resource_tracker
 from pathlib import Path
 
-# what a rank and a server import (kvshard's modules read settings when they run, in the rank, never on import)
+# what a rank and a server import (kvshard's modules read settings when they run, in the rank, never on import);
+# then what a server imports of transformers to read a checkpoint's config and tokenizer (kvshard/config/model_dir.py,
+# engine/llm_engine.py): seconds per server start otherwise. The forkserver skips a name its transformers lacks.
 PRELOAD = ["torch", "kvshard.engine.workers", "kvshard.entrypoints.cli", "kvshard.entrypoints.serve",
-           "kvshard.entrypoints.openai_server"]
+           "kvshard.entrypoints.openai_server",
+           "transformers", "transformers.models.auto.configuration_auto", "transformers.models.auto.tokenization_auto",
+           *(f"transformers.models.{name}.configuration_{name}" for name in ("llama", "deepseek_v2", "deepseek_v3"))]
 # Set in a server's environment (server_harness.ForkedServer): a folder where each of its ranks leaves its pid.
 RANK_PIDS_DIR = "SUITE_RANK_PIDS_DIR"
 

@@ -29,6 +29,7 @@ import os
 import platform
 import shutil
 import sys
+import sysconfig
 import threading
 import time
 from collections.abc import Sequence
@@ -89,9 +90,13 @@ def _native_flags() -> list[str]:
 
 
 def _build_name(flags: list[str]) -> str:
+    """The build's directory name: everything the compile command holds. The include paths of torch and Python
+    too: ninja rebuilds when its command changes, so two environments with the same versions at different paths
+    (two venvs, or one reached through two symlinks) sharing one build would rebuild it at every other start."""
     digest = hashlib.sha256()
     for part in (_SOURCE.read_bytes(), " ".join(flags).encode(), _cpu_signature().encode(),
-                 torch.__version__.encode(), platform.python_version().encode(), _SOURCE.name.encode()):
+                 torch.__version__.encode(), platform.python_version().encode(), _SOURCE.name.encode(),
+                 str(Path(torch.__file__).parent).encode(), sysconfig.get_paths()["include"].encode()):
         digest.update(part)
         digest.update(b"\0")
     return f"kvshard_paged_attention_{digest.hexdigest()[:16]}"
