@@ -60,8 +60,8 @@ def opaque_parts(model: nn.Module) -> list[nn.Module]:
 
 
 def call_opaque(op, part: nn.Module, *tensors: torch.Tensor, width: int) -> torch.Tensor:
-    """`part.opaque_forward(*tensors)`; while torch.compile traces, the custom op `op` standing for it
-    (its output [tensors[0].shape[0], width] of tensors[0]'s dtype, or tensors[0]'s shape with width -1)."""
+    """`part.opaque_forward(*tensors)`; while torch.compile traces, the custom op `op` standing for it,
+    whose fake result says the output's shape: [tokens, width] (the routed experts: tensors[0]'s shape)."""
     if torch.compiler.is_compiling():
         return op(*tensors, part.opaque_index, width)
     return part.opaque_forward(*tensors)
