@@ -135,7 +135,7 @@ def _(x, packed_weight, bias):
 
 def parse_compilation_level(value) -> int:
     """EngineArgs.compilation_config (`-O`): a level (0, 3, "3") or JSON `{"level": N}`; None takes
-    $KVSHARD_COMPILATION_LEVEL, else COMPILED. ConfigError for anything else."""
+    $KVSHARD_COMPILATION_LEVEL (default EAGER: not yet shown faster, docs/serving.md). ConfigError for anything else."""
     from kvshard.errors import ConfigError
 
     given = value

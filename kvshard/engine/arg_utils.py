@@ -115,7 +115,7 @@ class EngineArgs:
     compilation_config: str | int | dict | None = _setting(
         None, "the model step on a CPU: 0 runs it eagerly, 3 compiles it with torch.compile (inductor) at start-up, "
               "attention, experts and collectives left opaque (as vLLM's -O levels; or JSON {\"level\": N}); "
-              "default: $KVSHARD_COMPILATION_LEVEL, else 3", "-O", cli_type=str)
+              "default: $KVSHARD_COMPILATION_LEVEL, else 0", "-O", cli_type=str)
 
     def __post_init__(self) -> None:
         """What argparse checks on the command line, checked for the Python API too (`LLM(...)`)."""
