@@ -143,6 +143,9 @@ REGISTRY: dict[str, EnvVar] = _declare(
     EnvVar("KVSHARD_NUM_THREADS", POSITIVE_INT, None,
            "torch threads per rank (a matmul's split over threads can change its rounding)", numerics=True,
            shown_default="cores / ranks"),
+    EnvVar("KVSHARD_COMPILATION_LEVEL", NON_NEGATIVE_INT, 0,
+           "the model step's compilation level where `-O` / `--compilation-config` is not given: 0 eager, 3 "
+           "torch.compile (CPU only)", numerics=True),
     # --- collectives and failure detection --------------------------------------------------------------
     EnvVar("KVSHARD_SHM_COLLECTIVES", SWITCH, True,
            "ranks on one x86 machine exchange through shared memory; 0 sends every collective through gloo"),

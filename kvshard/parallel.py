@@ -391,11 +391,26 @@ def _shm_for(group: ShmGroup | None, x: torch.Tensor) -> ShmGroup | None:
 
 
 def tp_all_reduce(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """The sum over the TP group (in place where it can). In a graph torch.compile traces, the custom op
+    `kvshard::tp_all_reduce` (kvshard/compilation.py) stands for it."""
     if state.tp_size > 1:
+        if torch.compiler.is_compiling():
+            return torch.ops.kvshard.tp_all_reduce(x)
         if (shm := _shm_for(state.tp_shm, x)) is not None:
             return shm.all_reduce_(x, _TIMEOUT_S)
         dist.all_reduce(x, group=state.tp_group)
     return x
+
+
+def tp_all_reduce_into_new(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
+    """tp_all_reduce's sum into a new tensor, x left as it is (a custom op may not change its input)."""
+    if state.tp_size == 1:
+        return x.clone()
+    if (shm := _shm_for(state.tp_shm, x)) is not None:
+        return shm.all_gather(x, _TIMEOUT_S).sum(0)  # the kernel and order of shm.all_reduce_
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=state.tp_group)
+    return out
 
 
 def tp_gather_to_driver(x: torch.Tensor, state: ParallelState) -> torch.Tensor | None:

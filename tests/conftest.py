@@ -19,6 +19,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # `auto` would replicate every tiny model's queries (config.AUTO_REPLICATE_MAX_BYTES): keep it on the head-split
 # path, the DCP rhythm with its Q all-gather; tests ask for the replicated layout by name.
 os.environ.setdefault("KVSHARD_AUTO_REPLICATE_MAX_BYTES", "0")
+# Engines run the model step eagerly (also the default) unless a test names its level (tests/test_compiled_step.py):
+# compiling costs each engine's start seconds to a minute on two cores (kvshard/compilation.py).
+os.environ.setdefault("KVSHARD_COMPILATION_LEVEL", "0")
 # A rank's heartbeat thread can miss the 3 s default on a 2-core machine that other work loads far past its
 # cores (seen in real-model steps): the suite's engines and servers get 30 s; tests/test_executor.py names the
 # defaults where it checks them.

@@ -461,6 +461,9 @@ def _add_decode_floor(commands) -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--context-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed (median reported)")
+    parser.add_argument("--alternate-eager", type=int, default=0, metavar="ROUNDS",
+                        help="then ROUNDS x (a block of --steps compiled steps, a block of eager ones), taking turns, "
+                             "on the same engine and requests (tp=1, -O 3)")
     parser.add_argument("--result-file", default=None)
     parser.set_defaults(func=_reporting_errors(_run_decode_floor))
 
@@ -470,9 +473,11 @@ def _run_decode_floor(args: argparse.Namespace) -> int:
     from kvshard.bench.report import write_json
 
     engine_args = EngineArgs.from_cli_args(args)
+    timed_steps = args.steps * (1 + 2 * args.alternate_eager)
     engine_args = replace(engine_args, max_num_seqs=max(engine_args.max_num_seqs, args.batch_size),
-                          max_model_len=engine_args.max_model_len or args.context_len + args.steps + 8)
-    result = measure_decode_floor(engine_args, args.batch_size, args.context_len, args.steps)
+                          max_model_len=engine_args.max_model_len or args.context_len + timed_steps + 8)
+    result = measure_decode_floor(engine_args, args.batch_size, args.context_len, args.steps,
+                                  alternate_rounds=args.alternate_eager)
     print(format_decode_floor(result))
     if args.result_file:
         print(f"result: {write_json(args.result_file, result)}")

@@ -14,6 +14,11 @@ every request's context on this rank (`kv_bytes_per_token_per_rank` times the
 context tokens). A MoE model is counted with all its experts (a large batch
 routes to nearly all of them). Activations and the new tokens' KV writes are
 left out: small at these sizes, and leaving them out only lowers the floor.
+
+`--alternate-eager` (one rank, a compiled engine): after the timed steps, `rounds` more blocks of
+`steps` steps each with the compiled model step and with the eager one on the same engine, the same
+requests and KV, taking turns (compiled first, then eager first, ...), so that a busy machine's load
+falls on both alike; each block's median is reported.
 """
 
 from __future__ import annotations
@@ -62,16 +67,21 @@ def weight_bytes_per_step(model: torch.nn.Module, batch_size: int) -> int:
 
 
 def measure_decode_floor(engine_args: EngineArgs, batch_size: int, context_len: int, steps: int,
-                         warmup_steps: int = 3, bandwidth_bytes: int = 2**30) -> dict:
+                         warmup_steps: int = 3, bandwidth_bytes: int = 2**30, alternate_rounds: int = 0) -> dict:
     from kvshard import LLM, SamplingParams
 
     # the device rank 0 runs on (engine/process_setup.py), measured before any rank starts
     bandwidth = copy_bandwidth(bandwidth_bytes, device="cuda" if torch.cuda.is_available() else "cpu")
     with LLM(**asdict(engine_args)) as llm:
         engine, config = llm.engine, llm.config
+        runner = engine.runner
+        if alternate_rounds and (runner.compiled is None or config.parallel.world_size > 1):
+            raise ValueError("--alternate-eager compares the compiled and the eager step of one rank: run it with "
+                             "-O 3 at tensor parallel size 1, on a CPU")
+        total_steps = steps * (1 + 2 * alternate_rounds)
         spec = WorkloadSpec("random", config.model.hf_config.vocab_size, engine_args.seed,
-                            input_len=context_len, output_len=warmup_steps + steps + 1)
-        params = SamplingParams(temperature=0.0, max_tokens=warmup_steps + steps + 1, ignore_eos=True)
+                            input_len=context_len, output_len=warmup_steps + total_steps + 1)
+        params = SamplingParams(temperature=0.0, max_tokens=warmup_steps + total_steps + 1, ignore_eos=True)
         generated: dict[str, int] = {}
         for request in spec.requests(batch_size):
             request_id = f"floor-{uuid.uuid4().hex[:8]}"
@@ -95,9 +105,24 @@ def measure_decode_floor(engine_args: EngineArgs, batch_size: int, context_len: 
             times.append(time.perf_counter() - start)
         if min(generated.values()) < warmup_steps + steps or len(generated) != batch_size:
             raise RuntimeError("a request left the decode batch while timing (preempted?): raise --kv-cache-memory")
+        alternation = []  # (compiled?, median step ms) per block
+        compiled_step = runner.step_model
+        for block in range(2 * alternate_rounds):
+            compiled = (block % 2 == 0) == (block // 2 % 2 == 0)  # C E, E C, C E, ...
+            runner.step_model = compiled_step if compiled else runner.model
+            block_times = []
+            for _ in range(steps):
+                start = time.perf_counter()
+                step()
+                block_times.append(time.perf_counter() - start)
+            alternation.append(("compiled" if compiled else "eager", sorted(block_times)[steps // 2] * 1e3))
+        runner.step_model = compiled_step
+        if alternate_rounds and min(generated.values()) < warmup_steps + total_steps:
+            raise RuntimeError("a request left the decode batch while timing (preempted?): raise --kv-cache-memory")
         dcp_after = engine.stats().dcp_timing  # gathered every KVSHARD_DCP_TIMING_EVERY steps
         dcp = dcp_after.since(dcp_before) if dcp_after is not None and dcp_after is not dcp_before else None
         weights = weight_bytes_per_step(engine.runner.model, batch_size)
+        compile_s = engine.runner.compile_seconds  # None: the model step ran eagerly
         kv_per_token = config.kv_bytes_per_token_per_rank
         while engine.has_unfinished_requests():
             engine.step()
@@ -115,6 +140,8 @@ def measure_decode_floor(engine_args: EngineArgs, batch_size: int, context_len: 
         "floor_ms": floor_s * 1e3, "median_step_ms": step_s * 1e3,
         "min_step_ms": min(times) * 1e3, "ratio_to_floor": step_s / floor_s,
         "decode_tokens_per_s": batch_size / step_s,
+        "compile_s": compile_s,
+        "alternation_ms": alternation,
         "dcp_ms_per_step": ({phase: [t * 1e3 for t in dcp.per_step(phase)] for phase in PHASES} | {
             "steps": dcp.steps, "merges": dcp.merges} if dcp is not None else None),
         "dcp_summary": dcp.summary() if dcp is not None else None,
@@ -131,5 +158,9 @@ def format_decode_floor(result: dict) -> str:
         f"floor: {result['floor_ms']:.2f} ms per step; measured: {result['median_step_ms']:.2f} ms median "
         f"({result['min_step_ms']:.2f} ms best, {result['threads']} threads) "
         f"-> {result['ratio_to_floor']:.1f}x the floor, {result['decode_tokens_per_s']:.0f} decode tok/s",
+        "model step: " + ("eager" if result.get("compile_s") is None
+                          else f"compiled (torch.compile, {result['compile_s']:.1f} s at start-up)"),
         *([result["dcp_summary"]] if result.get("dcp_summary") else []),
+        *(["compiled vs eager, blocks in turn (median ms per step): " + ", ".join(
+            f"{name} {ms:.2f}" for name, ms in result["alternation_ms"])] if result.get("alternation_ms") else []),
     ])

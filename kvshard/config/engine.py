@@ -27,7 +27,8 @@ class EngineConfig:
     batch_invariant: bool = False  # EngineArgs.batch_invariant
     speculative: SpeculativeConfig | None = None
     attention_backend: str = "auto"  # EngineArgs.attention_backend, resolved (attention/backends.py)
-    enforce_eager: bool = False  # EngineArgs.enforce_eager: no CUDA graphs (engine/cuda_graphs.py)
+    enforce_eager: bool = False  # EngineArgs.enforce_eager: no CUDA graphs (engine/cuda_graphs.py), no compile
+    compilation_level: int = 0  # EngineArgs.compilation_config, parsed: 0 eager, 3 compiled (kvshard/compilation.py)
 
     @cached_property
     def dcp_layout(self) -> DCPLayout:
@@ -118,8 +119,8 @@ class EngineConfig:
         blocks_per_request = -(-self.scheduler.max_model_len // self.tokens_per_virtual_block)
         return self.num_kv_blocks / blocks_per_request
 
-    def layout_report(self) -> str:
-        """The start-up report (kvshard/config/report.py)."""
+    def layout_report(self, compile_seconds: float | None = None) -> str:
+        """The start-up report (kvshard/config/report.py); `compile_seconds`: the model step's compile time."""
         from kvshard.config.report import startup_report
 
-        return startup_report(self)
+        return startup_report(self, compile_seconds)

@@ -25,9 +25,10 @@ def _prefix_caching_report(config: EngineConfig) -> str:
     return f"Prefix caching: on, a shared prompt prefix is reused in {unit}; {order}"
 
 
-def startup_report(config: EngineConfig) -> str:
+def startup_report(config: EngineConfig, compile_seconds: float | None = None) -> str:
     """What `serve` and `generate` print before the first request: the layout, KV accounting, prefix
-    caching, speculative decoding, and the numerics settings taken from the environment."""
+    caching, speculative decoding, and the numerics settings taken from the environment; with
+    `compile_seconds` (once the engine started), how long compiling the model step took."""
     p = config.parallel
     lines = [
         f"model: {config.model.path} ({config.model.architecture}, {'MLA' if config.model.is_mla else 'GQA'}, "
@@ -37,6 +38,7 @@ def startup_report(config: EngineConfig) -> str:
         _attention_line(config),
         _attention_backend_line(config.attention_backend),
         _decode_graphs_line(config),
+        _compilation_line(config, compile_seconds),
         f"KV cache dtype: {str(config.kv_cache_dtype).removeprefix('torch.')}; "
         f"KV bytes per token per rank: {config.kv_bytes_per_token_per_rank:,.1f} "
         f"({config.kv_bytes_per_slot:,} per slot, {config.model.num_layers} layers, "
@@ -54,6 +56,12 @@ def startup_report(config: EngineConfig) -> str:
         lines.append(config.speculative.describe())
     lines.append(envs.numerics_report())  # last: which KVSHARD_* settings that change numerics are set
     return "\n".join(lines)
+
+
+def _compilation_line(config: EngineConfig, compile_seconds: float | None) -> str:
+    from kvshard.compilation import describe_compilation
+
+    return describe_compilation(config, compile_seconds)
 
 
 def _decode_graphs_line(config: EngineConfig) -> str:

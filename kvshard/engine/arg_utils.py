@@ -18,6 +18,7 @@ from typing import Any
 
 from kvshard import envs
 from kvshard.attention.backends import ATTENTION_BACKENDS, resolve_backend_name
+from kvshard.compilation import parse_compilation_level
 from kvshard.config import (
     ATTENTION_LAYOUTS,
     DCP_COMM_BACKENDS,
@@ -109,8 +110,12 @@ class EngineArgs:
                "at a cost in throughput; turns prefix caching off (docs/serving.md)")
 
     enforce_eager: bool = _setting(
-        False, "on CUDA, run every decode step eagerly instead of replaying it as a CUDA graph (graphs are "
-               "captured at start-up for batches of 1, 2, 4, ... max-num-seqs; never used on a CPU)")
+        False, "run the model eagerly: on a CPU no torch.compile of the model step (the same as -O 0), on CUDA "
+               "no CUDA graphs (captured at start-up for batches of 1, 2, 4, ... max-num-seqs)")
+    compilation_config: str | int | dict | None = _setting(
+        None, "the model step on a CPU: 0 runs it eagerly, 3 compiles it with torch.compile (inductor) at start-up, "
+              "attention, experts and collectives left opaque (as vLLM's -O levels; or JSON {\"level\": N}); "
+              "default: $KVSHARD_COMPILATION_LEVEL, else 0", "-O", cli_type=str)
 
     def __post_init__(self) -> None:
         """What argparse checks on the command line, checked for the Python API too (`LLM(...)`)."""
@@ -261,8 +266,10 @@ class EngineArgs:
         scheduler = SchedulerConfig(self.max_num_seqs, max_num_batched_tokens, max_model_len, self.scheduling_policy)
         if not isinstance(self.enforce_eager, bool):
             raise ConfigError(f"enforce_eager={self.enforce_eager!r} must be True or False")
+        compilation_level = parse_compilation_level(self.compilation_config)
         config = EngineConfig(model_config, parallel, cache, scheduler, self.seed, self.batch_invariant, speculative,
-                              attention_backend, enforce_eager=self.enforce_eager)
+                              attention_backend, enforce_eager=self.enforce_eager,
+                              compilation_level=compilation_level)
         if config.kv_capacity_tokens < max_model_len:
             raise ConfigError(
                 f"the KV cache holds {config.kv_capacity_tokens:,} tokens ({config.num_kv_blocks} blocks per rank), "

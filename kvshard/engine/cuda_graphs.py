@@ -271,6 +271,7 @@ class GraphedDecode:
     def __init__(self, runner, api: GraphApi | None = None) -> None:
         from kvshard.attention.backends import TritonBackend
         from kvshard.attention.metadata import AttentionGroup, AttentionMetadata
+        from kvshard.forward_context import forward_context
 
         self.runner = runner
         config = runner.config
@@ -288,7 +289,8 @@ class GraphedDecode:
                 write_index=inputs.row_seq, write_slots=inputs.write_slots, uses_context=True, context_rows=size,
                 has_prefill=False, writes_every_token=True, backend=backend, block_tables=inputs.block_tables,
                 row_seq=inputs.row_seq, row_lens=inputs.row_lens)
-            states = runner.model(inputs.input_ids, meta, runner.kv_caches)
+            with forward_context(meta, runner.kv_caches, runner.parallel):
+                states = runner.model(inputs.input_ids, meta.positions)
             return runner.model.compute_logits(states)
 
         self.graphs = DecodeGraphs(

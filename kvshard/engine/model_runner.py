@@ -4,16 +4,20 @@ from __future__ import annotations
 
 from typing import Callable
 
+import logging
+
 import torch
 import torch.distributed as dist
 
 from kvshard.attention.backends import select_backend
 from kvshard.attention.metadata import AttentionMetadata, decode_group_spread_from_env
 from kvshard.attention.timing import DcpTimingGather
+from kvshard.compilation import CompiledModel, compile_unavailable, opaque_parts
 from kvshard.config import EngineConfig, ModelConfig
 from kvshard.engine import cuda_graphs
 from kvshard.engine.block_tables import RankBlockTables
 from kvshard.engine.step_plan import StepPlan
+from kvshard.forward_context import forward_context
 from kvshard.kv.cache import allocate_kv_cache, load_kv_scales
 from kvshard.layers.batch_invariant import batch_invariant_mode
 from kvshard.layers.linear import reorder_linear_weights
@@ -21,6 +25,10 @@ from kvshard.models.loader import load_weights
 from kvshard.models.registry import model_class
 from kvshard.parallel import ParallelState
 from kvshard.spec_decode.proposer import make_draft_module
+
+logger = logging.getLogger(__name__)
+# the warm-up's dummy decode batches (their sizes: the compiled graph is one for every token count)
+WARM_UP_TOKENS = (8, 1)
 
 
 def load_module(build: Callable[[], torch.nn.Module], model_config: ModelConfig,
@@ -50,8 +58,12 @@ class ModelRunner:
         graphs_off = cuda_graphs.graphs_unavailable(
             config, device.type,
             dist.get_backend(parallel.tp_group) if parallel.world_size > 1 and device.type == "cuda" else None)
-        self.kv_caches = allocate_kv_cache(  # the graphs' padding writes to one scratch block past the pool's
-            config.kv_cache_spec, config.num_kv_blocks + (graphs_off is None), config.cache.block_size,
+        # the model step compiled (kvshard/compilation.py) where it can be; None: eager
+        self.compile_off = compile_unavailable(config, device.type)
+        # the graphs' padding and the compile warm-up write to one scratch block past the pool's
+        self.scratch_block = config.num_kv_blocks if graphs_off is None or self.compile_off is None else None
+        self.kv_caches = allocate_kv_cache(
+            config.kv_cache_spec, config.num_kv_blocks + (self.scratch_block is not None), config.cache.block_size,
             config.model.dtype, device, config.kv_cache_dtype, scales
         )
         # the attention kernel's rounding depends on the key length a group is padded to: in
@@ -69,6 +81,31 @@ class ModelRunner:
         self.decode_graphs = cuda_graphs.GraphedDecode(self) if graphs_off is None else None
         if self.decode_graphs is not None and not self.decode_graphs.capture():
             self.decode_graphs = None
+        self.opaque = opaque_parts(self.model)  # what a compiled graph calls out to, by index
+        self.compiled: CompiledModel | None = None
+        if self.compile_off is None:
+            self.compiled = CompiledModel(self.model)
+            try:
+                self.compiled.warm_up(self._warm_up)  # every rank at once: the opaque parts' collectives meet
+            except Exception as error:
+                raise RuntimeError(f"compiling the model step failed ({type(error).__name__}: {error}); "
+                                   "--enforce-eager (or -O 0) runs it eagerly") from error
+        self.step_model = self.compiled or self.model  # what runs the target's forward
+
+    @property
+    def compile_seconds(self) -> float | None:
+        """How long the start-up compilation took on this rank (None: eager)."""
+        return self.compiled.compile_seconds if self.compiled is not None else None
+
+    @torch.inference_mode()
+    def _warm_up(self, model) -> None:
+        """Dummy decode batches through `model`: requests of one token at position 0, all in the scratch
+        block (no request's), so that compiling happens now and not in the first request's step."""
+        for tokens in WARM_UP_TOKENS:
+            meta = self.metadata([0] * tokens, [1] * tokens, [[self.scratch_block]] * tokens)
+            input_ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
+            with forward_context(meta, self.kv_caches, self.parallel, self.opaque):
+                model(input_ids, meta.positions)
 
     def metadata(self, context_lens: list[int], query_lens: list[int], block_tables: list[list[int]] | None = None,
                  slots: list[int] | None = None) -> AttentionMetadata:
@@ -108,7 +145,8 @@ class ModelRunner:
             if plan.draft:
                 logits = self.drafter.run_draft(plan, input_ids, meta, rows)
             else:
-                states = self.model(input_ids, meta, self.kv_caches)  # [t, D], before the final norm
+                with forward_context(meta, self.kv_caches, self.parallel, self.opaque):
+                    states = self.step_model(input_ids, meta.positions)  # [t, D], before the final norm
                 if self.drafter is not None:
                     self.drafter.after_target(plan, states)
                 logits = self.model.compute_logits(states[rows])

@@ -28,7 +28,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     prompts = args.prompt or ["Decode context parallelism shards", "The capital of France is", "Hello, world!"]
     with LLM(**asdict(EngineArgs.from_cli_args(args))) as llm:
-        print(llm.config.layout_report())
+        print(llm.config.layout_report(llm.engine.runner.compile_seconds))
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
         for output in llm.generate(prompts, params):
             print(f"\n--- {output.prompt!r}\n{output.outputs[0].text!r}  "

@@ -213,6 +213,10 @@ def _serve(config: EngineConfig, master: tuple[str, int] | None, listener: socke
 
     print(config.layout_report(), flush=True)
     engine = LLMEngine(config, master=master)
+    if engine.runner.compile_seconds is not None:  # the report's compile line, with the time it took
+        from kvshard.compilation import describe_compilation
+
+        print(describe_compilation(config, engine.runner.compile_seconds), flush=True)
     try:
         server = OpenAIServer(engine, model_names, api_key, max_request_body_bytes=args.max_request_body_bytes,
                               request_read_timeout=args.request_read_timeout,

@@ -44,6 +44,8 @@ class LinearBase(nn.Module):
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed_weight is not None:
+            if torch.compiler.is_compiling():  # inductor cannot lower it from a runtime weight: an opaque op
+                return torch.ops.kvshard.onednn_linear(x, self.packed_weight, bias)
             return ONEDNN_LINEAR(x, self.packed_weight, bias, "none", [], "")
         return nn.functional.linear(x, self.weight, bias)
 

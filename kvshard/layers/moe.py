@@ -119,8 +119,12 @@ class FusedMoE(nn.Module):
             target = target.narrow(0, part * self.intermediate_size, self.intermediate_size)
         copy_whole(target, loaded)
 
+    def opaque_forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return self.forward(x, topk_weights, topk_ids)
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """x [t, D], topk_weights / topk_ids [t, k] -> [t, D], the sum over this rank's experts only."""
+        """x [t, D], topk_weights / topk_ids [t, k] -> [t, D], the sum over this rank's experts only
+        (outside a compiled graph: its experts are picked on the host; kvshard/compilation.py)."""
         out = torch.zeros_like(x)
         local_ids = topk_ids - self.first_expert  # [t, k]
         mine = (local_ids >= 0) & (local_ids < self.num_local_experts)

@@ -46,6 +46,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # [t, 1, d/2]
+    if torch.compiler.is_compiling():  # the same products in one fused kernel (dynamo refuses out= views)
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
     out = torch.empty_like(xf)
     out1, out2 = out.chunk(2, dim=-1)
     torch.mul(x1, c, out=out1).sub_(x2 * s)

@@ -6,19 +6,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvshard.attention.metadata import AttentionMetadata
-from kvshard.kv.cache import KVCacheLayer
-
 
 class CausalLM(nn.Module):
-    """Subclasses build `self.model` (embed_tokens, layers, norm), `self.lm_head` and `self.rotary`."""
+    """Subclasses build `self.model` (embed_tokens, layers, norm), `self.lm_head` and `self.rotary`.
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, caches: list[KVCacheLayer]) -> torch.Tensor:
-        """The last decoder layer's output [t, D], before the final norm (what an MTP module reads)."""
-        cos, sin = self.rotary.cos_sin(meta.positions)  # global positions, once per step for every layer
+    `forward` takes tensors alone; the step's metadata and caches come from the forward context the
+    caller sets (kvshard/forward_context.py), so that torch.compile can trace it (kvshard/compilation.py)."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Tokens [t] at global positions [t] -> the last decoder layer's output [t, D], before the final
+        norm (what an MTP module reads)."""
+        cos, sin = self.rotary.cos_sin(positions)  # global positions, once per step for every layer
         x = self.model.embed_tokens(input_ids)  # [t, D]
-        for layer, cache in zip(self.model.layers, caches):
-            x = layer(x, cos, sin, cache, meta)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin)
         return x
 
     def compute_logits(self, states: torch.Tensor) -> torch.Tensor | None:

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from kvshard.attention.backend import Attention
-from kvshard.attention.metadata import AttentionMetadata
-from kvshard.kv.cache import KVCacheLayer
+from kvshard.compilation import call_opaque
+from kvshard.forward_context import get_forward_context
 from kvshard.models.causal_lm import CausalLM
 from kvshard.layers.activation import silu_and_mul
 from kvshard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -93,8 +93,10 @@ class LatentUpProjection(nn.Module):
 
 
 class DeepseekV2MLAAttention(nn.Module):
-    def __init__(self, cfg, rope_interleaved: bool, dtype: torch.dtype, parallel: ParallelState) -> None:
+    def __init__(self, cfg, cache_index: int, rope_interleaved: bool, dtype: torch.dtype,
+                 parallel: ParallelState) -> None:
         super().__init__()
+        self.cache_index = cache_index  # its cache among the forward context's
         self.latent_dim, self.rope_dim = cfg.kv_lora_rank, cfg.qk_rope_head_dim
         self.nope_dim = cfg.qk_nope_head_dim
         self.rope_interleaved = rope_interleaved
@@ -117,7 +119,7 @@ class DeepseekV2MLAAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.v_head_dim, cfg.hidden_size, bias, dtype, parallel)
         self.attn = Attention(heads, softmax_scale(cfg), parallel)
 
-    def forward(self, x, cos, sin, cache: KVCacheLayer, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, cos, sin) -> torch.Tensor:
         if self.q_lora:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))  # [t, H_q*(n+r)]
         else:
@@ -127,15 +129,23 @@ class DeepseekV2MLAAttention(nn.Module):
         c_kv = self.kv_a_layernorm(c_kv)  # cached normalised: the norm is part of the key and value
         q_pe = apply_rotary(q_pe, cos, sin, self.rope_interleaved)  # [t, H_q, r]
         k_pe = apply_rotary(k_pe.unsqueeze(1), cos, sin, self.rope_interleaved)  # [t, 1, r], cached rotated
+        o = call_opaque(torch.ops.kvshard.mla_attention, self, q_nope, q_pe, c_kv, k_pe,
+                        width=self.o_proj.in_per_rank)  # [t, H_o*v]
+        return self.o_proj(o)  # [t, D]
+
+    def opaque_forward(self, q_nope, q_pe, c_kv, k_pe) -> torch.Tensor:
+        """Attention over the step's cache from q_nope [t, H_q, n], q_pe [t, H_q, r] (rotated), c_kv [t, c]
+        (normalised) and k_pe [t, 1, r] (rotated): [t, H_o*v] (outside a compiled graph: kvshard/compilation.py)."""
+        context = get_forward_context()
+        meta, cache = context.meta, context.caches[self.cache_index]
         rows = meta.context_rows  # only they attend to the cached latents: the others need no absorbed query
         q_latent = torch.cat([self.kv_b_proj.absorb_query(q_nope[:rows]), q_pe[:rows]], dim=-1)  # [rows, H_q, c+r]
         latent_kv = torch.cat([c_kv.unsqueeze(1), k_pe], dim=-1)  # [t, 1, c+r]: what the cache stores
         chunk = self._chunk_attention_inputs(q_nope, q_pe, c_kv, k_pe) if meta.has_prefill else None
-        o = self.attn.forward(
+        return self.attn.forward(
             q_latent, latent_kv, latent_kv[..., : self.latent_dim], cache, meta,
             value_map=self.kv_b_proj.expand_output, chunk=chunk,
         )  # [t, H_o*v]
-        return self.o_proj(o)  # [t, D]
 
     def _chunk_attention_inputs(self, q_nope, q_pe, c_kv, k_pe) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A prefill chunk attends to itself in the expanded form: keys of n + r and values of v
@@ -189,7 +199,8 @@ class DeepseekV2MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)  # [t, k], [t, k]
-        partial = self.experts(x, topk_weights, topk_ids)  # [t, D]: this rank's experts
+        # [t, D]: this rank's experts, picked on the host (outside a compiled graph)
+        partial = call_opaque(torch.ops.kvshard.moe_experts, self.experts, x, topk_weights, topk_ids, width=x.shape[-1])
         if self.shared_experts is not None:
             partial = partial + self.shared_experts(x)  # [t, D]: this rank's slice of the shared experts
         return tp_all_reduce(partial, self.parallel)  # one all-reduce for both
@@ -198,11 +209,13 @@ class DeepseekV2MoE(nn.Module):
 class DeepseekV2DecoderLayer(nn.Module):
     def __init__(
         self, cfg, layer_index: int, rope_interleaved: bool, routing: Routing | None, dtype: torch.dtype,
-        parallel: ParallelState,
+        parallel: ParallelState, cache_index: int | None = None,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = DeepseekV2MLAAttention(cfg, rope_interleaved, dtype, parallel)
+        # its cache: the layer's own, or (the MTP layer, numbered after the target's) the one given
+        self.self_attn = DeepseekV2MLAAttention(cfg, layer_index if cache_index is None else cache_index,
+                                                rope_interleaved, dtype, parallel)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # the first first_k_dense_replace layers are dense, the rest MoE
         if routing is not None and layer_index >= cfg.first_k_dense_replace:
@@ -210,8 +223,8 @@ class DeepseekV2DecoderLayer(nn.Module):
         else:
             self.mlp = DeepseekV2MLP(cfg.hidden_size, cfg.intermediate_size, dtype, parallel)
 
-    def forward(self, x, cos, sin, cache: KVCacheLayer, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
+    def forward(self, x, cos, sin) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -324,19 +337,18 @@ class DeepseekMultiTokenPredictor(nn.Module):
         self.eh_proj = ReplicatedLinear(2 * d, d, False, dtype)  # its input is replicated over TP: no collective
         routing = DeepseekV3ForCausalLM.routing(cfg) if cfg.n_routed_experts else None
         self.layer = DeepseekV2DecoderLayer(cfg, cfg.num_hidden_layers, DeepseekV3ForCausalLM.rope_interleaved(cfg),
-                                            routing, dtype, parallel)
+                                            routing, dtype, parallel, cache_index=0)  # its one-layer cache
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
         self.shared_head.head = ParallelLMHead(cfg.vocab_size, d, dtype, parallel)
         self.rotary = RotaryEmbedding(cfg, cfg.qk_rope_head_dim)
 
-    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
-                cache: KVCacheLayer) -> torch.Tensor:
-        """Tokens p + 1 [t] and hidden states at p [t, D] (positions p in `meta`) -> its output [t, D],
-        before shared_head.norm: the hidden state the next draft starts from."""
-        cos, sin = self.rotary.cos_sin(meta.positions)
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Tokens p + 1 [t] and hidden states at p [t, D] at positions p [t] -> its output [t, D], before
+        shared_head.norm: the hidden state the next draft starts from (its cache: the forward context's)."""
+        cos, sin = self.rotary.cos_sin(positions)
         x = torch.cat([self.enorm(self.embed_tokens(input_ids)), self.hnorm(hidden)], dim=-1)  # [t, 2D]
-        return self.layer(self.eh_proj(x), cos, sin, cache, meta)
+        return self.layer(self.eh_proj(x), cos, sin)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[t, D] -> float32 logits [t, V] on rank 0, None on the other ranks."""

@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from kvshard.attention.backend import Attention
-from kvshard.attention.metadata import AttentionMetadata
-from kvshard.kv.cache import KVCacheLayer, head_dim_of
+from kvshard.compilation import call_opaque
+from kvshard.forward_context import get_forward_context
+from kvshard.kv.cache import head_dim_of
 from kvshard.models.causal_lm import CausalLM
 from kvshard.layers.activation import silu_and_mul
 from kvshard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -24,19 +25,26 @@ from kvshard.parallel import ParallelState
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg, qkv_bias: bool, o_bias: bool, dtype: torch.dtype, parallel: ParallelState) -> None:
+    def __init__(self, cfg, layer_index: int, qkv_bias: bool, o_bias: bool, dtype: torch.dtype,
+                 parallel: ParallelState) -> None:
         super().__init__()
+        self.layer_index = layer_index  # its cache among the forward context's
         d = head_dim_of(cfg)
         heads = parallel.attention_heads(cfg.num_attention_heads, cfg.num_key_value_heads)
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, heads.query, heads.kv, qkv_bias, dtype)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, o_bias, dtype, parallel)
         self.attn = Attention(heads, d**-0.5, parallel)
 
-    def forward(self, x, cos, sin, cache: KVCacheLayer, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, cos, sin) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # [t, H_q, d], [t, Hk_l, d], [t, Hk_l, d]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = self.attn.forward(q, k, v, cache, meta)  # [t, F_l]
+        o = call_opaque(torch.ops.kvshard.attention, self, q, k, v, width=self.o_proj.in_per_rank)  # [t, F_l]
         return self.o_proj(o)  # [t, D]
+
+    def opaque_forward(self, q, k, v) -> torch.Tensor:
+        """Attention over the step's cache (outside a compiled graph: kvshard/compilation.py)."""
+        context = get_forward_context()
+        return self.attn.forward(q, k, v, context.caches[self.layer_index], context.meta)
 
 
 class LlamaMLP(nn.Module):
@@ -52,15 +60,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, qkv_bias: bool, o_bias: bool, dtype: torch.dtype, parallel: ParallelState) -> None:
+    def __init__(self, cfg, layer_index: int, qkv_bias: bool, o_bias: bool, dtype: torch.dtype,
+                 parallel: ParallelState) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(cfg, qkv_bias, o_bias, dtype, parallel)
+        self.self_attn = LlamaAttention(cfg, layer_index, qkv_bias, o_bias, dtype, parallel)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, dtype, parallel)
 
-    def forward(self, x, cos, sin, cache: KVCacheLayer, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
+    def forward(self, x, cos, sin) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -69,7 +78,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, qkv_bias, o_bias, dtype, parallel) for _ in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, i, qkv_bias, o_bias, dtype, parallel) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 

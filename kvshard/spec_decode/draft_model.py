@@ -16,6 +16,7 @@ import torch
 from kvshard.engine.sampler import sample_with_probs
 from kvshard.engine.sequence import Sequence
 from kvshard.engine.step_plan import StepPlan
+from kvshard.forward_context import forward_context
 from kvshard.kv.cache import allocate_kv_cache, kv_cache_spec
 from kvshard.models.registry import model_class
 
@@ -97,7 +98,9 @@ class DraftModelModule:
 
     def run_draft(self, plan: StepPlan, input_ids: torch.Tensor, meta: AttentionMetadata,
                   rows: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(self.model(input_ids, meta, self.kv_caches)[rows])
+        with forward_context(meta, self.kv_caches):
+            states = self.model(input_ids, meta.positions)
+        return self.model.compute_logits(states[rows])
 
     def after_target(self, plan: StepPlan, states: torch.Tensor) -> None:
         pass  # the draft model reads the tokens, not the target's states

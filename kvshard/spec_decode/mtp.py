@@ -28,6 +28,7 @@ import torch
 from kvshard.engine.sampler import sample_with_probs
 from kvshard.engine.sequence import Sequence
 from kvshard.engine.step_plan import StepPlan
+from kvshard.forward_context import forward_context
 from kvshard.kv.cache import allocate_kv_cache
 from kvshard.models.deepseek import DeepseekMultiTokenPredictor
 
@@ -160,7 +161,8 @@ class MtpModule:
 
     def run_draft(self, plan: StepPlan, input_ids: torch.Tensor, meta: AttentionMetadata,
                   rows: torch.Tensor) -> torch.Tensor:
-        hidden = self.module(input_ids, self.hidden[plan.spec.hidden_rows], meta, self.kv_caches[0])  # [t, D]
+        with forward_context(meta, self.kv_caches):
+            hidden = self.module(input_ids, self.hidden[plan.spec.hidden_rows], meta.positions)  # [t, D]
         self.hidden = hidden  # the next draft starts from this one's output
         return self.module.compute_logits(hidden[rows])
 
@@ -184,5 +186,6 @@ class MtpModule:
             meta = self.metadata(context_lens, query_lens, tables) if whole else \
                 self.metadata(context_lens, query_lens, slots=tables)
             next_ids = torch.tensor(spec.next_token_ids, dtype=torch.long, device=self.device)
-            self.module(next_ids, states[known_rows], meta, self.kv_caches[0])
+            with forward_context(meta, self.kv_caches):
+                self.module(next_ids, states[known_rows], meta.positions)
         self.hidden = states[spec.keep_rows]  # [kept rows, D]
