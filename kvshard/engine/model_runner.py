@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import logging
-
 import torch
 import torch.distributed as dist
 
@@ -26,7 +24,6 @@ from kvshard.models.registry import model_class
 from kvshard.parallel import ParallelState
 from kvshard.spec_decode.proposer import make_draft_module
 
-logger = logging.getLogger(__name__)
 # the warm-up's dummy decode batches (their sizes: the compiled graph is one for every token count)
 WARM_UP_TOKENS = (8, 1)
 
