@@ -6,13 +6,17 @@ import pytest
 import torch
 
 from kvshard.layers import batch_invariant
-from kvshard.layers.linear import ONEDNN_LINEAR, QKVParallelLinear, ReplicatedLinear, reorder_linear_weights
+from kvshard.layers import linear
+from kvshard.layers.linear import (ONEDNN_LINEAR, QKVParallelLinear, ReplicatedLinear, onednn_dtypes,
+                                    reorder_linear_weights)
 
 pytestmark = pytest.mark.skipif(ONEDNN_LINEAR is None, reason="this torch has no oneDNN linear")
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
 def test_reordered_layers_give_torch_linear_and_keep_one_weight(dtype, atol):
+    """Where this CPU's oneDNN has no path for `dtype` (bfloat16 on AVX2), the layers keep torch's linear."""
+    reordered = dtype in onednn_dtypes()
     torch.manual_seed(0)
     model = torch.nn.Sequential(ReplicatedLinear(64, 96, True, dtype), QKVParallelLinear(96, 16, range(4), range(2),
                                                                                           False, dtype))
@@ -22,11 +26,36 @@ def test_reordered_layers_give_torch_linear_and_keep_one_weight(dtype, atol):
             torch.nn.init.normal_(layer.bias)
     x = torch.randn(37, 64, dtype=dtype)
     want = model(x)
-    assert reorder_linear_weights(model) == 2
-    assert all(layer.weight is None and layer.packed_weight.is_mkldnn for layer in model)
+    assert reorder_linear_weights(model) == (2 if reordered else 0)
+    if reordered:
+        assert all(layer.weight is None and layer.packed_weight.is_mkldnn for layer in model)
+    else:
+        assert all(layer.weight is not None and layer.packed_weight is None for layer in model)
     got = model(x)
     assert got.dtype == dtype and got.shape == want.shape
     torch.testing.assert_close(got.float(), want.float(), atol=atol * want.abs().max().item(), rtol=0)
+
+
+def test_bfloat16_keeps_torch_linear_where_onednn_has_no_bfloat16_path(monkeypatch):
+    """An AVX2-only CPU: oneDNN's bfloat16 reorder raises there, so a bfloat16 model keeps torch's linear."""
+    monkeypatch.setattr(linear, "onednn_dtypes", lambda: (torch.float32,))
+    model = torch.nn.Sequential(ReplicatedLinear(8, 8, False, torch.bfloat16), ReplicatedLinear(8, 8, False,
+                                                                                                 torch.float32))
+    for layer in model:
+        torch.nn.init.normal_(layer.weight)
+    assert reorder_linear_weights(model) == 1
+    assert model[0].weight is not None and model[0].packed_weight is None and model[1].weight is None
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    assert torch.equal(model[0](x), torch.nn.functional.linear(x, model[0].weight))
+
+
+def test_onednn_takes_bfloat16_exactly_where_its_reorder_works():
+    weight = torch.randn(8, 8, dtype=torch.bfloat16)
+    if torch.bfloat16 in onednn_dtypes():
+        assert torch.ops.mkldnn._reorder_linear_weight(weight, 32).is_mkldnn
+    else:
+        with pytest.raises(RuntimeError):
+            torch.ops.mkldnn._reorder_linear_weight(weight, 32)
 
 
 def test_switched_off_by_the_environment(monkeypatch):
@@ -54,8 +83,9 @@ def test_batch_invariant_mode_tiles_the_onednn_product(monkeypatch):
 def test_decode_floor_counts_a_reordered_weight_as_its_bytes():
     from kvshard.bench.decode_floor import weight_bytes_per_step
 
-    model = torch.nn.Sequential(ReplicatedLinear(64, 96, False, torch.float32), ReplicatedLinear(96, 32, True,
-                                                                                                 torch.bfloat16))
+    half = torch.bfloat16 if torch.bfloat16 in onednn_dtypes() else torch.float32  # a second dtype if it has one
+    model = torch.nn.Sequential(ReplicatedLinear(64, 96, False, torch.float32), ReplicatedLinear(96, 32, True, half))
     before = weight_bytes_per_step(model, batch_size=8)
     assert reorder_linear_weights(model) == 2
-    assert before == (64 * 96 * 4) + (96 * 32 + 32) * 2 == weight_bytes_per_step(model, batch_size=8)
+    size = half.itemsize
+    assert before == (64 * 96 * 4) + (96 * 32 + 32) * size == weight_bytes_per_step(model, batch_size=8)

@@ -7,6 +7,7 @@ layer that needs it.
 
 from __future__ import annotations
 
+import functools
 
 import torch
 from torch import nn
@@ -19,7 +20,14 @@ from kvshard.parallel import ParallelState, tp_all_reduce
 # reorder is what vLLM's CPU backend does too). Row hint for the reorder: a decode batch.
 ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
 ONEDNN_REORDER_ROWS = 32
-ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def onednn_dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes oneDNN's packed linear takes on this CPU: float32, and bfloat16 only where oneDNN has
+    a bfloat16 path (AVX-512 BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only CPU has none, and its reorder raises)."""
+    bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
 
 
 def _parameter(shape: tuple[int, ...], dtype: torch.dtype, loader) -> nn.Parameter:
@@ -57,7 +65,7 @@ class LinearBase(nn.Module):
     def reorder_for_onednn(self) -> bool:
         """Keep only oneDNN's reordered copy of the weight (a CPU weight of a dtype it takes); whether it did."""
         weight = self.weight
-        if ONEDNN_LINEAR is None or weight.device.type != "cpu" or weight.dtype not in ONEDNN_DTYPES:
+        if ONEDNN_LINEAR is None or weight.device.type != "cpu" or weight.dtype not in onednn_dtypes():
             return False
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ONEDNN_REORDER_ROWS)
         self.weight = None  # the reordered copy replaces it: the weights' memory is not doubled
