@@ -7,16 +7,17 @@ import torch
 
 from kvshard.layers import batch_invariant
 from kvshard.layers import linear
-from kvshard.layers.linear import (ONEDNN_LINEAR, QKVParallelLinear, ReplicatedLinear, onednn_dtypes,
-                                    reorder_linear_weights)
+from kvshard.layers.embedding import ParallelLMHead
+from kvshard.layers.linear import (ONEDNN_LINEAR, QKVParallelLinear, ReplicatedLinear, cpu_product_dtype,
+                                    onednn_dtypes, reorder_linear_weights)
+from kvshard.parallel import single_rank_state
 
 pytestmark = pytest.mark.skipif(ONEDNN_LINEAR is None, reason="this torch has no oneDNN linear")
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
 def test_reordered_layers_give_torch_linear_and_keep_one_weight(dtype, atol):
-    """Where this CPU's oneDNN has no path for `dtype` (bfloat16 on AVX2), the layers keep torch's linear."""
-    reordered = dtype in onednn_dtypes()
+    """Where this CPU has no arithmetic for `dtype` (bfloat16 on AVX2), the reordered copy is float32's."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(ReplicatedLinear(64, 96, True, dtype), QKVParallelLinear(96, 16, range(4), range(2),
                                                                                           False, dtype))
@@ -26,27 +27,43 @@ def test_reordered_layers_give_torch_linear_and_keep_one_weight(dtype, atol):
             torch.nn.init.normal_(layer.bias)
     x = torch.randn(37, 64, dtype=dtype)
     want = model(x)
-    assert reorder_linear_weights(model) == (2 if reordered else 0)
-    if reordered:
-        assert all(layer.weight is None and layer.packed_weight.is_mkldnn for layer in model)
-    else:
-        assert all(layer.weight is not None and layer.packed_weight is None for layer in model)
+    assert reorder_linear_weights(model) == 2
+    assert all(layer.weight is None and layer.packed_weight.is_mkldnn for layer in model)
+    assert all(layer.packed_weight.dtype == cpu_product_dtype(dtype) for layer in model)
     got = model(x)
     assert got.dtype == dtype and got.shape == want.shape
     torch.testing.assert_close(got.float(), want.float(), atol=atol * want.abs().max().item(), rtol=0)
 
 
-def test_bfloat16_keeps_torch_linear_where_onednn_has_no_bfloat16_path(monkeypatch):
-    """An AVX2-only CPU: oneDNN's bfloat16 reorder raises there, so a bfloat16 model keeps torch's linear."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_runs_in_float32_where_the_cpu_has_no_arithmetic_for_it(monkeypatch, dtype):
+    """An AVX2-only CPU: the layer keeps a float32 reordered copy, takes and returns `dtype`, and rounds the
+    float32 product once, as a half-precision product does; so does the LM head, keeping its own weight."""
     monkeypatch.setattr(linear, "onednn_dtypes", lambda: (torch.float32,))
-    model = torch.nn.Sequential(ReplicatedLinear(8, 8, False, torch.bfloat16), ReplicatedLinear(8, 8, False,
-                                                                                                 torch.float32))
-    for layer in model:
-        torch.nn.init.normal_(layer.weight)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: False, raising=False)
+    assert cpu_product_dtype(dtype) == torch.float32 and cpu_product_dtype(torch.float32) == torch.float32
+    torch.manual_seed(0)
+    layer = ReplicatedLinear(64, 48, True, dtype)
+    head = ParallelLMHead(50, 64, dtype, single_rank_state())
+    for param in (layer.weight, layer.bias, head.weight):
+        torch.nn.init.normal_(param)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    model = torch.nn.Sequential(layer, head)
     assert reorder_linear_weights(model) == 1
-    assert model[0].weight is not None and model[0].packed_weight is None and model[1].weight is None
-    x = torch.randn(3, 8, dtype=torch.bfloat16)
-    assert torch.equal(model[0](x), torch.nn.functional.linear(x, model[0].weight))
+    assert layer.weight is None and layer.packed_weight.dtype == torch.float32
+    assert head.weight.dtype == dtype and head.product_weight.dtype == torch.float32
+    x = torch.randn(9, 64, dtype=dtype)
+    got = layer(x)
+    want = torch.nn.functional.linear(x.float(), weight.float(), bias.float()).to(dtype)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2 * want.abs().max().item(), rtol=0)
+    logits = head.logits(x)
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, torch.nn.functional.linear(x.float(), head.weight.float()).to(dtype).float())
+    from kvshard.bench.decode_floor import weight_bytes_per_step
+
+    # a step reads the layer's and the head's float32 copies (not the head's own weight)
+    assert weight_bytes_per_step(model, batch_size=4) == (64 * 48 + 50 * 64) * 4 + 48 * dtype.itemsize
 
 
 def test_onednn_takes_bfloat16_exactly_where_its_reorder_works():
@@ -83,9 +100,11 @@ def test_batch_invariant_mode_tiles_the_onednn_product(monkeypatch):
 def test_decode_floor_counts_a_reordered_weight_as_its_bytes():
     from kvshard.bench.decode_floor import weight_bytes_per_step
 
-    half = torch.bfloat16 if torch.bfloat16 in onednn_dtypes() else torch.float32  # a second dtype if it has one
-    model = torch.nn.Sequential(ReplicatedLinear(64, 96, False, torch.float32), ReplicatedLinear(96, 32, True, half))
+    model = torch.nn.Sequential(ReplicatedLinear(64, 96, False, torch.float32), ReplicatedLinear(96, 32, True,
+                                                                                                 torch.bfloat16))
     before = weight_bytes_per_step(model, batch_size=8)
     assert reorder_linear_weights(model) == 2
-    size = half.itemsize
-    assert before == (64 * 96 * 4) + (96 * 32 + 32) * size == weight_bytes_per_step(model, batch_size=8)
+    assert before == (64 * 96 * 4) + (96 * 32 + 32) * 2
+    # what a step reads: the reordered copy (float32 where the CPU has no bfloat16 arithmetic)
+    size = cpu_product_dtype(torch.bfloat16).itemsize
+    assert weight_bytes_per_step(model, batch_size=8) == (64 * 96 * 4) + 96 * 32 * size + 32 * 2

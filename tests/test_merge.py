@@ -142,6 +142,30 @@ def test_fused_kernel_in_bfloat16_is_close_to_float32():
     torch.testing.assert_close(lse, ref_lse, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_half_precision_attention_runs_in_float32_where_the_cpu_has_no_arithmetic_for_it(monkeypatch, causal):
+    """On an AVX2-only CPU the fused kernel takes bfloat16 inputs as float32 (layers/linear.py's
+    cpu_product_dtype): the same output as the float32 kernel on the same values, bit for bit; MLA's latent
+    (V a prefix view of K) stays one tensor."""
+    from kvshard.attention import kernels
+
+    monkeypatch.setattr(kernels, "cpu_product_dtype", lambda dtype: torch.float32)
+    g = torch.Generator().manual_seed(6)
+    s, length = (9, 9) if causal else (1, 40)
+    q = torch.randn(2, s, 4, 32, generator=g).bfloat16()
+    k, v = (torch.randn(2, length, 1, 32, generator=g).bfloat16() for _ in range(2))
+    bias = None if causal else torch.zeros(2, 1, length)
+    out, lse = attention_with_lse(q, k, v, bias, 0.2, causal=causal)
+    want_out, want_lse = attention_with_lse(q.float(), k.float(), v.float(), bias, 0.2, causal=causal)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    latent = torch.randn(2, length, 1, 48, generator=g).bfloat16()
+    out, _ = attention_with_lse(q[..., :1].expand(-1, -1, -1, 48).contiguous(), latent, latent[..., :32], bias,
+                                0.2, causal=causal)
+    want, _ = attention_with_lse(q[..., :1].expand(-1, -1, -1, 48).float(), latent.float(),
+                                 latent.float()[..., :32], bias, 0.2, causal=causal)
+    assert out.shape == (2, s, 4, 32) and torch.equal(out, want)
+
+
 def test_fused_kernel_with_value_and_key_of_different_sizes():
     """MLA's expanded chunk attention: keys of n + r channels, values of v (smaller, padded inside);
     and the other way round."""

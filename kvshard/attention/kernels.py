@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvshard.attention.merge import merge_attention_states
+from kvshard.layers.linear import cpu_product_dtype
 
 # PyTorch's fused CPU attention (flash-style, tiled, one pass) returns the log-sum-exp with the
 # output; it is what `scaled_dot_product_attention` runs on CPU. On CUDA, a chunk's own causal
@@ -88,6 +89,10 @@ def _flash_attention_with_lse(q, k, v, bias, scale, causal):
     elif dv > dk:
         q, k = (torch.nn.functional.pad(x, (0, dv - dk)) for x in (q, k))
         dk = dv
+    if cpu_product_dtype(q.dtype) != q.dtype:  # a half precision this CPU has no arithmetic for (AVX2)
+        shared = v is k
+        q, k = q.float(), k.float()
+        v = k if shared else v.float()
     # When every query row sees the same keys (decodes, cached context), the query heads that share
     # a KV head become rows of one "head": each K/V block is then read once, not once per query head.
     fold = bias is not None and bias.shape[1] == 1 and num_heads > num_kv_heads

@@ -56,8 +56,13 @@ def copy_bandwidth(num_bytes: int = 2**30, repeats: int = 10, device: str | torc
 
 def weight_bytes_per_step(model: torch.nn.Module, batch_size: int) -> int:
     total = 0
-    # linear layers on CPU hold their weight as oneDNN's reordered copy, a buffer (layers/linear.py)
+    # linear layers on CPU hold their weight as oneDNN's reordered copy, a buffer (layers/linear.py); an LM
+    # head with a float32 copy for its product (layers/embedding.py) reads the copy, not its weight
+    copied = {name.removesuffix("product_weight") + "weight" for name, _ in model.named_buffers()
+              if name.endswith("product_weight")}
     for name, parameter in [*model.named_parameters(), *model.named_buffers()]:
+        if name in copied:
+            continue
         row_bytes = parameter.shape[-1] * parameter.element_size()
         if "embed_tokens" in name:  # an embedding lookup reads one row per request
             total += min(batch_size, parameter.shape[0]) * row_bytes

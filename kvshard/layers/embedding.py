@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvshard.layers.linear import cpu_product_dtype
 from kvshard.parallel import ParallelState, tp_all_reduce, tp_gather_to_driver
 
 
@@ -33,8 +34,25 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, parallel: ParallelState) -> None:
+        super().__init__(vocab_size, hidden_size, dtype, parallel)
+        self.register_buffer("product_weight", None, persistent=False)
+
+    def keep_product_copy(self) -> bool:
+        """A float32 copy of a half-precision weight for the product, where the CPU has no arithmetic for
+        that precision (layers/linear.py's cpu_product_dtype); the weight itself stays (the embedding may
+        share it). Whether it made one."""
+        weight = self.weight
+        if weight.device.type != "cpu" or cpu_product_dtype(weight.dtype) == weight.dtype:
+            return False
+        self.product_weight = weight.detach().to(cpu_product_dtype(weight.dtype))
+        return True
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[t, D] -> full-vocabulary logits [t, V] in float32 on rank 0, None elsewhere."""
-        local = nn.functional.linear(hidden, self.weight).float()  # [t, V/tp]
+        if self.product_weight is not None:  # the float32 product, rounded as the half-precision one rounds
+            local = nn.functional.linear(hidden.float(), self.product_weight).to(hidden.dtype).float()
+        else:
+            local = nn.functional.linear(hidden, self.weight).float()  # [t, V/tp]
         full = tp_gather_to_driver(local, self.parallel)
         return None if full is None else full[:, : self.vocab_size]

@@ -30,6 +30,18 @@ def onednn_dtypes() -> tuple[torch.dtype, ...]:
     return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
 
 
+def cpu_product_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a CPU matrix product of `dtype` operands runs in: `dtype` itself, or float32 for a half
+    precision the CPU has no arithmetic for (bfloat16 and float16 on AVX2, where torch emulates the product
+    element by element, 5-6x slower than float32's). A half-precision product accumulates in float32 and
+    rounds its result once, and so does the float32 one below, rounded back to `dtype`."""
+    if dtype in (torch.bfloat16, torch.float16) and dtype not in onednn_dtypes():
+        fp16 = getattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", None)
+        if dtype == torch.bfloat16 or fp16 is None or not fp16():
+            return torch.float32
+    return dtype
+
+
 def _parameter(shape: tuple[int, ...], dtype: torch.dtype, loader) -> nn.Parameter:
     param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
     param.weight_loader = loader
@@ -52,9 +64,14 @@ class LinearBase(nn.Module):
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed_weight is not None:
+            dtype = x.dtype
+            if self.packed_weight.dtype != dtype:  # a half-precision layer reordered in float32 (AVX2)
+                x, bias = x.float(), None if bias is None else bias.float()
             if torch.compiler.is_compiling():  # inductor cannot lower it from a runtime weight: an opaque op
-                return torch.ops.kvshard.onednn_linear(x, self.packed_weight, bias)
-            return ONEDNN_LINEAR(x, self.packed_weight, bias, "none", [], "")
+                out = torch.ops.kvshard.onednn_linear(x, self.packed_weight, bias)
+            else:
+                out = ONEDNN_LINEAR(x, self.packed_weight, bias, "none", [], "")
+            return out.to(dtype)
         return nn.functional.linear(x, self.weight, bias)
 
     @property
@@ -63,11 +80,15 @@ class LinearBase(nn.Module):
         return (self.weight if self.packed_weight is None else self.packed_weight).shape
 
     def reorder_for_onednn(self) -> bool:
-        """Keep only oneDNN's reordered copy of the weight (a CPU weight of a dtype it takes); whether it did."""
+        """Keep only oneDNN's reordered copy of the weight (a CPU weight of a dtype it takes, or a float32 copy
+        of a half-precision one where the CPU has no arithmetic for it: cpu_product_dtype); whether it did."""
         weight = self.weight
-        if ONEDNN_LINEAR is None or weight.device.type != "cpu" or weight.dtype not in onednn_dtypes():
+        if ONEDNN_LINEAR is None or weight.device.type != "cpu":
             return False
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ONEDNN_REORDER_ROWS)
+        product = cpu_product_dtype(weight.dtype)
+        if product not in onednn_dtypes():
+            return False
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(product), ONEDNN_REORDER_ROWS)
         self.weight = None  # the reordered copy replaces it: the weights' memory is not doubled
         return True
 
@@ -77,6 +98,9 @@ def reorder_linear_weights(model: nn.Module) -> int:
     keeps torch's linear). Returns the number of layers reordered."""
     if not envs.get("KVSHARD_ONEDNN_LINEAR"):
         return 0
+    for module in model.modules():  # the LM head (not a LinearBase) in float32 where its precision is emulated
+        if hasattr(module, "keep_product_copy"):
+            module.keep_product_copy()
     return sum(module.reorder_for_onednn() for module in model.modules() if isinstance(module, LinearBase))
 
 
