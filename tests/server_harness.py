@@ -7,7 +7,8 @@ suite's forkserver, which imported torch once (tests/rank_start.py), rather than
 interpreter that imports torch anew, per server and per rank: `ForkedServer` runs `kvshard.entrypoints.cli`'s
 `main` there, in the environment and working directory a subprocess would get, its output in the log.
 Another subcommand forks the same way (`Server(args, log, subcommand="proxy")`: `kvshard proxy ARGS`); a
-`command` (torchrun) still runs as a subprocess.
+`command` (torchrun) still runs as a subprocess. `fork_bench_server` starts the `kvshard bench` servers
+(kvshard/bench/server.py's `ServerProcess.launch`) the same way.
 """
 
 from __future__ import annotations
@@ -187,6 +188,12 @@ def forked_servers() -> bool:
     from kvshard.engine import executor
 
     return executor.RANK_START_METHOD == "forkserver"
+
+
+def fork_bench_server(server, log) -> ForkedServer:
+    """A `ServerProcess.launch` (kvshard/bench/server.py) that forks its `kvshard serve` from the suite's forkserver,
+    in the environment a subprocess would get, its output in the log `start` opened."""
+    return ForkedServer(server.cli_args, server.log_path, {**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 class ForkedServer:
