@@ -262,7 +262,19 @@ def engine_run():
 
 
 def _run_engine(LLM, model: str, prompts, params, env: dict[str, str], probe, engine_kwargs: dict) -> Run:
+    with engine_after_run(LLM, model, prompts, params, env, probe, engine_kwargs) as (_, result):
+        return result
+
+
+@contextmanager
+def engine_after_run(LLM, model: str, prompts, params, env: dict[str, str], probe, engine_kwargs: dict,
+                     before=None) -> Iterator[tuple[object, Run]]:
+    """(the open LLM, its Run) once the batch ran, for a test that keeps using the engine (`engine_run`'s run);
+    `before(llm)` is called once the engine started, before the batch. The engine closes, and `env` is
+    restored, when the block ends."""
     with environment(env), LLM(model, **engine_kwargs) as llm:
+        if before is not None:
+            before(llm)
         engine = llm.engine
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, params)
@@ -279,4 +291,4 @@ def _run_engine(LLM, model: str, prompts, params, env: dict[str, str], probe, en
         outputs = [done[str(i)] for i in range(len(prompts))]
         result = Run(llm, outputs, peak_blocks, peak_tokens, None)
         result.probed = probe(llm) if probe is not None else None
-        return result
+        yield llm, result

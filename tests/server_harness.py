@@ -6,17 +6,21 @@ official `openai` client, httpx, and the Prometheus text. It is forked, as its r
 suite's forkserver, which imported torch once (tests/rank_start.py), rather than started as a fresh
 interpreter that imports torch anew, per server and per rank: `ForkedServer` runs `kvshard.entrypoints.cli`'s
 `main` there, in the environment and working directory a subprocess would get, its output in the log.
-Another subcommand forks the same way (`Server(args, log, subcommand="proxy")`: `kvshard proxy ARGS`); a
-`command` (torchrun) still runs as a subprocess.
+Another subcommand forks the same way (`Server(args, log, subcommand="proxy")`: `kvshard proxy ARGS`), and so
+does a `command` that runs a module (`python -m torch.distributed.run ...`: torchrun's launcher, whose workers
+it starts as subprocesses still). `fork_bench_server` starts the `kvshard bench` servers (kvshard/bench/server.py's
+`ServerProcess.launch`) the same way.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import io
 import multiprocessing
 import os
 import re
+import runpy
 import signal
 import subprocess
 import sys
@@ -38,9 +42,12 @@ SERVE_ARGS = [MODEL, "--tensor-parallel-size", "2", "--decode-context-parallel-s
               "--max-model-len", "512", "--kv-cache-memory", "64MiB"]
 
 
+CLI = "kvshard.entrypoints.cli"
+
+
 def cli_command(*args: str) -> list[str]:
     """`kvshard ARGS` as a subprocess runs it."""
-    return [sys.executable, "-m", "kvshard.entrypoints.cli", *args]
+    return [sys.executable, "-m", CLI, *args]
 
 
 def serve_command(*args: str) -> list[str]:
@@ -61,12 +68,8 @@ class Server:
         extra = ["--api-key", api_key] if api_key and subcommand == "serve" else []
         self._log = open(log_path, "wb")
         environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        cli_args = [subcommand, *args, *extra, "--port", str(port)]
-        if command is None and forked_servers():
-            self.process = ForkedServer(cli_args, log_path, environ)
-        else:
-            self.process = subprocess.Popen(command or cli_command(*cli_args), cwd=ROOT,
-                                            stdout=self._log, stderr=subprocess.STDOUT, env=environ)
+        self.process = start_command(command or cli_command(subcommand, *args, *extra, "--port", str(port)),
+                                     log_path, environ, self._log)
         self.url = self._wait_for_url(startup_timeout)
         self.http = httpx.Client(base_url=self.url, timeout=60,
                                  headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
@@ -189,16 +192,31 @@ def forked_servers() -> bool:
     return executor.RANK_START_METHOD == "forkserver"
 
 
-class ForkedServer:
-    """`kvshard ARGS` (`serve ...`, `proxy ...`) forked from the suite's forkserver (torch already imported), with
-    the `subprocess.Popen` methods the tests use: pid, poll, wait, send_signal, kill, returncode."""
+def start_command(command: list[str], log_path: Path, environ: dict[str, str], log=None):
+    """`command` with its output in the log: forked from the suite's forkserver where it is `python -m MODULE ARGS`
+    and conftest started the forkserver, else a subprocess (`log`: the open log file it writes to)."""
+    if command[:2] == [sys.executable, "-m"] and forked_servers():
+        return ForkedServer(command[3:], log_path, environ, module=command[2])
+    with open(log_path, "ab") if log is None else contextlib.nullcontext(log) as out:
+        return subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=environ)
 
-    def __init__(self, args: list[str], log_path: Path, environ: dict[str, str]) -> None:
+
+def fork_bench_server(server, log) -> ForkedServer:
+    """A `ServerProcess.launch` (kvshard/bench/server.py) that forks its `kvshard serve` from the suite's forkserver,
+    in the environment a subprocess would get, its output in the log `start` opened."""
+    return ForkedServer(server.cli_args, server.log_path, {**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+class ForkedServer:
+    """`kvshard ARGS` (`serve ...`, `proxy ...`), or `python -m MODULE ARGS`, forked from the suite's forkserver (torch
+    already imported), with the `subprocess.Popen` methods the tests use: pid, poll, wait, send_signal, kill,
+    returncode."""
+
+    def __init__(self, args: list[str], log_path: Path, environ: dict[str, str], module: str = CLI) -> None:
         self._ranks = Path(f"{log_path}.ranks")  # each rank leaves its pid here (rank_start.RankTarget)
         self._ranks.mkdir(exist_ok=True)
-        self._process = multiprocessing.get_context("forkserver").Process(
-            target=_ServeTarget(args, str(log_path), {**environ, rank_start.RANK_PIDS_DIR: str(self._ranks)}),
-            name=f"kvshard-{args[0]}")
+        target = _ServeTarget(args, str(log_path), {**environ, rank_start.RANK_PIDS_DIR: str(self._ranks)}, module)
+        self._process = multiprocessing.get_context("forkserver").Process(target=target, name=target.name)
         self._process.start()
         # not one of this process's multiprocessing children, as a subprocess is not: `active_children()` (which
         # tests check for ranks left behind) does not list it, and multiprocessing's exit hook does not wait on it
@@ -257,10 +275,13 @@ def _kill_servers_left_running() -> None:
 
 
 class _ServeTarget:
-    """What the forked server runs: `kvshard ARGS` as `python -m kvshard.entrypoints.cli` would."""
+    """What the forked process runs: `kvshard ARGS` as `python -m kvshard.entrypoints.cli` would, or another module's
+    `python -m MODULE ARGS`."""
 
-    def __init__(self, args: list[str], log_path: str, environ: dict[str, str]) -> None:
-        self.args, self.log_path, self.environ = args, log_path, environ
+    def __init__(self, args: list[str], log_path: str, environ: dict[str, str], module: str = CLI) -> None:
+        self.args, self.log_path, self.environ, self.module = args, log_path, environ, module
+        # its command line is the forkserver's: `pgrep kvshard-serve` (`kvshard-proxy`)
+        self.name = f"kvshard-{args[0]}" if module == CLI else module
 
     def __call__(self) -> None:
         os.environ.clear()
@@ -272,8 +293,11 @@ class _ServeTarget:
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
                                       errors="backslashreplace")
-        # its command line is the forkserver's: `pgrep kvshard-serve` (`kvshard-proxy`)
-        rank_start.name_this_process(f"kvshard-{self.args[0]}")
+        rank_start.name_this_process(self.name)
+        if self.module != CLI:
+            sys.argv = [self.module, *self.args]
+            runpy.run_module(self.module, run_name="__main__", alter_sys=True)
+            return
         rank_start.ranks_from_this_forkserver()
         from kvshard.entrypoints import cli
 

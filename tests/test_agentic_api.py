@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
 from typing import Annotated, Any, Literal
 
@@ -465,13 +466,23 @@ SCHEMAS = [(Capital, "What is the capital of France?"), (Forecast, "Give a one-d
 
 
 @pytest.fixture(scope="module")
-def servers(smollm2_server, tmp_path_factory):
-    """The session's SmolLM2 server (conftest's `smollm2_server`, started with `SERVED[SMOL]`) and one MLA server."""
+def servers(request, tmp_path_factory):
+    """The session's SmolLM2 server (conftest's `smollm2_server`, started with `SERVED[SMOL]`) and one MLA server,
+    which starts while SmolLM2 is fetched, converted and started (where this module is the first to ask for it)."""
     from conftest import SMOLLM2_SERVE_ARGS
     from server_harness import Server
 
     assert SMOLLM2_SERVE_ARGS == SERVED[SMOL], "the shared SmolLM2 server must be the one these tests describe"
-    mla = Server(SERVED[MLA], tmp_path_factory.mktemp("servers") / f"{MLA}.log", startup_timeout=600)
+    with ThreadPoolExecutor(1) as pool:
+        starting = pool.submit(Server, SERVED[MLA], tmp_path_factory.mktemp("servers") / f"{MLA}.log",
+                               startup_timeout=600)
+        try:
+            smollm2_server = request.getfixturevalue("smollm2_server")
+        except BaseException:  # a failed start, or a skip where SmolLM2 cannot be fetched
+            if starting.exception() is None:
+                starting.result().stop()
+            raise
+        mla = starting.result()
     yield {SMOL: smollm2_server, MLA: mla}
     assert mla.stop() == 0, mla.log
 

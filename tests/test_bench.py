@@ -293,6 +293,15 @@ MODEL = "kvshard-demo-gqa"  # 1 KV head: tp=2 with dcp=2 is valid
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture
+def forked_servers(monkeypatch):
+    """The bench's servers fork from the suite's forkserver, torch already imported, rather than start as fresh
+    interpreters (tests/server_harness.py); the Ctrl-C test keeps a real `kvshard bench` subprocess."""
+    from server_harness import fork_bench_server
+
+    monkeypatch.setattr(ServerProcess, "launch", fork_bench_server)
+
+
 def _group_is_gone(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -306,7 +315,7 @@ def test_bench_is_a_kvshard_subcommand():
     assert (args.dcp, args.concurrency) == ([2, 4], [1, 4, 16])
 
 
-def test_a_server_that_cannot_start_reports_its_error_and_leaves_nothing(tmp_path):
+def test_a_server_that_cannot_start_reports_its_error_and_leaves_nothing(tmp_path, forked_servers):
     server = ServerProcess(MODEL, ["--kv-cache-memory", "lots"], tmp_path / "server.log", startup_timeout=60)
     with pytest.raises(ServerStartError, match="not a size"):
         server.start()
@@ -337,7 +346,7 @@ def test_ctrl_c_in_the_middle_of_bench_dcp_stops_its_server_and_ranks(tmp_path):
     assert _group_is_gone(server_pid)
 
 
-def test_tiny_dcp_run_of_agentic_sessions_prints_the_table_and_writes_json_and_png(tmp_path, capsys):
+def test_tiny_dcp_run_of_agentic_sessions_prints_the_table_and_writes_json_and_png(tmp_path, capsys, forked_servers):
     workload = ["--workload", "sessions", "--num-turns", "2", "--context-scale", "1/1024", "--output-scale", "1/32"]
     code = bench_main([
         "dcp", MODEL, "-tp", "2", "--dcp", "2", "--kv-cache-memory", "2MiB", *workload, "--concurrency", "1",

@@ -34,7 +34,8 @@ from kvshard.bench.cli import model_vocab_size
 from kvshard.bench.serve import request_list_digest
 from kvshard.bench.workloads import WorkloadSpec
 from kvshard.engine.arg_utils import EngineArgs
-from server_harness import API_KEY, MODEL, ROOT, SERVE_ARGS, Server, serve_command, start_together, stop_all
+from server_harness import (API_KEY, MODEL, SERVE_ARGS, Server, serve_command, start_command, start_together,
+                            stop_all)
 
 PROMPTS = [f"Request {i}: " + "Decode context parallelism shards the key value cache. " * (i % 4) + "The capital of"
            for i in range(32)]  # 5 to 45 tokens: shorter and longer than one virtual block (2 x 16 tokens)
@@ -682,31 +683,31 @@ def torchrun_nodes(tmp_path, args: list[str] = SERVE_ARGS,
                     "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", str(master_port)]
         return torchrun + serve_command(*args, "--port", "0")[1:]
 
-    with open(tmp_path / "node1.log", "wb") as node1_log:
-        node1 = subprocess.Popen(node(1), cwd=ROOT, stdout=node1_log, stderr=subprocess.STDOUT,
-                                 env={**os.environ, **(env or {})})
-        node0 = None
+    # each launcher forks from the suite's forkserver, as the servers do (tests/server_harness.py); its worker,
+    # the node's rank, is a subprocess of it
+    node1 = start_command(node(1), tmp_path / "node1.log", {**os.environ, **(env or {})})
+    node0 = None
+    try:
+        node0 = Server([], tmp_path / "node0.log", command=node(0), env=env)
+        assert "ranks: 2 (tp=2, dcp=2" in node0.log
+        yield node0, node1
+    finally:
+        left = descendants(node1.pid)
+        if node0 is not None:
+            left += descendants(node0.process.pid)
+            node0.stop()
         try:
-            node0 = Server([], tmp_path / "node0.log", command=node(0), env=env)
-            assert "ranks: 2 (tp=2, dcp=2" in node0.log
-            yield node0, node1
+            node1.wait(30)
         finally:
-            left = descendants(node1.pid)
-            if node0 is not None:
-                left += descendants(node0.process.pid)
-                node0.stop()
-            try:
-                node1.wait(30)
-            finally:
-                node1.kill()
-                node1.wait()
-            for pid in left:  # a rank its launcher could not end (stopped, say)
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            deadline = time.monotonic() + 10
-            while any(running(pid) for pid in left) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert not any(running(pid) for pid in left), "a rank outlived its node"
+            node1.kill()
+            node1.wait()
+        for pid in left:  # a rank its launcher could not end (stopped, say)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(running(pid) for pid in left) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(running(pid) for pid in left), "a rank outlived its node"
 
 
 def running(pid: int) -> bool:

@@ -4,6 +4,8 @@ The server runs in its own process group (session), so stopping it reaches its
 rank processes too, and a Ctrl-C at the terminal reaches only the benchmark,
 which then stops the server in `__exit__`: SIGINT (a clean shutdown), then
 SIGKILL to the whole group if it is not gone within `stop_timeout` seconds.
+`ServerProcess.launch` starts the process; the test suite replaces it to fork its
+servers from a process that imported torch once (tests/server_harness.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 import httpx
 
@@ -45,9 +48,19 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     @property
+    def cli_args(self) -> list[str]:
+        """`kvshard ARGS`: serve the model on this port."""
+        return ["serve", self.model, *self.flags, "--host", "127.0.0.1", "--port", str(self.port)]
+
+    @property
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "kvshard.entrypoints.cli", "serve", self.model, *self.flags,
-                "--host", "127.0.0.1", "--port", str(self.port)]
+        return [sys.executable, "-m", "kvshard.entrypoints.cli", *self.cli_args]
+
+    def launch(self, log: IO) -> subprocess.Popen:
+        """`command` in a session of its own, its output in `log`. What `start` starts: a replacement returns an
+        object with Popen's pid, poll, wait and send_signal."""
+        return subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
 
     def start(self) -> None:
         """Start the server and wait for /health; a port taken in between is retried on another."""
@@ -55,8 +68,7 @@ class ServerProcess:
             self.port = free_port()
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.log_path, "w") as log:
-                self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                                stdin=subprocess.DEVNULL, start_new_session=True)
+                self.process = self.launch(log)
             try:
                 self._wait_healthy()
                 return
@@ -79,7 +91,7 @@ class ServerProcess:
                         return
                 except httpx.HTTPError:
                     pass
-                time.sleep(0.5)
+                time.sleep(0.05)
         raise ServerStartError(f"`kvshard serve` was not healthy after {self.startup_timeout:.0f} s:\n"
                                f"{self.log_tail()}")
 
