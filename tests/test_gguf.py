@@ -280,7 +280,7 @@ SMOLLM2 = "smollm2-135m-instruct"
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 SMOLLM2_PROMPTS = ["The three primary colors are", "def fibonacci(n):", "Once upon a time, in a small village,",
                    "Decode context parallelism shards the key value cache of"]  # and the license text
-# The license's first 1,024 tokens: prompt chunks of at most 512 tokens (the default batch budget) still cut it,
+# The license's first 1,024 tokens: prompt chunks of at most 512 tokens (Layout's batch budget) still cut it,
 # and at dcp=2 each rank holds 512 of its positions; its whole 2,224 tokens would double the prefill costs.
 SMOLLM2_TEXT_TOKENS = 1024
 # prompt + 32 new tokens reach past position 32: at interleave 16 both DCP ranks hold some of each sequence
@@ -298,7 +298,7 @@ class Layout:
 
     def engine_args(self) -> dict[str, int]:
         return dict(tensor_parallel_size=self.tp, decode_context_parallel_size=self.dcp,
-                    dcp_kv_interleave_size=self.interleave)
+                    dcp_kv_interleave_size=self.interleave, max_num_batched_tokens=512)
 
 
 # The first is the baseline the others must equal. SmolLM2 has 9 query and 3 KV heads: tp=3 splits them,

@@ -38,6 +38,11 @@ from kvshard.kv.cache import resolve_kv_cache_dtype
 from kvshard.models.demo import DEFAULT_DEMO_MODEL
 from kvshard.spec_decode.config import check_mtp_checkpoint, parse_speculative_config
 
+# Tokens per step by default (decodes first, then prompt chunks): vLLM's OpenAI server default on a CPU. On the
+# trace workload (mostly prefill), 2,048 against 512 halved TTFT p50 and gave as many output tokens per
+# second or more (BENCHMARKS.md, "The prefill chunk on the trace").
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
 
 def _setting(default: Any, help: str, *aliases: str, cli_type: type | None = None, positive: bool = False,
              choices: tuple[str, ...] | None = None, switches: dict[str, Any] | None = None) -> Any:
@@ -88,7 +93,8 @@ class EngineArgs:
         positive=True)
     max_num_seqs: int = _setting(64, "sequences in the running batch at most", positive=True)
     max_num_batched_tokens: int | None = _setting(
-        None, "tokens per step at most (default: max(512, max-num-seqs))", cli_type=int, positive=True)
+        None, "tokens per step at most (default: max(2048, max-num-seqs), vLLM's server default on a CPU)",
+        cli_type=int, positive=True)
     dtype: str = _setting("auto", "auto, float32, bfloat16 or float16")
     kv_cache_dtype: str = _setting(
         "auto", "what the KV cache stores: auto (the model's dtype) or fp8 (= fp8_e4m3: float8 e4m3, half the "
@@ -252,7 +258,7 @@ class EngineArgs:
         resolve_kv_cache_dtype(self.kv_cache_dtype, model_config.dtype)  # an unknown name fails here, early
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(512, self.max_num_seqs)
+            max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
         if max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(
                 f"max_num_batched_tokens={max_num_batched_tokens} is below max_num_seqs={self.max_num_seqs}: "
