@@ -11,6 +11,7 @@ speculation in one engine; MLA under DCP; an FP8 cache), against transformers or
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import shutil
 
@@ -36,7 +37,8 @@ needs_kernel = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler foun
 # --- choosing the backend ------------------------------------------------------------------------
 
 @needs_kernel
-def test_auto_is_the_paged_kernel_and_the_report_names_the_backend(checkpoints):
+def test_auto_is_the_paged_kernel_and_the_report_names_the_backend(checkpoints, monkeypatch):
+    monkeypatch.setattr(backends, "cpu_capability", lambda: "AVX512")  # the kernel's width (also on AVX2)
     path = str(checkpoints("backends-llama", tiny_llama_config()))
     assert backends.resolve_backend_name("auto", "cpu") == "paged"
     config = EngineArgs(model=path).create_engine_config()
@@ -53,9 +55,23 @@ def test_auto_is_the_paged_kernel_and_the_report_names_the_backend(checkpoints):
         EngineArgs(model=path, attention_backend="flash").create_engine_config()
 
 
+@needs_kernel
+def test_auto_gathers_on_a_cpu_without_avx512_and_paged_still_runs_when_asked(checkpoints, monkeypatch, caplog):
+    monkeypatch.setattr(backends, "cpu_capability", lambda: "AVX2")
+    path = str(checkpoints("backends-llama", tiny_llama_config()))
+    with caplog.at_level(logging.INFO, logger="kvshard.attention.backends"):
+        assert backends.resolve_backend_name("auto", "cpu") == "gather"
+    assert any("gather, not the paged kernel" in r.getMessage() and "AVX2" in r.getMessage() for r in caplog.records)
+    config = EngineArgs(model=path).create_engine_config()
+    assert config.attention_backend == "gather"
+    assert "auto's choice on a CPU without AVX-512 (AVX2)" in config.layout_report()
+    assert EngineArgs(model=path, attention_backend="paged").create_engine_config().attention_backend == "paged"
+
+
 def test_without_the_kernel_auto_says_why_and_gathers_and_paged_is_refused(monkeypatch, caplog):
     monkeypatch.setattr(paged, "_module", None)
     monkeypatch.setattr(paged, "_unavailable", None)
+    monkeypatch.setattr(backends, "cpu_capability", lambda: "AVX512")  # a CPU whose auto would be the kernel
     monkeypatch.setenv("CXX", "kvshard-no-such-compiler")
     with caplog.at_level("WARNING", logger="kvshard.attention.paged"):
         assert backends.resolve_backend_name("auto", "cpu") == "gather"

@@ -22,8 +22,10 @@ Four of them, chosen once at start-up (`--attention-backend`, EngineConfig.atten
 - `triton`: the Triton kernels of attention/triton_paged.py, the same reads on a GPU (on a CPU
   only under Triton's interpreter: the tests).
 
-`auto` is `triton` on CUDA where triton is installed, `paged` where the kernel builds (on CPU),
-else `gather`, with one line saying why.
+`auto` is `triton` on CUDA where triton is installed, `paged` where the kernel builds on a CPU with
+AVX-512 (the vector width its tiles are sized for), else `gather`, with one line saying why. On an
+AVX2-only CPU the kernel ran at 0.07-0.5x the gather + flash path (BENCHMARKS.md, section 14):
+`--attention-backend paged` still runs it there.
 
 A backend with `causal_rows` also takes the rows of short chunks after cached context (speculative
 verification rows, the rest of a prompt after a prefix hit) whole: their own K/V are in the cache
@@ -263,6 +265,27 @@ def _triton_unavailable() -> str | None:
     return triton_paged.available()
 
 
+def cpu_capability() -> str:
+    """torch's name for this CPU's vector instructions: AVX512, AVX2, ... (DEFAULT where it has none)."""
+    get = getattr(torch.backends.cpu, "get_cpu_capability", None)
+    return get() if get is not None else "DEFAULT"
+
+
+def kernel_width_fits() -> bool:
+    """Whether the paged kernel's tiles (16-lane float vectors, four query vectors by four keys) fit this
+    CPU's registers: AVX-512. With AVX2 they spill, and the gather + flash path is faster."""
+    return cpu_capability().startswith("AVX512")
+
+
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.info(message)
+
+
 def resolve_backend_name(requested: str = AUTO, device_type: str | None = None) -> str:
     """The backend `requested` names on this machine: `auto` is `paged` where the kernel builds on a
     CPU, else `gather` (logged in one line); `paged` where it cannot build is a ConfigError."""
@@ -274,6 +297,10 @@ def resolve_backend_name(requested: str = AUTO, device_type: str | None = None) 
         if device_type == "cuda":
             return TRITON if _triton_unavailable() is None else GATHER
         if device_type != "cpu":
+            return GATHER
+        if not kernel_width_fits():
+            _log_once(f"attention backend auto: gather, not the paged kernel (this CPU's vector capability is "
+                      f"{cpu_capability()}; the kernel's tiles are sized for AVX-512)")
             return GATHER
         return PAGED if paged.kernel_available() else GATHER  # load_extension logs the one line why not
     if requested == TRITON and _triton_unavailable() is not None:
@@ -295,6 +322,9 @@ def describe_backend(name: str) -> str:
         return "attention backend: triton (Triton kernels reading the paged KV cache in place)"
     if name == GATHER:
         why = paged.unavailable_reason()
+        if why is None and not kernel_width_fits():
+            return ("attention backend: gather (blocks copied out, then PyTorch's flash kernel); auto's choice on "
+                    f"a CPU without AVX-512 ({cpu_capability()}), where the paged kernel is slower")
         return ("attention backend: gather (blocks copied out, then PyTorch's flash kernel)"
                 + (f"; the paged kernel is unavailable: {why}" if why else ""))
     return f"attention backend: {name}"
