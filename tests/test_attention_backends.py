@@ -58,6 +58,7 @@ def test_auto_is_the_paged_kernel_and_the_report_names_the_backend(checkpoints, 
 @needs_kernel
 def test_auto_gathers_on_a_cpu_without_avx512_and_paged_still_runs_when_asked(checkpoints, monkeypatch, caplog):
     monkeypatch.setattr(backends, "cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(backends, "_logged", set())  # said once per process: an earlier engine may have said it
     path = str(checkpoints("backends-llama", tiny_llama_config()))
     with caplog.at_level(logging.INFO, logger="kvshard.attention.backends"):
         assert backends.resolve_backend_name("auto", "cpu") == "gather"
