@@ -65,7 +65,7 @@ def test_auto_gathers_on_a_cpu_without_avx512_and_paged_still_runs_when_asked(ch
     assert any("gather, not the paged kernel" in r.getMessage() and "AVX2" in r.getMessage() for r in caplog.records)
     config = EngineArgs(model=path).create_engine_config()
     assert config.attention_backend == "gather"
-    assert "auto's choice on a CPU without AVX-512 (AVX2)" in config.layout_report()
+    assert "auto takes it on a CPU without AVX-512 (AVX2)" in config.layout_report()
     assert EngineArgs(model=path, attention_backend="paged").create_engine_config().attention_backend == "paged"
 
 

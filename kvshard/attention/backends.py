@@ -323,7 +323,7 @@ def describe_backend(name: str) -> str:
     if name == GATHER:
         why = paged.unavailable_reason()
         if why is None and not kernel_width_fits():
-            return ("attention backend: gather (blocks copied out, then PyTorch's flash kernel); auto's choice on "
+            return ("attention backend: gather (blocks copied out, then PyTorch's flash kernel); auto takes it on "
                     f"a CPU without AVX-512 ({cpu_capability()}), where the paged kernel is slower")
         return ("attention backend: gather (blocks copied out, then PyTorch's flash kernel)"
                 + (f"; the paged kernel is unavailable: {why}" if why else ""))
