@@ -59,7 +59,24 @@ SMOLLM2_SERVE_ARGS = ["smollm2-135m-instruct", "--tensor-parallel-size", "2", "-
 
 
 @pytest.fixture(scope="session")
-def smollm2_server(tmp_path_factory):
+def conversion_cache(tmp_path_factory) -> Path:
+    """A kvshard cache made for this session, where .gguf files are converted: what is tested is always the
+    converter as it is now, and SmolLM2 is converted once a session, by the first of its server and
+    tests/test_gguf.py (on two cores, 25-45 s of header parsing and dequantizing). The fetched files
+    (models/NAME/) are the persistent test cache's, linked: fetched once."""
+    from kvshard.models.fetch import GGUF_MODELS
+
+    persistent = Path(os.environ["KVSHARD_CACHE_DIR"]) / "models"
+    fresh = tmp_path_factory.mktemp("kvshard-cache")
+    for name in GGUF_MODELS:
+        (persistent / name).mkdir(parents=True, exist_ok=True)
+        (fresh / "models").mkdir(exist_ok=True)
+        (fresh / "models" / name).symlink_to(persistent / name)
+    return fresh
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(tmp_path_factory, conversion_cache):
     """The SmolLM2 server (`SMOLLM2_SERVE_ARGS`), started once per session by the first test that asks for it and
     stopped (exit code 0 checked) at the session's end; the tests skip where SmolLM2 cannot be fetched."""
     from kvshard.errors import ConfigError
@@ -70,7 +87,8 @@ def smollm2_server(tmp_path_factory):
         fetch_gguf_model(SMOLLM2_SERVE_ARGS[0])  # before the server starts, so that offline is a skip, not a failure
     except ConfigError as error:
         pytest.skip(f"SmolLM2 not fetchable here: {error}")
-    running = Server(SMOLLM2_SERVE_ARGS, tmp_path_factory.mktemp("smollm2-serve") / "log", startup_timeout=600)
+    running = Server(SMOLLM2_SERVE_ARGS, tmp_path_factory.mktemp("smollm2-serve") / "log", startup_timeout=600,
+                     env={"KVSHARD_CACHE_DIR": str(conversion_cache)})
     yield running
     assert running.stop() == 0, running.log
 

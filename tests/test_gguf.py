@@ -10,11 +10,13 @@ transformers' in every parallel layout.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import multiprocessing
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,12 +121,12 @@ def write_tiny_gguf(path: Path, model_type: str, weight_type: Q, seed: int = 0) 
 
 
 @pytest.fixture(scope="module", autouse=True)
-def fresh_conversions(tmp_path_factory):
-    """Conversions go to a cache made for this run, so what is tested is always the converter as
-    it is now; yields the persistent test cache, where only the fetched SmolLM2 file is kept."""
+def fresh_conversions(conversion_cache):
+    """Conversions go to the session's conversion cache (conftest.py), so what is tested is always the converter
+    as it is now; yields the persistent test cache, where the fetched SmolLM2 file is kept."""
     persistent = os.environ["KVSHARD_CACHE_DIR"]
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("KVSHARD_CACHE_DIR", str(tmp_path_factory.mktemp("kvshard-cache")))
+        patch.setenv("KVSHARD_CACHE_DIR", str(conversion_cache))
         yield persistent
 
 
@@ -143,8 +145,33 @@ def tiny_gguf(tmp_path_factory):
     return make
 
 
+@contextmanager
+def gguf_reads_once() -> Iterator[None]:
+    """Within the block, transformers' reading of a .gguf parses each file's header once and builds gguf's tensor
+    name map once per (architecture, layers): transformers parses the header again for every purpose (the
+    config, the weights, the tokenizer) and rebuilds the map for every tensor, about 400 times for SmolLM2 (13 s
+    of its 28 s load on a 2-core AVX2 machine, the header another 8 s a time). Both are pure functions of their
+    arguments, read-only afterwards: transformers still reads and converts every tensor itself."""
+    readers: dict[str, gguf.GGUFReader] = {}
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def reader(path, *args, **kwargs):
+        if args or kwargs:  # a mode other than read-only: not the reading memoised here
+            return reader_class(path, *args, **kwargs)
+        key = os.path.realpath(path)
+        if key not in readers:
+            readers[key] = reader_class(path)
+        return readers[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", reader)
+        patch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(name_map))
+        yield
+
+
 def transformers_from_gguf(path: Path):
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    with gguf_reads_once():
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
 
 
 def transformers_greedy(model, prompts: list[list[int]], new_tokens: int, **generate_kwargs):
@@ -334,7 +361,8 @@ def smollm2_gguf(fresh_conversions) -> Path:
 @pytest.fixture(scope="module")
 def smollm2_prompts(smollm2_gguf) -> list[list[int]]:
     """Token ids of the short prompts and, last, of the start of the wheel's LICENSE (real English)."""
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    # the converted directory's tokenizer: transformers' own, read from the .gguf once per session by the converter
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(smollm2_gguf))
     license_text = tokenizer.encode((smollm2_gguf.parent / "LICENSE").read_text())
     assert len(license_text) > SMOLLM2_TEXT_TOKENS
     return [*(tokenizer.encode(text) for text in SMOLLM2_PROMPTS), license_text[:SMOLLM2_TEXT_TOKENS]]

@@ -33,24 +33,23 @@ PADDED_VOCAB = 49152 + 64  # SmolLM2's 49152 tokens, padded as a model's LM head
 
 
 @pytest.fixture(scope="module")
-def smollm2_tokenizer():
-    """SmolLM2-135M-Instruct's tokenizer, from its .gguf (fetched once, skipped offline); saved beside the
-    test cache the first time, since reading it out of the .gguf takes a while."""
+def smollm2_tokenizer(conversion_cache):
+    """SmolLM2-135M-Instruct's tokenizer, as kvshard's conversion of its .gguf saved it (transformers' own reading
+    of the file; conftest.py's `conversion_cache`, where the session's SmolLM2 server or tests/test_gguf.py may
+    have converted it already); fetched once, skipped offline."""
     from transformers import AutoTokenizer
 
+    from kvshard.config import resolve_model_path
     from kvshard.errors import ConfigError
     from kvshard.models.fetch import fetch_gguf_model
 
-    saved = Path(os.environ["KVSHARD_CACHE_DIR"]) / "tokenizers" / SMOLLM2
-    if (saved / "tokenizer.json").is_file():
-        return AutoTokenizer.from_pretrained(saved)
     try:
         gguf = fetch_gguf_model(SMOLLM2)
     except ConfigError as error:
         pytest.skip(f"SmolLM2 not fetchable here: {error}")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tokenizer.save_pretrained(saved)
-    return tokenizer
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVSHARD_CACHE_DIR", str(conversion_cache))
+        return AutoTokenizer.from_pretrained(resolve_model_path(gguf))
 
 
 @pytest.fixture(scope="module")
