@@ -68,9 +68,9 @@ def conversion_cache(tmp_path_factory) -> Path:
 
     persistent = Path(os.environ["KVSHARD_CACHE_DIR"]) / "models"
     fresh = tmp_path_factory.mktemp("kvshard-cache")
+    (fresh / "models").mkdir()
     for name in GGUF_MODELS:
         (persistent / name).mkdir(parents=True, exist_ok=True)
-        (fresh / "models").mkdir(exist_ok=True)
         (fresh / "models" / name).symlink_to(persistent / name)
     return fresh
 

@@ -29,6 +29,7 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
 
+from conftest import environment
 from kvshard import LLM, SamplingParams
 from kvshard.config import ConfigError, load_model_config, resolve_model_path
 from kvshard.models.demo import train_tokenizer
@@ -125,8 +126,7 @@ def fresh_conversions(conversion_cache):
     """Conversions go to the session's conversion cache (conftest.py), so what is tested is always the converter
     as it is now; yields the persistent test cache, where the fetched SmolLM2 file is kept."""
     persistent = os.environ["KVSHARD_CACHE_DIR"]
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("KVSHARD_CACHE_DIR", str(conversion_cache))
+    with environment({"KVSHARD_CACHE_DIR": str(conversion_cache)}):
         yield persistent
 
 
@@ -152,20 +152,9 @@ def gguf_reads_once() -> Iterator[None]:
     config, the weights, the tokenizer) and rebuilds the map for every tensor, about 400 times for SmolLM2 (13 s
     of its 28 s load on a 2-core AVX2 machine, the header another 8 s a time). Both are pure functions of their
     arguments, read-only afterwards: transformers still reads and converts every tensor itself."""
-    readers: dict[str, gguf.GGUFReader] = {}
-    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-
-    def reader(path, *args, **kwargs):
-        if args or kwargs:  # a mode other than read-only: not the reading memoised here
-            return reader_class(path, *args, **kwargs)
-        key = os.path.realpath(path)
-        if key not in readers:
-            readers[key] = reader_class(path)
-        return readers[key]
-
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf, "GGUFReader", reader)
-        patch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(name_map))
+        patch.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=None)(gguf.GGUFReader))
+        patch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
         yield
 
 

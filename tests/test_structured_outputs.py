@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import threading
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from conftest import environment
 from kvshard.sampling_params import SamplingParams, StructuredOutputsParams as SO
 from kvshard.structured import manager as manager_module
 from kvshard.structured.manager import StructuredOutputManager, apply_masks
@@ -47,8 +46,7 @@ def smollm2_tokenizer(conversion_cache):
         gguf = fetch_gguf_model(SMOLLM2)
     except ConfigError as error:
         pytest.skip(f"SmolLM2 not fetchable here: {error}")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("KVSHARD_CACHE_DIR", str(conversion_cache))
+    with environment({"KVSHARD_CACHE_DIR": str(conversion_cache)}):
         return AutoTokenizer.from_pretrained(resolve_model_path(gguf))
 
 
