@@ -1,8 +1,9 @@
 """Micro-benchmark of attention over the paged KV cache on CPU: decode rows of a batch over
 their cached context.
 
-Compares the paged kernel (kvshard/attention/paged.py: reads the blocks where they lie) with
-today's path (KVCacheLayer.gather into reused buffers, then attention_with_lse, PyTorch's flash
+Compares the paged kernel (kvshard/attention/paged.py: reads the blocks where they lie; its AVX-512
+tiles where the CPU has them, and its portable loops in the `portable ms` column) with
+the gather path (KVCacheLayer.gather into reused buffers, then attention_with_lse, PyTorch's flash
 kernel) and the plain-matmul reference over the same gathered copy. Reports the median time per
 call (the paged and gather+flash samples taken in turn, so that other load falls on both), the KV bytes the call must read (every visible token's K and V, as stored) per second,
 and that against the machine's copy bandwidth, measured here as a large tensor copy (bytes
@@ -105,10 +106,10 @@ def setup(shape: str, dtype: torch.dtype, batch: int, context: int, block_size: 
                 scale=1.0 / math.sqrt(dk), kv_bytes=batch * context * stored)
 
 
-def run_paged(s):
+def run_paged(s, portable: bool = False):
     c = s["cache"]
     return paged.paged_attention(s["q"], c.key, c.value, s["tables"], s["row_seq"], s["row_lens"], c.block_size,
-                                 s["scale"], use_kernel=True)
+                                 s["scale"], use_kernel=True, portable=portable)
 
 
 def run_gather_flash(s, buffers):
@@ -141,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads; copy bandwidth {bandwidth / 1e9:.1f} GB/s "
           f"(bytes read per second by a 0.5 GiB tensor copy)")
     print(f"{'shape':5} {'dtype':5} {'batch':>5} {'context':>7} {'KV MB':>8} | {'paged ms':>9} {'GB/s':>6} {'%copy':>6}"
-          f" | {'gather+flash ms':>15} {'GB/s':>6} | {'reference ms':>12} | {'speedup':>7} {'max|do|':>8}")
+          f" | {'portable ms':>11} | {'gather+flash ms':>15} {'GB/s':>6} | {'reference ms':>12} | {'speedup':>7}"
+          f" {'max|do|':>8}")
     rows = []
     for shape in args.shapes:
         for dname in args.dtypes:
@@ -154,8 +156,9 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     s = setup(shape, DTYPES[dname], batch, context, args.block_size)
                     buffers = GatherBuffers()  # reused across calls, as the layers of a step do
-                    t_paged, t_flash = timed_together([lambda: run_paged(s), lambda: run_gather_flash(s, buffers)],
-                                                      args.repeat)
+                    t_paged, t_portable, t_flash = timed_together(
+                        [lambda: run_paged(s), lambda: run_paged(s, portable=True),
+                         lambda: run_gather_flash(s, buffers)], args.repeat)
                     o_p, _ = run_paged(s)
                     o_f, _ = run_gather_flash(s, buffers)
                     diff = float((o_p - o_f[:, 0]).abs().max())
@@ -164,14 +167,14 @@ def main(argv: list[str] | None = None) -> int:
                         t_ref = timed(lambda: run_reference(s, buffers), max(1, args.repeat // 2))
                     del buffers
                     row = dict(shape=shape, dtype=dname, batch=batch, context=context, kv_bytes=s["kv_bytes"],
-                               paged_s=t_paged, gather_flash_s=t_flash, reference_s=t_ref,
+                               paged_s=t_paged, portable_s=t_portable, gather_flash_s=t_flash, reference_s=t_ref,
                                paged_gbps=s["kv_bytes"] / t_paged / 1e9, flash_gbps=s["kv_bytes"] / t_flash / 1e9,
                                copy_gbps=bandwidth / 1e9, max_abs_diff=diff)
                     rows.append(row)
                     ref = f"{t_ref * 1e3:12.2f}" if t_ref is not None else f"{'-':>12}"
                     print(f"{shape:5} {dname:5} {batch:5} {context:7} {s['kv_bytes'] / 1e6:8.1f} | "
                           f"{t_paged * 1e3:9.2f} {row['paged_gbps']:6.1f} {100 * s['kv_bytes'] / t_paged / bandwidth:5.0f}%"
-                          f" | {t_flash * 1e3:15.2f} {row['flash_gbps']:6.1f} | {ref} | "
+                          f" | {t_portable * 1e3:11.2f} | {t_flash * 1e3:15.2f} {row['flash_gbps']:6.1f} | {ref} | "
                           f"{t_flash / t_paged:6.2f}x {diff:8.1e}", flush=True)
                     del s
     if args.json:

@@ -91,9 +91,45 @@ def _check(out, lse, ref_out, ref_lse, atol, rtol):
     torch.testing.assert_close(out, ref_out, atol=atol, rtol=rtol)
 
 
-def _paged_kernel(q, key, value, tables, row_seq, row_lens, block_size, scale, k_scale, v_scale, split_tokens=0):
+def _paged_kernel(q, key, value, tables, row_seq, row_lens, block_size, scale, k_scale, v_scale, split_tokens=0,
+                  portable=False):
     return paged.paged_attention(q, key, value, tables, row_seq, row_lens, block_size, scale, k_scale, v_scale,
-                                 split_tokens=split_tokens, use_kernel=True)
+                                 split_tokens=split_tokens, use_kernel=True, portable=portable)
+
+
+@pytest.fixture(params=["tiles", "portable"])
+def portable(request):
+    """Each kernel case on both of the kernel's paths: its AVX-512 tiles (where the CPU has them; elsewhere
+    the same portable loops run twice) and the portable loops."""
+    return request.param == "portable"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
+def test_the_avx512_tiles_are_built_where_the_cpu_has_them():
+    module = paged.load_extension()
+    assert module is not None
+    wanted = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+    assert module.tiled == (wanted <= _cpu_flags())
+
+
+def test_the_kernel_runs_on_torchs_threads():
+    # at::parallel_for is a header template: the extension runs it on one thread unless built with OpenMP
+    module = paged.load_extension()
+    threads = torch.get_num_threads()
+    assert module.parallel_threads(64) == min(threads, 64)
+    if threads == 1:
+        torch.set_num_threads(2)
+        try:
+            assert module.parallel_threads(64) == 2
+        finally:
+            torch.set_num_threads(1)
 
 
 def _run(*, heads, kv_heads, dk, dv, block_size, interleave, dcp, rank, context_lens, query_lens, dtype=torch.float32,
@@ -126,8 +162,9 @@ GQA = [(8, 1, 64), (9, 3, 32)]  # (query heads, KV heads, head dim): as the demo
 @pytest.mark.parametrize("heads,kv_heads,d", GQA)
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("interleave,dcp,rank", [(1, 1, 0), (1, 2, 1), (4, 4, 3), (16, 2, 1)])
-def test_decode_rows_match_reference_fp32(heads, kv_heads, d, block_size, interleave, dcp, rank):
-    lens = _run(heads=heads, kv_heads=kv_heads, dk=d, dv=d, block_size=block_size, interleave=interleave, dcp=dcp,
+def test_decode_rows_match_reference_fp32(heads, kv_heads, d, block_size, interleave, dcp, rank, portable):
+    lens = _run(portable=portable,
+                heads=heads, kv_heads=kv_heads, dk=d, dv=d, block_size=block_size, interleave=interleave, dcp=dcp,
                 rank=rank, context_lens=[1, 5, 37, 130, 300], query_lens=[1] * 5)
     if dcp > 1:
         assert int(lens.min()) == 0  # a short request this rank holds none of: checked as lse -inf
@@ -135,54 +172,71 @@ def test_decode_rows_match_reference_fp32(heads, kv_heads, d, block_size, interl
 
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("heads,kv_heads,d,interleave,dcp", [(8, 1, 64, 4, 2), (9, 3, 32, 1, 1)])
-def test_several_query_rows_per_request_causal(block_size, heads, kv_heads, d, interleave, dcp):
+def test_several_query_rows_per_request_causal(block_size, heads, kv_heads, d, interleave, dcp, portable):
     # speculative verification / a chunk's rows over the cache: each row sees up to its own position
     # (with 3 heads per KV head, vectors of rows with different bounds share the kernel's groups of 4)
-    lens = _run(heads=heads, kv_heads=kv_heads, dk=d, dv=d, block_size=block_size, interleave=interleave, dcp=dcp,
+    lens = _run(portable=portable,
+                heads=heads, kv_heads=kv_heads, dk=d, dv=d, block_size=block_size, interleave=interleave, dcp=dcp,
                 rank=0, context_lens=[6, 90, 200], query_lens=[4, 3, 17])
     assert len(set(lens[:4].tolist())) > 1  # the rows of one request really have different bounds
 
 
-def test_rows_without_causal_bound():
-    _run(heads=9, kv_heads=3, dk=32, dv=32, block_size=16, interleave=1, dcp=1, rank=0, context_lens=[40, 70],
+def test_rows_without_causal_bound(portable):
+    _run(portable=portable,
+         heads=9, kv_heads=3, dk=32, dv=32, block_size=16, interleave=1, dcp=1, rank=0, context_lens=[40, 70],
          query_lens=[3, 2], causal=False)
 
 
 @pytest.mark.parametrize("split_tokens", [16, 48, 100])
-def test_split_along_the_sequence_merges_exactly(split_tokens):
-    _run(heads=8, kv_heads=1, dk=64, dv=64, block_size=16, interleave=1, dcp=2, rank=1,
+def test_split_along_the_sequence_merges_exactly(split_tokens, portable):
+    _run(portable=portable, heads=8, kv_heads=1, dk=64, dv=64, block_size=16, interleave=1, dcp=2, rank=1,
          context_lens=[3, 250, 600], query_lens=[1, 1, 2], split_tokens=split_tokens)
 
 
-def test_mla_latent_value_is_a_prefix_of_the_key():
+def test_mla_latent_value_is_a_prefix_of_the_key(portable):
     # MLA absorbed: 16 query heads on one latent [c_kv | k_pe] (dk = 72), V = its first 64 channels
-    _run(heads=16, kv_heads=1, dk=72, dv=64, block_size=16, interleave=4, dcp=2, rank=1,
+    _run(portable=portable, heads=16, kv_heads=1, dk=72, dv=64, block_size=16, interleave=4, dcp=2, rank=1,
          context_lens=[2, 77, 260], query_lens=[1, 1, 3], mla=True)
-    _run(heads=16, kv_heads=1, dk=72, dv=64, block_size=64, interleave=16, dcp=4, rank=2, context_lens=[9, 300],
+    _run(portable=portable,
+         heads=16, kv_heads=1, dk=72, dv=64, block_size=64, interleave=16, dcp=4, rank=2, context_lens=[9, 300],
          query_lens=[1, 1], mla=True, dtype=torch.bfloat16, atol=2e-2, rtol=2e-2, split_tokens=64)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
-def test_half_caches(cache_dtype):
+def test_half_caches(cache_dtype, portable):
     # bf16/fp16 caches and queries: the oracle runs float32 on the same stored values
-    _run(heads=8, kv_heads=1, dk=64, dv=64, block_size=16, interleave=1, dcp=2, rank=0, context_lens=[1, 40, 333],
+    _run(portable=portable,
+         heads=8, kv_heads=1, dk=64, dv=64, block_size=16, interleave=1, dcp=2, rank=0, context_lens=[1, 40, 333],
          query_lens=[1, 1, 1], dtype=cache_dtype, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("mla", [False, True])
-def test_fp8_caches_with_scales(mla):
+def test_fp8_caches_with_scales(mla, portable):
     dk, dv = (72, 64) if mla else (64, 64)
-    _run(heads=9 if not mla else 8, kv_heads=3 if not mla else 1, dk=dk, dv=dv, block_size=16, interleave=4, dcp=2,
+    _run(portable=portable,
+         heads=9 if not mla else 8, kv_heads=3 if not mla else 1, dk=dk, dv=dv, block_size=16, interleave=4, dcp=2,
          rank=1, context_lens=[3, 50, 200], query_lens=[1, 2, 1], cache_dtype=FP8_DTYPE, mla=mla,
          k_scale=0.05, v_scale=0.02, dtype=torch.float32)
-    _run(heads=8, kv_heads=1, dk=dk, dv=dv, block_size=64, interleave=1, dcp=1, rank=0, context_lens=[70, 129],
+    _run(portable=portable,
+         heads=8, kv_heads=1, dk=dk, dv=dv, block_size=64, interleave=1, dcp=1, rank=0, context_lens=[70, 129],
          query_lens=[1, 1], cache_dtype=FP8_DTYPE, mla=mla, k_scale=0.05, v_scale=0.02, dtype=torch.bfloat16,
          atol=2e-2, rtol=2e-2)
 
 
-def test_all_rows_empty():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size,d", [(8, 64), (24, 36), (48, 33), (1, 64)])
+def test_tiles_across_block_and_channel_bounds(block_size, d, dtype, portable):
+    # tiles are 16 tokens of one block: blocks of 8 (short tiles), 24 and 48 (a 16-token tile and a shorter one),
+    # 1; channels not a multiple of 16 (36: a tail of 4; bfloat16 pairs with a tail of 2) and odd (33: no pairs)
+    tol = 1e-4 if dtype == torch.bfloat16 else 2e-5
+    _run(portable=portable, heads=6, kv_heads=2, dk=d, dv=d, block_size=block_size, interleave=1, dcp=1, rank=0,
+         context_lens=[1, 17, 50, 97], query_lens=[1, 3, 1, 2], dtype=dtype, atol=tol, rtol=tol)
+
+
+def test_all_rows_empty(portable):
     # a DCP rank that holds no token of any request in the step
-    _run(heads=8, kv_heads=1, dk=64, dv=64, block_size=16, interleave=16, dcp=4, rank=3, context_lens=[3, 10],
+    _run(portable=portable,
+         heads=8, kv_heads=1, dk=64, dv=64, block_size=16, interleave=16, dcp=4, rank=3, context_lens=[3, 10],
          query_lens=[1, 1])
 
 

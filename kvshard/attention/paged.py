@@ -44,7 +44,11 @@ from kvshard.kv.layout import DCPLayout
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-_FLAGS = ["-O3", "-fno-math-errno"]
+# -fopenmp: at::parallel_for is a header template that runs its loop on torch's OpenMP threads only where the
+# extension itself is compiled with OpenMP (torch defines INTRA_OP_PARALLEL under _OPENMP); without it every call
+# ran on one thread. The libgomp.so.1 it links is torch's own, already loaded under that name.
+_FLAGS = ["-O3", "-fno-math-errno", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
 _lock = threading.Lock()
 _module = None
 _unavailable: str | None = None  # why the kernel could not be built, once known
@@ -149,7 +153,7 @@ def load_extension():
                     source = build_dir / _SOURCE.name
                     if not source.exists():
                         shutil.copyfile(_SOURCE, source)
-                    _module = load(name=name, sources=[str(source)], extra_cflags=flags,
+                    _module = load(name=name, sources=[str(source)], extra_cflags=flags, extra_ldflags=_LDFLAGS,
                                    build_directory=str(build_dir), verbose=False)
                 if fresh:
                     print(f"kvshard: paged attention kernel built in {time.perf_counter() - start:.0f} s",
@@ -199,6 +203,7 @@ def paged_attention(
     v_scale: float = 1.0,
     split_tokens: int = 0,  # tokens per piece when the sequence is split; 0: the kernel decides
     use_kernel: bool | None = None,  # None: the kernel where it is built; False: the gather path
+    portable: bool = False,  # the kernel's portable loops even where its AVX-512 tiles are built (tests, benchmarks)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each row of q over its visible cached tokens: o [t, H, dv] and lse [t, H],
     float32, natural log (views of one [t, H, dv + 1], `packed_of`); a row that sees no token
@@ -214,7 +219,8 @@ def paged_attention(
     lens = row_lens.to(torch.int32).contiguous()
     if module is not None and q.device.type == "cpu":
         packed = module.paged_attention(q if q.stride(-1) == 1 else q.contiguous(), key_cache, value_cache,
-                                        tables, seqs, lens, block_size, scale, k_scale, v_scale, split_tokens)
+                                        tables, seqs, lens, block_size, scale, k_scale, v_scale, split_tokens,
+                                        portable)
         return packed[..., :-1], packed[..., -1]  # views of one [t, H, dv + 1]: see packed_of
     return gather_attention(q, key_cache, value_cache, tables, seqs, lens, block_size, scale, k_scale, v_scale)
 

@@ -372,10 +372,380 @@ void run_item(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const QT* 
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define KVSHARD_TILED 1
+#include <immintrin.h>
+
+#include <type_traits>
+// The AVX-512 path: tiles of 16 tokens, one token a lane. A tile's keys are converted to float32 and
+// transposed in registers once (kt[i][j] = channel i of token j), so a query vector's 16 scores are one
+// accumulator of broadcast-multiply-adds over the channels, with no horizontal sum; the softmax runs on
+// those 16 lanes; the values are converted in registers as the weighted sum reads them. Up to 8 query
+// vectors go together, so each converted key or value vector is used for all of them.
+namespace tiled {
+
+constexpr int kLanes = 16;
+constexpr int kGroup = 8;  // query vectors per register group
+
+inline __mmask16 lanes(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// 16 values of a cache row (lanes outside `m` zero) as float32
+inline __m512 load16f(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16f(const c10::BFloat16* p, __mmask16 m) {
+  const __m256i x = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+}
+inline __m512 load16f(const c10::Half* p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
+// float8 e4m3fn by its fields: normal 2^(e-7) (1 + m/8), subnormal m 2^-9, NaN (S.1111.111) read as 0 as the
+// portable path's table does
+inline __m512 load16f(const c10::Float8_e4m3fn* p, __mmask16 m) {
+  const __m512i x = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, p));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
+  const __m512i e = _mm512_and_si512(_mm512_srli_epi32(x, 3), _mm512_set1_epi32(0xF));
+  const __m512i mant = _mm512_and_si512(x, _mm512_set1_epi32(7));
+  const __m512i normal = _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(120)), 23),
+                                         _mm512_slli_epi32(mant, 20));
+  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mant), _mm512_set1_ps(1.0f / 512.0f));
+  const __mmask16 is_sub = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+  const __m512i bits = _mm512_or_si512(_mm512_mask_blend_epi32(is_sub, normal, _mm512_castps_si512(sub)), sign);
+  const __mmask16 nan = _mm512_cmpeq_epi32_mask(_mm512_and_si512(x, _mm512_set1_epi32(0x7F)), _mm512_set1_epi32(0x7F));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~nan), _mm512_castsi512_ps(bits));
+}
+
+// r[i] lane j <- r[j] lane i
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int h = 0; h < 2; ++h) {
+    for (int i = 0; i < 4; ++i) {
+      t[8 * h + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0x88);
+      t[8 * h + 4 + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0xDD);
+    }
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+    r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xDD);
+  }
+}
+
+// kt[i * 16 + j] = channel i of token j, for i < round_up(dk, 16); tokens past `count` and channels past dk are 0
+template <typename CT>
+inline void key_tile(const CT* k, int64_t stride, int64_t count, int64_t dk, float* kt) {
+  for (int64_t i0 = 0; i0 < dk; i0 += kLanes) {
+    const __mmask16 cm = lanes(dk - i0);
+    __m512 r[16];
+    for (int j = 0; j < 16; ++j) r[j] = j < count ? load16f(k + j * stride + i0, cm) : _mm512_setzero_ps();
+    transpose16(r);
+    for (int c = 0; c < 16; ++c) _mm512_storeu_ps(kt + (i0 + c) * kLanes, r[c]);
+  }
+}
+
+// the 16 scores of G query vectors (qf: G rows of dk, scaled): s[g * 16 + j] = q_g . k_j
+template <int G>
+inline void scores(const float* __restrict qf, int64_t dk, const float* __restrict kt, float* __restrict s) {
+  constexpr int A = G < 4 ? 2 : 1;  // accumulator sets: short groups alternate two to hide the add's latency
+  __m512 a[A][G];
+  for (int x = 0; x < A; ++x)
+    for (int g = 0; g < G; ++g) a[x][g] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + A <= dk; i += A) {
+#pragma GCC unroll 2
+    for (int x = 0; x < A; ++x) {
+      const __m512 k = _mm512_loadu_ps(kt + (i + x) * kLanes);
+#pragma GCC unroll 8
+      for (int g = 0; g < G; ++g) a[x][g] = _mm512_fmadd_ps(_mm512_set1_ps(qf[g * dk + i + x]), k, a[x][g]);
+    }
+  }
+  for (; i < dk; ++i) {
+    const __m512 k = _mm512_loadu_ps(kt + i * kLanes);
+    for (int g = 0; g < G; ++g) a[0][g] = _mm512_fmadd_ps(_mm512_set1_ps(qf[g * dk + i]), k, a[0][g]);
+  }
+  for (int g = 0; g < G; ++g) {
+    __m512 v = a[0][g];
+    if constexpr (A > 1) v = _mm512_add_ps(v, a[1][g]);
+    _mm512_storeu_ps(s + g * kLanes, v);
+  }
+}
+
+// acc[g * dv + i] += sum_j p[g * 16 + j] * v_j[i] for G vectors over `count` value rows, CH chunks of 16
+// channels at a time so that G * CH accumulators stay in registers
+template <typename CT, int G>
+inline void weighted_values(float* __restrict acc, int64_t dv, const float* __restrict p, const CT* v,
+                            int64_t stride, int64_t count) {
+  constexpr int CH = G <= 4 ? 4 : 2;
+  int64_t c = 0;
+  for (; c + CH * kLanes <= dv; c += CH * kLanes) {
+    __m512 r[G][CH];
+    for (int g = 0; g < G; ++g)
+      for (int h = 0; h < CH; ++h) r[g][h] = _mm512_loadu_ps(acc + g * dv + c + h * kLanes);
+    for (int64_t j = 0; j < count; ++j) {
+      const CT* row = v + j * stride + c;
+      __m512 vj[CH];
+      for (int h = 0; h < CH; ++h) vj[h] = load16f(row + h * kLanes, 0xFFFF);
+#pragma GCC unroll 8
+      for (int g = 0; g < G; ++g) {
+        const __m512 w = _mm512_set1_ps(p[g * kLanes + j]);
+        for (int h = 0; h < CH; ++h) r[g][h] = _mm512_fmadd_ps(w, vj[h], r[g][h]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int h = 0; h < CH; ++h) _mm512_storeu_ps(acc + g * dv + c + h * kLanes, r[g][h]);
+  }
+  for (; c < dv; c += kLanes) {
+    const __mmask16 cm = lanes(dv - c);
+    __m512 r[G];
+    for (int g = 0; g < G; ++g) r[g] = _mm512_maskz_loadu_ps(cm, acc + g * dv + c);
+    for (int64_t j = 0; j < count; ++j) {
+      const __m512 vj = load16f(v + j * stride + c, cm);
+      for (int g = 0; g < G; ++g) r[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * kLanes + j]), vj, r[g]);
+    }
+    for (int g = 0; g < G; ++g) _mm512_mask_storeu_ps(acc + g * dv + c, cm, r[g]);
+  }
+}
+
+#if defined(__AVX512BF16__)
+// bfloat16 queries on a bfloat16 cache: the scores as dot products of channel pairs (vdpbf16ps: each product
+// exact, summed in float32), on the keys as stored. kw[p * 16 + j] = channels 2p and 2p + 1 of token j, one
+// 32-bit word; `words` = dk / 2.
+inline void key_tile_pairs(const c10::BFloat16* k, int64_t stride, int64_t count, int64_t words, uint32_t* kw) {
+  for (int64_t p0 = 0; p0 < words; p0 += kLanes) {
+    const __mmask16 cm = lanes(words - p0);
+    __m512 r[16];
+    for (int j = 0; j < 16; ++j) {
+      r[j] = j < count ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(cm, k + j * stride + 2 * p0))
+                       : _mm512_setzero_ps();
+    }
+    transpose16(r);
+    for (int c = 0; c < 16; ++c) _mm512_storeu_ps(reinterpret_cast<float*>(kw + (p0 + c) * kLanes), r[c]);
+  }
+}
+
+// s[g * 16 + j] = scale * q_g . k_j for G vectors (qw: G rows of `words` channel pairs)
+template <int G>
+inline void scores_pairs(const uint32_t* __restrict qw, int64_t words, const uint32_t* __restrict kw, float scale,
+                         float* __restrict s) {
+  constexpr int A = G < 4 ? 2 : 1;
+  __m512 a[A][G];
+  for (int x = 0; x < A; ++x)
+    for (int g = 0; g < G; ++g) a[x][g] = _mm512_setzero_ps();
+  int64_t p = 0;
+  for (; p + A <= words; p += A) {
+#pragma GCC unroll 2
+    for (int x = 0; x < A; ++x) {
+      const __m512bh k = (__m512bh)_mm512_loadu_si512(kw + (p + x) * kLanes);
+#pragma GCC unroll 8
+      for (int g = 0; g < G; ++g) {
+        a[x][g] = _mm512_dpbf16_ps(a[x][g], (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[g * words + p + x])), k);
+      }
+    }
+  }
+  for (; p < words; ++p) {
+    const __m512bh k = (__m512bh)_mm512_loadu_si512(kw + p * kLanes);
+    for (int g = 0; g < G; ++g) {
+      a[0][g] = _mm512_dpbf16_ps(a[0][g], (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[g * words + p])), k);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int g = 0; g < G; ++g) {
+    __m512 v = a[0][g];
+    if constexpr (A > 1) v = _mm512_add_ps(v, a[1][g]);
+    _mm512_storeu_ps(s + g * kLanes, _mm512_mul_ps(v, sc));
+  }
+}
+#endif
+
+// Prefetch into L2 the rows [0, count) of a cache tile (row stride `stride` elements, `bytes` used per row).
+template <typename CT>
+inline void prefetch_rows(const CT* p, int64_t stride, int64_t count, int64_t bytes) {
+  for (int64_t j = 0; j < count; ++j) {
+    const char* row = reinterpret_cast<const char*>(p + j * stride);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
+  }
+}
+
+// f(std::integral_constant<int, g>) for a group of g (1..8) vectors, g known at run time
+template <typename F>
+inline void with_group(int64_t g, F&& f) {
+  switch (g) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
+// exp(x) for x <= 0 in 16 lanes: the portable path's polynomial, 2^n by scalef
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+template <typename QT, typename CT>
+void run_item(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const QT* q, const CT* kc, const CT* vc,
+              const int32_t* table, const int32_t* lens, float* out, int64_t out_row_stride, int64_t out_head_stride,
+              float* lse, int64_t lse_row_stride, int64_t lse_head_stride, std::vector<float>& scratch) {
+  const int64_t M = u.nrows * u.nheads, dk = sh.dk, dv = sh.dv, B = sh.block_size;
+  const int64_t dk_pad = (dk + kLanes - 1) / kLanes * kLanes;
+#if defined(__AVX512BF16__)
+  constexpr bool kPairs = std::is_same_v<QT, c10::BFloat16> && std::is_same_v<CT, c10::BFloat16>;
+#else
+  constexpr bool kPairs = false;
+#endif
+  const bool pairs = kPairs && dk % 2 == 0;  // scores by channel pairs, on the keys as stored
+  scratch.resize(M * dk + M * dv + M * kLanes + 2 * M + dk_pad * kLanes);
+  float* qf = scratch.data();
+  float* acc = qf + M * dk;
+  float* s = acc + M * dv;
+  float* mx = s + M * kLanes;
+  float* sum = mx + M;
+  float* kt = sum + M;
+  int64_t bounds[kMaxVectors];
+  int64_t reach = 0;
+  for (int64_t r = 0; r < u.nrows; ++r) {
+    const int64_t len = std::min<int64_t>(lens[u.row0 + r], t1);
+    for (int64_t h = 0; h < u.nheads; ++h) {
+      const int64_t m = r * u.nheads + h;
+      bounds[m] = len;
+      reach = std::max(reach, len);
+      const QT* src = q + (u.row0 + r) * sh.q_row + (u.head0 + h) * sh.q_head;
+      if (pairs) {  // the query's bfloat16 channels as they are (qf's room holds them); the scale goes on the scores
+        std::memcpy(qf + m * dk / 2, src, dk * sizeof(QT));
+      } else {
+        for (int64_t i = 0; i < dk; ++i) qf[m * dk + i] = static_cast<float>(src[i]) * sh.scale;
+      }
+      mx[m] = kNegInf;
+      sum[m] = 0.0f;
+    }
+  }
+  std::fill(acc, acc + M * dv, 0.0f);
+  const int32_t* blocks = table + u.seq * sh.max_blocks;
+  // where a tile of tokens starting at tok lies: its first slot, and its length
+  auto tile_at = [&](int64_t tok, int64_t& slot, int64_t& count) {
+    const int64_t in_block = tok % B;
+    count = std::min<int64_t>({kLanes, B - in_block, reach - tok});
+    slot = static_cast<int64_t>(blocks[tok / B]) * B + in_block;
+  };
+  const int64_t k_bytes = dk * static_cast<int64_t>(sizeof(CT)), v_bytes = dv * static_cast<int64_t>(sizeof(CT));
+  const bool v_separate = vc + sh.v_head != kc + sh.k_head || sh.v_tok != sh.k_tok;  // else V lies in K's rows
+  for (int64_t tok0 = t0; tok0 < reach;) {
+    int64_t slot0, count;
+    tile_at(tok0, slot0, count);
+    const CT* kp = kc + slot0 * sh.k_tok + u.kv_head * sh.k_head;
+    const CT* vp = vc + slot0 * sh.v_tok + u.kv_head * sh.v_head;
+    // the rows of the tile after the next into L2, while this one is computed (blocks lie anywhere: the
+    // hardware's prefetchers do not follow a block table). Two tiles ahead into L2 read 1.6-1.9x faster from
+    // memory than one tile ahead into L1, whose few miss buffers 64 prefetched lines overrun
+    if (tok0 + count + kLanes < reach) {
+      int64_t next_slot, next_count;
+      tile_at(tok0 + count + kLanes, next_slot, next_count);
+      prefetch_rows(kc + next_slot * sh.k_tok + u.kv_head * sh.k_head, sh.k_tok, next_count, k_bytes);
+      if (v_separate) prefetch_rows(vc + next_slot * sh.v_tok + u.kv_head * sh.v_head, sh.v_tok, next_count, v_bytes);
+    }
+#if defined(__AVX512BF16__)
+    if constexpr (kPairs) {
+      if (pairs) {
+        uint32_t* kw = reinterpret_cast<uint32_t*>(kt);
+        const uint32_t* qw = reinterpret_cast<const uint32_t*>(qf);
+        key_tile_pairs(kp, sh.k_tok, count, dk / 2, kw);
+        for (int64_t m0 = 0; m0 < M; m0 += kGroup) {
+          with_group(std::min<int64_t>(kGroup, M - m0), [&](auto g) {
+            scores_pairs<decltype(g)::value>(qw + m0 * dk / 2, dk / 2, kw, sh.scale, s + m0 * kLanes);
+          });
+        }
+      }
+    }
+#endif
+    if (!pairs) {
+      key_tile<CT>(kp, sh.k_tok, count, dk, kt);
+      for (int64_t m0 = 0; m0 < M; m0 += kGroup) {
+        with_group(std::min<int64_t>(kGroup, M - m0),
+                   [&](auto g) { scores<decltype(g)::value>(qf + m0 * dk, dk, kt, s + m0 * kLanes); });
+      }
+    }
+    // online softmax per vector over the lanes it sees; the weights replace the scores (0 past what it sees)
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t n = std::max<int64_t>(0, std::min<int64_t>(count, bounds[m] - tok0));
+      float* sm = s + m * kLanes;
+      if (n == 0) {
+        _mm512_storeu_ps(sm, _mm512_setzero_ps());
+        continue;
+      }
+      const __mmask16 seen = lanes(n);
+      const __m512 x = _mm512_loadu_ps(sm);
+      const float new_max = std::max(mx[m], _mm512_mask_reduce_max_ps(seen, x));
+      if (new_max > mx[m]) {
+        if (mx[m] != kNegInf) {
+          const float alpha = exp_nonpositive(mx[m] - new_max);
+          sum[m] *= alpha;
+          const __m512 a = _mm512_set1_ps(alpha);
+          float* am = acc + m * dv;
+          int64_t i = 0;
+          for (; i + kLanes <= dv; i += kLanes) _mm512_storeu_ps(am + i, _mm512_mul_ps(a, _mm512_loadu_ps(am + i)));
+          for (; i < dv; ++i) am[i] *= alpha;
+        }
+        mx[m] = new_max;
+      }
+      const __m512 w = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(x, _mm512_set1_ps(new_max))));
+      sum[m] += _mm512_reduce_add_ps(w);
+      _mm512_storeu_ps(sm, w);
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += kGroup) {
+      with_group(std::min<int64_t>(kGroup, M - m0), [&](auto g) {
+        weighted_values<CT, decltype(g)::value>(acc + m0 * dv, dv, s + m0 * kLanes, vp, sh.v_tok, count);
+      });
+    }
+    tok0 += count;
+  }
+  for (int64_t r = 0; r < u.nrows; ++r) {
+    for (int64_t h = 0; h < u.nheads; ++h) {
+      const int64_t m = r * u.nheads + h;
+      float* o = out + r * out_row_stride + h * out_head_stride;
+      float* l = lse + r * lse_row_stride + h * lse_head_stride;
+      if (sum[m] > 0.0f) {
+        const float inv = sh.v_scale / sum[m];
+        for (int64_t i = 0; i < dv; ++i) o[i] = acc[m * dv + i] * inv;
+        *l = mx[m] + std::log(sum[m]);
+      } else {
+        std::fill(o, o + dv, 0.0f);
+        *l = kNegInf;
+      }
+    }
+  }
+}
+
+}  // namespace tiled
+#endif
+
 template <typename QT, typename CT>
 void launch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table,
             const at::Tensor& row_seq, const at::Tensor& row_lens, const Shape& sh, int64_t split_tokens,
-            at::Tensor& out) {
+            bool portable, at::Tensor& out) {
   const int64_t t = q.size(0);
   const int32_t* seqs = row_seq.data_ptr<int32_t>();
   const int32_t* lens = row_lens.data_ptr<int32_t>();
@@ -430,6 +800,17 @@ void launch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
   const int32_t* tp = table.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
   const int64_t H = sh.num_heads, dv = sh.dv, P = dv + 1;  // out: [t, H, dv + 1], o then lse
+  // one item through the AVX-512 tiles where they are built, else (or when asked) the portable path
+  auto run = [&](const Unit& u, int64_t t0, int64_t t1, float* o, int64_t o_row, int64_t o_head, float* l,
+                 int64_t l_row, int64_t l_head, std::vector<float>& scratch) {
+#if defined(KVSHARD_TILED)
+    if (!portable) {
+      return tiled::run_item<QT, CT>(u, t0, t1, sh, qp, kp, vp, tp, lens, o, o_row, o_head, l, l_row, l_head,
+                                     scratch);
+    }
+#endif
+    run_item<QT, CT>(u, t0, t1, sh, qp, kp, vp, tp, lens, lut, o, o_row, o_head, l, l_row, l_head, scratch);
+  };
 
   if (!split) {
     at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
@@ -437,7 +818,7 @@ void launch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
       for (int64_t i = begin; i < end; ++i) {
         const Unit& u = units[i];
         float* o = op + (u.row0 * H + u.head0) * P;
-        run_item<QT, CT>(u, 0, u.max_len, sh, qp, kp, vp, tp, lens, lut, o, H * P, P, o + dv, H * P, P, scratch);
+        run(u, 0, u.max_len, o, H * P, P, o + dv, H * P, P, scratch);
       }
     });
     return;
@@ -459,9 +840,8 @@ void launch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
       const Unit& u = units[ui];
       const int64_t piece = it - first[ui], M = u.nrows * u.nheads;
       const int64_t base = offset[ui] + piece * M;
-      run_item<QT, CT>(u, piece * split_tokens, std::min(u.max_len, (piece + 1) * split_tokens), sh, qp, kp, vp,
-                       tp, lens, lut, part_o.data() + base * dv, u.nheads * dv, dv, part_l.data() + base, u.nheads,
-                       1, scratch);
+      run(u, piece * split_tokens, std::min(u.max_len, (piece + 1) * split_tokens), part_o.data() + base * dv,
+          u.nheads * dv, dv, part_l.data() + base, u.nheads, 1, scratch);
     }
   });
   at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
@@ -499,14 +879,14 @@ void launch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
 template <typename QT>
 void dispatch_cache(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table,
                     const at::Tensor& row_seq, const at::Tensor& row_lens, const Shape& sh, int64_t split_tokens,
-                    at::Tensor& out) {
+                    bool portable, at::Tensor& out) {
   switch (kc.scalar_type()) {
-    case at::kFloat: return launch<QT, float>(q, kc, vc, table, row_seq, row_lens, sh, split_tokens, out);
+    case at::kFloat: return launch<QT, float>(q, kc, vc, table, row_seq, row_lens, sh, split_tokens, portable, out);
     case at::kBFloat16:
-      return launch<QT, c10::BFloat16>(q, kc, vc, table, row_seq, row_lens, sh, split_tokens, out);
-    case at::kHalf: return launch<QT, c10::Half>(q, kc, vc, table, row_seq, row_lens, sh, split_tokens, out);
+      return launch<QT, c10::BFloat16>(q, kc, vc, table, row_seq, row_lens, sh, split_tokens, portable, out);
+    case at::kHalf: return launch<QT, c10::Half>(q, kc, vc, table, row_seq, row_lens, sh, split_tokens, portable, out);
     case at::kFloat8_e4m3fn:
-      return launch<QT, c10::Float8_e4m3fn>(q, kc, vc, table, row_seq, row_lens, sh, split_tokens, out);
+      return launch<QT, c10::Float8_e4m3fn>(q, kc, vc, table, row_seq, row_lens, sh, split_tokens, portable, out);
     default: TORCH_CHECK(false, "paged_attention: unsupported cache dtype ", kc.scalar_type());
   }
 }
@@ -520,7 +900,8 @@ void dispatch_cache(const at::Tensor& q, const at::Tensor& kc, const at::Tensor&
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                                         const at::Tensor& value_cache, const at::Tensor& block_tables,
                                         const at::Tensor& row_seq, const at::Tensor& row_lens, int64_t block_size,
-                                        double scale, double k_scale, double v_scale, int64_t split_tokens) {
+                                        double scale, double k_scale, double v_scale, int64_t split_tokens,
+                                        bool portable) {
   TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 3 && value_cache.dim() == 3, "paged_attention: q [t, H, dk], "
               "caches [slots, Hk, d]");
   TORCH_CHECK(q.device().is_cpu() && key_cache.device().is_cpu() && value_cache.device().is_cpu(),
@@ -573,20 +954,39 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
   sh.v_scale = static_cast<float>(v_scale);
   switch (q.scalar_type()) {
     case at::kFloat:
-      dispatch_cache<float>(q, key_cache, value_cache, block_tables, row_seq, row_lens, sh, split_tokens, out);
+      dispatch_cache<float>(q, key_cache, value_cache, block_tables, row_seq, row_lens, sh, split_tokens, portable,
+                            out);
       break;
     case at::kBFloat16:
       dispatch_cache<c10::BFloat16>(q, key_cache, value_cache, block_tables, row_seq, row_lens, sh, split_tokens,
-                                    out);
+                                    portable, out);
       break;
     case at::kHalf:
-      dispatch_cache<c10::Half>(q, key_cache, value_cache, block_tables, row_seq, row_lens, sh, split_tokens, out);
+      dispatch_cache<c10::Half>(q, key_cache, value_cache, block_tables, row_seq, row_lens, sh, split_tokens,
+                                portable, out);
       break;
     default: TORCH_CHECK(false, "paged_attention: unsupported query dtype ", q.scalar_type());
   }
   return out;
 }
 
+// How many threads at::parallel_for runs `n` items on: more than one only where the extension is built with
+// OpenMP (the header-only parallel_for runs serially otherwise).
+int64_t parallel_threads(int64_t n) {
+  std::vector<int> ids(std::max<int64_t>(n, 0), -1);
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) ids[i] = at::get_thread_num();
+  });
+  std::sort(ids.begin(), ids.end());
+  return std::unique(ids.begin(), ids.end()) - ids.begin();
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("parallel_threads", &parallel_threads, "Threads at::parallel_for runs n items on");
   m.def("paged_attention", &paged_attention, "Paged attention with LSE over kvshard's KV cache (CPU)");
+#if defined(KVSHARD_TILED)
+  m.attr("tiled") = true;
+#else
+  m.attr("tiled") = false;
+#endif
 }
