@@ -233,6 +233,49 @@ struct Shape {
   float scale, v_scale;
 };
 
+// The start of an item, on either path: each query vector's bound (the tokens it sees, up to t1), its running
+// max and sum, and the query itself through `load(m, src)`; returns the furthest token any vector sees.
+template <typename QT, typename F>
+int64_t start_item(const Unit& u, int64_t t1, const Shape& sh, const QT* q, const int32_t* lens, int64_t* bounds,
+                   float* mx, float* sum, F&& load) {
+  int64_t reach = 0;
+  for (int64_t r = 0; r < u.nrows; ++r) {
+    const int64_t len = std::min<int64_t>(lens[u.row0 + r], t1);
+    for (int64_t h = 0; h < u.nheads; ++h) {
+      const int64_t m = r * u.nheads + h;
+      bounds[m] = len;
+      reach = std::max(reach, len);
+      load(m, q + (u.row0 + r) * sh.q_row + (u.head0 + h) * sh.q_head);
+      mx[m] = kNegInf;
+      sum[m] = 0.0f;
+    }
+  }
+  return reach;
+}
+
+// The end of an item: o (normalised, times the value scale) and lse per vector; o = 0 and lse = -inf for a vector
+// that saw no token.
+inline void finish_item(const Unit& u, const Shape& sh, const float* acc, const float* mx, const float* sum,
+                        float* out, int64_t out_row_stride, int64_t out_head_stride, float* lse,
+                        int64_t lse_row_stride, int64_t lse_head_stride) {
+  const int64_t dv = sh.dv;
+  for (int64_t r = 0; r < u.nrows; ++r) {
+    for (int64_t h = 0; h < u.nheads; ++h) {
+      const int64_t m = r * u.nheads + h;
+      float* o = out + r * out_row_stride + h * out_head_stride;
+      float* l = lse + r * lse_row_stride + h * lse_head_stride;
+      if (sum[m] > 0.0f) {
+        const float inv = sh.v_scale / sum[m];
+        for (int64_t i = 0; i < dv; ++i) o[i] = acc[m * dv + i] * inv;
+        *l = mx[m] + std::log(sum[m]);
+      } else {
+        std::fill(o, o + dv, 0.0f);
+        *l = kNegInf;
+      }
+    }
+  }
+}
+
 // One item: the units' query vectors over tokens [t0, t1). Writes o (normalised) and lse for each
 // vector into out/lse (out rows: vector-major, o_stride apart).
 template <typename QT, typename CT>
@@ -255,19 +298,10 @@ void run_item(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const QT* 
   float* zeros = dummy + dv;      // its weights
   std::fill(zeros, zeros + B, 0.0f);
   int64_t bounds[kMaxVectors];  // tokens each vector sees, up to t1
-  int64_t reach = 0;  // the furthest token any vector of the item sees within [t0, t1)
-  for (int64_t r = 0; r < u.nrows; ++r) {
-    const int64_t len = std::min<int64_t>(lens[u.row0 + r], t1);
-    for (int64_t h = 0; h < u.nheads; ++h) {
-      const int64_t m = r * u.nheads + h;
-      bounds[m] = len;
-      reach = std::max(reach, len);
-      const QT* src = q + (u.row0 + r) * sh.q_row + (u.head0 + h) * sh.q_head;
-      for (int64_t i = 0; i < dk; ++i) qf[m * dk + i] = static_cast<float>(src[i]) * sh.scale;
-      mx[m] = kNegInf;
-      sum[m] = 0.0f;
-    }
-  }
+  // the furthest token any vector of the item sees within [t0, t1)
+  const int64_t reach = start_item(u, t1, sh, q, lens, bounds, mx, sum, [&](int64_t m, const QT* src) {
+    for (int64_t i = 0; i < dk; ++i) qf[m * dk + i] = static_cast<float>(src[i]) * sh.scale;
+  });
   std::fill(acc, acc + M * dv, 0.0f);
   const int32_t* blocks = table + u.seq * sh.max_blocks;
   for (int64_t tok0 = t0; tok0 < reach; tok0 += B) {
@@ -355,21 +389,7 @@ void run_item(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const QT* 
       accumulate4(ams, ps, vrows, vstride, n, dv);
     }
   }
-  for (int64_t r = 0; r < u.nrows; ++r) {
-    for (int64_t h = 0; h < u.nheads; ++h) {
-      const int64_t m = r * u.nheads + h;
-      float* o = out + r * out_row_stride + h * out_head_stride;
-      float* l = lse + r * lse_row_stride + h * lse_head_stride;
-      if (sum[m] > 0.0f) {
-        const float inv = sh.v_scale / sum[m];
-        for (int64_t i = 0; i < dv; ++i) o[i] = acc[m * dv + i] * inv;
-        *l = mx[m] + std::log(sum[m]);
-      } else {
-        std::fill(o, o + dv, 0.0f);
-        *l = kNegInf;
-      }
-    }
-  }
+  finish_item(u, sh, acc, mx, sum, out, out_row_stride, out_head_stride, lse, lse_row_stride, lse_head_stride);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
@@ -626,23 +646,13 @@ void run_item(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const QT* 
   float* sum = mx + M;
   float* kt = sum + M;
   int64_t bounds[kMaxVectors];
-  int64_t reach = 0;
-  for (int64_t r = 0; r < u.nrows; ++r) {
-    const int64_t len = std::min<int64_t>(lens[u.row0 + r], t1);
-    for (int64_t h = 0; h < u.nheads; ++h) {
-      const int64_t m = r * u.nheads + h;
-      bounds[m] = len;
-      reach = std::max(reach, len);
-      const QT* src = q + (u.row0 + r) * sh.q_row + (u.head0 + h) * sh.q_head;
-      if (pairs) {  // the query's bfloat16 channels as they are (qf's room holds them); the scale goes on the scores
-        std::memcpy(qf + m * dk / 2, src, dk * sizeof(QT));
-      } else {
-        for (int64_t i = 0; i < dk; ++i) qf[m * dk + i] = static_cast<float>(src[i]) * sh.scale;
-      }
-      mx[m] = kNegInf;
-      sum[m] = 0.0f;
+  const int64_t reach = start_item(u, t1, sh, q, lens, bounds, mx, sum, [&](int64_t m, const QT* src) {
+    if (pairs) {  // the query's bfloat16 channels as they are (qf's room holds them); the scale goes on the scores
+      std::memcpy(qf + m * dk / 2, src, dk * sizeof(QT));
+    } else {
+      for (int64_t i = 0; i < dk; ++i) qf[m * dk + i] = static_cast<float>(src[i]) * sh.scale;
     }
-  }
+  });
   std::fill(acc, acc + M * dv, 0.0f);
   const int32_t* blocks = table + u.seq * sh.max_blocks;
   // where a tile of tokens starting at tok lies: its first slot, and its length
@@ -722,21 +732,7 @@ void run_item(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const QT* 
     }
     tok0 += count;
   }
-  for (int64_t r = 0; r < u.nrows; ++r) {
-    for (int64_t h = 0; h < u.nheads; ++h) {
-      const int64_t m = r * u.nheads + h;
-      float* o = out + r * out_row_stride + h * out_head_stride;
-      float* l = lse + r * lse_row_stride + h * lse_head_stride;
-      if (sum[m] > 0.0f) {
-        const float inv = sh.v_scale / sum[m];
-        for (int64_t i = 0; i < dv; ++i) o[i] = acc[m * dv + i] * inv;
-        *l = mx[m] + std::log(sum[m]);
-      } else {
-        std::fill(o, o + dv, 0.0f);
-        *l = kNegInf;
-      }
-    }
-  }
+  finish_item(u, sh, acc, mx, sum, out, out_row_stride, out_head_stride, lse, lse_row_stride, lse_head_stride);
 }
 
 }  // namespace tiled
