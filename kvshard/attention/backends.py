@@ -317,7 +317,7 @@ def resolve_backend_name(requested: str = AUTO, device_type: str | None = None) 
 def describe_backend(name: str) -> str:
     """One line of the start-up report."""
     if name == PAGED:
-        return "attention backend: paged (C++ kernel reading the paged KV cache in place)"
+        return f"attention backend: paged (C++ kernel reading the paged KV cache in place: {paged.kernel_path()})"
     if name == TRITON:
         return "attention backend: triton (Triton kernels reading the paged KV cache in place)"
     if name == GATHER:

@@ -185,6 +185,15 @@ def kernel_available() -> bool:
     return load_extension() is not None
 
 
+def kernel_path() -> str | None:
+    """Which of the kernel's paths this machine's build runs: its AVX-512 tiles or its portable loops (None where it
+    is not built)."""
+    module = load_extension()
+    if module is None:
+        return None
+    return "AVX-512 tiles" if module.tiled else "portable loops"
+
+
 def unavailable_reason() -> str | None:
     """Why the kernel could not be built, once a build was tried; None where it was built (or not tried)."""
     return _unavailable
