@@ -75,6 +75,16 @@ def measure_decode_floor(engine_args: EngineArgs, batch_size: int, context_len: 
                          warmup_steps: int = 3, bandwidth_bytes: int = 2**30, alternate_rounds: int = 0) -> dict:
     from kvshard import LLM, SamplingParams
 
+    # every request and every token it decodes must stay in the KV cache: a preempted request leaves the batch
+    config = engine_args.create_engine_config()
+    total_steps = steps * (1 + 2 * alternate_rounds)
+    prefill_steps = -(-batch_size * context_len // config.scheduler.max_num_batched_tokens) + 1
+    needed = batch_size * (context_len + prefill_steps + warmup_steps + total_steps + 1 + config.tokens_per_virtual_block)
+    if config.kv_capacity_tokens < needed:
+        per_token = config.kv_bytes_per_token_per_rank
+        raise ValueError(f"the KV cache holds {config.kv_capacity_tokens:,} tokens per rank; {batch_size} requests of "
+                         f"{context_len:,} tokens decoding {total_steps} timed steps need about {needed:,}: pass "
+                         f"--kv-cache-memory {int(needed * per_token) // 2**20 + 1}MiB or more")
     # the device rank 0 runs on (engine/process_setup.py), measured before any rank starts
     bandwidth = copy_bandwidth(bandwidth_bytes, device="cuda" if torch.cuda.is_available() else "cpu")
     with LLM(**asdict(engine_args)) as llm:
@@ -83,19 +93,28 @@ def measure_decode_floor(engine_args: EngineArgs, batch_size: int, context_len: 
         if alternate_rounds and (runner.compiled is None or config.parallel.world_size > 1):
             raise ValueError("--alternate-eager compares the compiled and the eager step of one rank: run it with "
                              "-O 3 at tensor parallel size 1, on a CPU")
-        total_steps = steps * (1 + 2 * alternate_rounds)
         spec = WorkloadSpec("random", config.model.hf_config.vocab_size, engine_args.seed,
                             input_len=context_len, output_len=warmup_steps + total_steps + 1)
-        params = SamplingParams(temperature=0.0, max_tokens=warmup_steps + total_steps + 1, ignore_eos=True)
+        requests = spec.requests(batch_size)
+        # Chunked prefill gives the requests their first tokens steps apart, so a budget of exactly the timed
+        # steps would end the first requests while the timing still ran (a shrinking batch, its steps ever
+        # faster): every request may run to the model's length, and what is left is aborted after the timing.
+        longest = max(len(request.prompt_token_ids) for request in requests)
+        budget = max(warmup_steps + total_steps + 1, config.scheduler.max_model_len - longest)
+        params = SamplingParams(temperature=0.0, max_tokens=budget, ignore_eos=True)
         generated: dict[str, int] = {}
-        for request in spec.requests(batch_size):
+        for request in requests:
             request_id = f"floor-{uuid.uuid4().hex[:8]}"
             engine.add_request(request_id, request.prompt_token_ids, params)
             generated[request_id] = 0
 
-        def step() -> None:
+        def step(timed: bool = False) -> None:
+            before = dict(generated)
             for output in engine.step():
                 generated[output.request_id] = len(output.outputs[0].token_ids)
+            if timed and any(generated[r] <= before[r] for r in generated):
+                raise RuntimeError("a request left the decode batch while timing (finished, or preempted: raise "
+                                   "--kv-cache-memory or --max-model-len)")
 
         while min(generated.values()) == 0:  # prefill: until every request has its first token
             step()
@@ -106,10 +125,8 @@ def measure_decode_floor(engine_args: EngineArgs, batch_size: int, context_len: 
         for _ in range(steps):
             kv_tokens.append(sum(context_len + n for n in generated.values()))  # tokens this step attends to
             start = time.perf_counter()
-            step()
+            step(timed=True)
             times.append(time.perf_counter() - start)
-        if min(generated.values()) < warmup_steps + steps or len(generated) != batch_size:
-            raise RuntimeError("a request left the decode batch while timing (preempted?): raise --kv-cache-memory")
         alternation = []  # (compiled?, median step ms) per block
         compiled_step = runner.step_model
         for block in range(2 * alternate_rounds):
@@ -118,19 +135,17 @@ def measure_decode_floor(engine_args: EngineArgs, batch_size: int, context_len: 
             block_times = []
             for _ in range(steps):
                 start = time.perf_counter()
-                step()
+                step(timed=True)
                 block_times.append(time.perf_counter() - start)
             alternation.append(("compiled" if compiled else "eager", sorted(block_times)[steps // 2] * 1e3))
         runner.step_model = compiled_step
-        if alternate_rounds and min(generated.values()) < warmup_steps + total_steps:
-            raise RuntimeError("a request left the decode batch while timing (preempted?): raise --kv-cache-memory")
         dcp_after = engine.stats().dcp_timing  # gathered every KVSHARD_DCP_TIMING_EVERY steps
         dcp = dcp_after.since(dcp_before) if dcp_after is not None and dcp_after is not dcp_before else None
         weights = weight_bytes_per_step(engine.runner.model, batch_size)
         compile_s = engine.runner.compile_seconds  # None: the model step ran eagerly
         kv_per_token = config.kv_bytes_per_token_per_rank
-        while engine.has_unfinished_requests():
-            engine.step()
+        for request_id in generated:
+            engine.abort_request(request_id)
 
     step_s = sorted(times)[len(times) // 2]
     kv_bytes = kv_per_token * sorted(kv_tokens)[len(kv_tokens) // 2]
