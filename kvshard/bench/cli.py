@@ -20,7 +20,7 @@ from kvshard.bench.workloads import SESSIONS, WORKLOADS, BenchRequest, WorkloadS
 
 TRACE = "trace"
 from kvshard.config import ConfigError, resolve_model_path
-from kvshard.engine.arg_utils import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineArgs
+from kvshard.engine.arg_utils import EngineArgs
 
 
 def add_bench_parser(subparsers) -> None:
@@ -473,14 +473,8 @@ def _run_decode_floor(args: argparse.Namespace) -> int:
     from kvshard.bench.report import write_json
 
     engine_args = EngineArgs.from_cli_args(args)
-    timed_steps = args.steps * (1 + 2 * args.alternate_eager)
-    max_num_seqs = max(engine_args.max_num_seqs, args.batch_size)
-    # the prompts are prefilled a chunk a step, so the first request decodes that many steps before the last one
-    # starts: its window holds those tokens too, and every request stays in the batch for all the timed steps
-    chunk = engine_args.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs)
-    prefill_steps = -(-args.batch_size * args.context_len // chunk) + 1
-    engine_args = replace(engine_args, max_num_seqs=max_num_seqs, max_model_len=engine_args.max_model_len
-                          or args.context_len + prefill_steps + timed_steps + 8)
+    # the model's window, unless given, is what the requests need (measure_decode_floor sizes it)
+    engine_args = replace(engine_args, max_num_seqs=max(engine_args.max_num_seqs, args.batch_size))
     result = measure_decode_floor(engine_args, args.batch_size, args.context_len, args.steps,
                                   alternate_rounds=args.alternate_eager)
     print(format_decode_floor(result))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -75,11 +75,18 @@ def measure_decode_floor(engine_args: EngineArgs, batch_size: int, context_len: 
                          warmup_steps: int = 3, bandwidth_bytes: int = 2**30, alternate_rounds: int = 0) -> dict:
     from kvshard import LLM, SamplingParams
 
-    # every request and every token it decodes must stay in the KV cache: a preempted request leaves the batch
+    # The prompts are prefilled a chunk a step, so the first request decodes that many steps before the last one
+    # starts: a request's window holds those tokens too, so that every request stays in the batch for every
+    # timed step (the window is sized so where none is given). Every request and every token it decodes must
+    # also stay in the KV cache: a preempted request leaves the batch.
     config = engine_args.create_engine_config()
     total_steps = steps * (1 + 2 * alternate_rounds)
     prefill_steps = -(-batch_size * context_len // config.scheduler.max_num_batched_tokens) + 1
-    needed = batch_size * (context_len + prefill_steps + warmup_steps + total_steps + 1 + config.tokens_per_virtual_block)
+    window = context_len + prefill_steps + warmup_steps + total_steps + 8
+    if engine_args.max_model_len is None:
+        engine_args = replace(engine_args, max_model_len=window)
+        config = engine_args.create_engine_config()
+    needed = batch_size * (window + config.tokens_per_virtual_block)
     if config.kv_capacity_tokens < needed:
         per_token = config.kv_bytes_per_token_per_rank
         raise ValueError(f"the KV cache holds {config.kv_capacity_tokens:,} tokens per rank; {batch_size} requests of "

@@ -662,7 +662,6 @@ void run_item(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const QT* 
     slot = static_cast<int64_t>(blocks[tok / B]) * B + in_block;
   };
   const int64_t k_bytes = dk * static_cast<int64_t>(sizeof(CT)), v_bytes = dv * static_cast<int64_t>(sizeof(CT));
-  const bool v_separate = vc + sh.v_head != kc + sh.k_head || sh.v_tok != sh.k_tok;  // else V lies in K's rows
   for (int64_t tok0 = t0; tok0 < reach;) {
     int64_t slot0, count;
     tile_at(tok0, slot0, count);
@@ -675,7 +674,7 @@ void run_item(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const QT* 
       int64_t next_slot, next_count;
       tile_at(tok0 + count + kLanes, next_slot, next_count);
       prefetch_rows(kc + next_slot * sh.k_tok + u.kv_head * sh.k_head, sh.k_tok, next_count, k_bytes);
-      if (v_separate) prefetch_rows(vc + next_slot * sh.v_tok + u.kv_head * sh.v_head, sh.v_tok, next_count, v_bytes);
+      if (!sh.v_in_k) prefetch_rows(vc + next_slot * sh.v_tok + u.kv_head * sh.v_head, sh.v_tok, next_count, v_bytes);
     }
 #if defined(__AVX512BF16__)
     if constexpr (kPairs) {
