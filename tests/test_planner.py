@@ -615,7 +615,8 @@ def test_prefill_side_too_small_for_the_model_is_an_error(capsys: pytest.Capture
 # --- command line ---------------------------------------------------------------------
 
 
-def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
+def test_table_output(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "160")  # the table's width follows the terminal's (pytest-xdist workers say 80)
     assert run_plan(parse(SEED_ARGS)) == 0
     out = capsys.readouterr().out
     assert "tp=8 dcp=8 A=1" in out and " *" in out and "recommendation" in out and "KV memory" in out
