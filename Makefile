@@ -26,4 +26,4 @@ serve: install
 # Two pytest-xdist workers: on two cores the suite alone leaves a core idle 40% of its time (ranks and servers
 # starting, timeouts awaited); tests/conftest.py keeps each file, and the SmolLM2 files, in one worker.
 test: install
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup $(ARGS)
+	$(BIN)/python -m pytest -q -n 2 $(ARGS)

@@ -64,13 +64,19 @@ def no_shared_memory_left_behind():
 SMOLLM2_FILES = {"test_agentic_api.py", "test_gguf.py", "test_smollm2_server.py", "test_structured_outputs.py"}
 
 
-def pytest_collection_modifyitems(config, items):
-    """`make test` runs the suite in two pytest-xdist workers with `--dist loadgroup`: a file's tests stay
-    together in one worker (its module-scoped engines and servers are started once), and the files that use
-    SmolLM2 share one worker, so that it is fetched, converted and served once."""
-    for item in items:
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group("smollm2" if name in SMOLLM2_FILES else name))
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` runs the suite in two pytest-xdist workers: each file's tests go to one worker (its
+    module-scoped engines and servers start once), and the files that use SmolLM2 share one, so that it is
+    fetched, converted and served once. Larger groups are handed out first."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "smollm2" if Path(path).name in SMOLLM2_FILES else path
+
+    return ByFile(config, log)
 
 
 # `kvshard serve smollm2-135m-instruct` at the `make serve` layout (tp=2, dcp=2), with room and the tool parser that
