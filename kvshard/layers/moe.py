@@ -15,10 +15,14 @@ import torch
 from torch import nn
 
 from kvshard.layers.activation import silu_and_mul
+from kvshard.layers.batch_invariant import batch_invariant_active
 from kvshard.layers.linear import copy_whole
 from kvshard.parallel import ParallelState
 
 ROUTING_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
+# Multiply-adds of the grouped path's padded products (experts x rows x 3 I D) up to which `auto` takes it:
+# ~0.1-0.2 ms on one core; above, the experts' real products outweigh the loop's dispatch (BENCHMARKS.md).
+GROUPED_MAX_MACS = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -122,12 +126,61 @@ class FusedMoE(nn.Module):
     def opaque_forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return self.forward(x, topk_weights, topk_ids)
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                path: str = "auto") -> torch.Tensor:
         """x [t, D], topk_weights / topk_ids [t, k] -> [t, D], the sum over this rank's experts only
-        (outside a compiled graph: its experts are picked on the host; kvshard/compilation.py)."""
-        out = torch.zeros_like(x)
+        (outside a compiled graph: its experts are picked on the host; kvshard/compilation.py).
+
+        Two paths give the same sums: `loop`, one pair of products per expert that has tokens, and
+        `grouped`, every expert's tokens at once in two batched products over a [E_l, m, D] buffer
+        (m: the most tokens any one expert got, the others' rows zero). A decode step's few tokens
+        make the loop a dozen small operators per expert, whose dispatch outweighs the arithmetic;
+        `auto` takes `grouped` where more than two experts have tokens and the padded products stay
+        under GROUPED_MAX_MACS, and `loop` otherwise and under batch_invariant_mode (where no choice
+        may depend on the batch)."""
         local_ids = topk_ids - self.first_expert  # [t, k]
         mine = (local_ids >= 0) & (local_ids < self.num_local_experts)
+        if path == "auto":
+            path = "loop" if batch_invariant_active() else "grouped_if_small"
+        if path != "loop":
+            grouped = self._grouped(x, topk_weights, local_ids, mine, path == "grouped")
+            if grouped is not None:
+                return grouped
+        return self._loop(x, topk_weights, local_ids, mine)
+
+    def _grouped(self, x: torch.Tensor, topk_weights: torch.Tensor, local_ids: torch.Tensor, mine: torch.Tensor,
+                 always: bool) -> torch.Tensor | None:
+        e_l, (t, k), d = self.num_local_experts, local_ids.shape, x.shape[-1]
+        if t * k <= 2 and not always:  # two experts at most: not worth counting
+            return None
+        bucket = torch.where(mine, local_ids, e_l).flatten()  # [t*k]: other ranks' experts in bucket e_l
+        counts = torch.bincount(bucket, minlength=e_l + 1)  # [e_l + 1]
+        per_expert = counts[:e_l].tolist()
+        rows = max(per_expert)
+        # two experts or fewer (a lone token): the loop's few operators cost less than the buffer's
+        small = sum(1 for n in per_expert if n) <= 2 or e_l * rows * 3 * self.intermediate_size * d > GROUPED_MAX_MACS
+        if small and not always:
+            return None
+        out = torch.zeros_like(x)
+        if rows == 0:
+            return out
+        order = bucket.argsort(stable=True)  # (token, slot) pairs by expert, tokens ascending within one
+        expert = bucket[order]
+        starts = counts.cumsum(0) - counts
+        kept = expert < e_l
+        order, expert = order[kept], expert[kept]
+        row = torch.arange(order.shape[0]) - starts[expert]  # a pair's row within its expert's group
+        token, slot = order // k, order % k
+        buffer = x.new_zeros(e_l, rows, d)
+        buffer[expert, row] = x[token]
+        h = silu_and_mul(torch.bmm(buffer, self.w13_weight.transpose(1, 2)))  # [e_l, rows, I]
+        y = torch.bmm(h, self.w2_weight.transpose(1, 2))[expert, row]  # [pairs, D]
+        # pairs in expert order: a token's experts add up in the loop's order
+        return out.index_add_(0, token, (y * topk_weights[token, slot, None]).to(out.dtype))
+
+    def _loop(self, x: torch.Tensor, topk_weights: torch.Tensor, local_ids: torch.Tensor,
+              mine: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
         for expert in local_ids[mine].unique().tolist():
             token, slot = (local_ids == expert).nonzero(as_tuple=True)  # [m], [m]
             h = silu_and_mul(nn.functional.linear(x[token], self.w13_weight[expert]))  # [m, I]

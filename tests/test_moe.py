@@ -1,0 +1,108 @@
+"""The routed experts' two paths (kvshard/layers/moe.py): the per-expert loop and the grouped batched products
+give a rank's partial sum as a float64 computation of the definition does, and `auto` picks between them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvshard.layers import moe as moe_module
+from kvshard.layers.batch_invariant import batch_invariant_mode
+from kvshard.layers.moe import FusedMoE
+from kvshard.parallel import ParallelState
+
+EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 8, 64, 32, 2
+
+
+def _experts(tp: int, rank: int, dtype: torch.dtype) -> FusedMoE:
+    parallel = ParallelState(rank=rank, world_size=tp, dcp_rank=0, dcp_size=1, dcp_group_index=0)
+    layer = FusedMoE(EXPERTS, HIDDEN, INTERMEDIATE, dtype, parallel)
+    generator = torch.Generator().manual_seed(rank)
+    for weight in (layer.w13_weight, layer.w2_weight):
+        weight.data.copy_(torch.randn(weight.shape, generator=generator) * 0.2)
+    return layer
+
+
+def _routing(tokens: int, seed: int, experts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    choices = experts or list(range(EXPERTS))
+    ids = torch.stack([torch.tensor(choices)[torch.randperm(len(choices), generator=generator)[:TOP_K]]
+                       for _ in range(tokens)]) if tokens else torch.zeros(0, TOP_K, dtype=torch.long)
+    return torch.rand(tokens, TOP_K, generator=generator), ids
+
+
+def _definition(layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """sum over a token's experts held by this rank of weight * down(silu(gate x) * up x), in float64."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    w13, w2 = layer.w13_weight.double(), layer.w2_weight.double()
+    for token in range(x.shape[0]):
+        for slot in range(ids.shape[1]):
+            local = int(ids[token, slot]) - layer.first_expert
+            if not 0 <= local < layer.num_local_experts:
+                continue
+            gate, up = (w13[local] @ x[token].double()).chunk(2)
+            out[token] += weights[token, slot].double() * (w2[local] @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+# tolerances relative to the largest output
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("tp, rank", [(1, 0), (2, 0), (2, 1), (4, 3)])
+@pytest.mark.parametrize("tokens", [0, 1, 3, 16, 70])
+def test_loop_and_grouped_give_the_definition(dtype, tolerance, tp, rank, tokens):
+    layer = _experts(tp, rank, dtype)
+    weights, ids = _routing(tokens, seed=tokens + 10 * tp + rank)
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    want = _definition(layer, x, weights, ids)
+    atol = tolerance * max(1.0, want.abs().max().item() if tokens else 0.0)
+    results = {path: layer(x, weights, ids, path=path) for path in ("loop", "grouped", "auto")}
+    for path, got in results.items():
+        assert got.dtype == dtype and got.shape == x.shape
+        torch.testing.assert_close(got.double(), want, atol=atol, rtol=0, msg=f"{path} path")
+    torch.testing.assert_close(results["grouped"], results["loop"], atol=atol / 10, rtol=0)
+
+
+def test_every_token_on_one_expert_and_none_on_this_rank():
+    layer = _experts(2, 1, torch.float32)  # experts 4..7
+    x = torch.randn(9, HIDDEN)
+    weights, ids = _routing(9, seed=3, experts=[5, 1])  # every token: expert 5 (here) and 1 (elsewhere)
+    for path in ("loop", "grouped"):
+        torch.testing.assert_close(layer(x, weights, ids, path=path).double(), _definition(layer, x, weights, ids),
+                                   atol=1e-5, rtol=0)
+    weights, ids = _routing(9, seed=4, experts=[0, 1, 2, 3])  # none here: zeros
+    for path in ("loop", "grouped"):
+        assert torch.equal(layer(x, weights, ids, path=path), torch.zeros_like(x))
+
+
+def _paths_taken(monkeypatch, layer: FusedMoE, x, weights, ids) -> list[str]:
+    taken: list[str] = []
+    for name in ("_loop", "_grouped"):
+        original = getattr(layer, name)
+
+        def spy(*args, _original=original, _name=name):
+            result = _original(*args)
+            if result is not None:
+                taken.append(_name.lstrip("_"))
+            return result
+
+        monkeypatch.setattr(layer, name, spy)
+    layer(x, weights, ids)
+    return taken
+
+
+def test_auto_groups_decode_sized_steps_and_loops_otherwise(monkeypatch):
+    layer = _experts(1, 0, torch.float32)
+    for tokens, want in ((1, "loop"), (3, "grouped"), (16, "grouped")):
+        weights, ids = _routing(tokens, seed=tokens)
+        assert _paths_taken(monkeypatch, layer, torch.randn(tokens, HIDDEN), weights, ids) == [want], tokens
+    # many tokens, but two experts: the loop's two passes cost less than the buffer
+    weights, ids = _routing(5, seed=5, experts=[2, 5])
+    assert _paths_taken(monkeypatch, layer, torch.randn(5, HIDDEN), weights, ids) == ["loop"]
+    # past GROUPED_MAX_MACS the experts' own products outweigh the loop's dispatch
+    monkeypatch.setattr(moe_module, "GROUPED_MAX_MACS", 3 * INTERMEDIATE * HIDDEN * EXPERTS * 2 - 1)
+    weights, ids = _routing(16, seed=16)
+    assert _paths_taken(monkeypatch, layer, torch.randn(16, HIDDEN), weights, ids) == ["loop"]
+    # no choice that depends on the batch under batch_invariant_mode
+    monkeypatch.setattr(moe_module, "GROUPED_MAX_MACS", 1 << 40)
+    with batch_invariant_mode():
+        assert _paths_taken(monkeypatch, layer, torch.randn(16, HIDDEN), weights, ids) == ["loop"]
