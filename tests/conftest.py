@@ -68,15 +68,20 @@ SMOLLM2_FILES = {"test_agentic_api.py", "test_gguf.py", "test_smollm2_server.py"
 def pytest_xdist_make_scheduler(config, log):
     """`make test` runs the suite in two pytest-xdist workers: each file's tests go to one worker (its
     module-scoped engines and servers start once), and the files that use SmolLM2 share one, so that it is
-    fetched, converted and served once. Larger groups are handed out first."""
+    fetched, converted and served once. Groups of more tests are handed out first (xdist's default)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ByFile(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return "smollm2" if Path(path).name in SMOLLM2_FILES else path
+            return worker_group(nodeid)
 
     return ByFile(config, log)
+
+
+def worker_group(nodeid: str) -> str:
+    """The scheduler's unit: a test's file, or "smollm2" for the files in SMOLLM2_FILES."""
+    path = nodeid.split("::", 1)[0]
+    return "smollm2" if Path(path).name in SMOLLM2_FILES else path
 
 
 # `kvshard serve smollm2-135m-instruct` at the `make serve` layout (tp=2, dcp=2), with room and the tool parser that
