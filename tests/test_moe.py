@@ -79,8 +79,8 @@ def _paths_taken(monkeypatch, layer: FusedMoE, x, weights, ids) -> list[str]:
     for name in ("_loop", "_grouped"):
         original = getattr(layer, name)
 
-        def spy(*args, _original=original, _name=name):
-            result = _original(*args)
+        def spy(*args, _original=original, _name=name, **kwargs):
+            result = _original(*args, **kwargs)
             if result is not None:
                 taken.append(_name.lstrip("_"))
             return result
@@ -106,3 +106,10 @@ def test_auto_groups_decode_sized_steps_and_loops_otherwise(monkeypatch):
     monkeypatch.setattr(moe_module, "GROUPED_MAX_MACS", 1 << 40)
     with batch_invariant_mode():
         assert _paths_taken(monkeypatch, layer, torch.randn(16, HIDDEN), weights, ids) == ["loop"]
+
+
+def test_an_unknown_path_is_refused():
+    layer = _experts(1, 0, torch.float32)
+    weights, ids = _routing(3, seed=3)
+    with pytest.raises(ValueError, match="MoE path 'groupd'"):
+        layer(torch.randn(3, HIDDEN), weights, ids, path="groupd")

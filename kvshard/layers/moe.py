@@ -23,6 +23,7 @@ ROUTING_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
 # Multiply-adds of the grouped path's padded products (experts x rows x 3 I D) up to which `auto` takes it:
 # ~0.1-0.2 ms on one core; above, the experts' real products outweigh the loop's dispatch (BENCHMARKS.md).
 GROUPED_MAX_MACS = 1 << 24
+MOE_PATHS = ("auto", "loop", "grouped")
 
 
 @dataclass(frozen=True)
@@ -138,12 +139,12 @@ class FusedMoE(nn.Module):
         `auto` takes `grouped` where more than two experts have tokens and the padded products stay
         under GROUPED_MAX_MACS, and `loop` otherwise and under batch_invariant_mode (where no choice
         may depend on the batch)."""
+        if path not in MOE_PATHS:
+            raise ValueError(f"MoE path {path!r}: one of {', '.join(MOE_PATHS)}")
         local_ids = topk_ids - self.first_expert  # [t, k]
         mine = (local_ids >= 0) & (local_ids < self.num_local_experts)
-        if path == "auto":
-            path = "loop" if batch_invariant_active() else "grouped_if_small"
-        if path != "loop":
-            grouped = self._grouped(x, topk_weights, local_ids, mine, path == "grouped")
+        if path == "grouped" or (path == "auto" and not batch_invariant_active()):
+            grouped = self._grouped(x, topk_weights, local_ids, mine, always=path == "grouped")
             if grouped is not None:
                 return grouped
         return self._loop(x, topk_weights, local_ids, mine)
@@ -169,7 +170,7 @@ class FusedMoE(nn.Module):
         starts = counts.cumsum(0) - counts
         kept = expert < e_l
         order, expert = order[kept], expert[kept]
-        row = torch.arange(order.shape[0]) - starts[expert]  # a pair's row within its expert's group
+        row = torch.arange(order.shape[0], device=x.device) - starts[expert]  # a pair's row within its expert's group
         token, slot = order // k, order % k
         buffer = x.new_zeros(e_l, rows, d)
         buffer[expert, row] = x[token]
