@@ -20,9 +20,10 @@ from kvshard.layers.linear import copy_whole
 from kvshard.parallel import ParallelState
 
 ROUTING_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
-# Multiply-adds of the grouped path's padded products (experts x rows x 3 I D) up to which `auto` takes it:
-# ~0.1-0.2 ms on one core; above, the experts' real products outweigh the loop's dispatch (BENCHMARKS.md).
-GROUPED_MAX_MACS = 1 << 24
+# Multiply-adds of the grouped path's padded products (experts x rows x 3 I D) up to which `auto` takes it.
+# The MLA demo's experts: grouped is faster up to a few hundred tokens (70M), slower from ~1,000 (220M), where
+# the experts' own products outweigh the loop's dispatch (scripts/bench_moe.py; BENCHMARKS.md section 18).
+GROUPED_MAX_MACS = 1 << 27
 MOE_PATHS = ("auto", "loop", "grouped")
 
 
