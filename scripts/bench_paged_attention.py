@@ -2,7 +2,9 @@
 their cached context.
 
 Compares the paged kernel (kvshard/attention/paged.py: reads the blocks where they lie; its AVX-512
-tiles where the CPU has them, and its portable loops in the `portable ms` column) with
+tiles where the CPU has them, the query vectors in the lanes for items of 16 vectors or a multiple; the
+tiles with the tokens in the lanes for every item in the `token-lanes ms` column; its portable loops in
+the `portable ms` column) with
 the gather path (KVCacheLayer.gather into reused buffers, then attention_with_lse, PyTorch's flash
 kernel) and the plain-matmul reference over the same gathered copy. Reports the median time per
 call (the paged and gather+flash samples taken in turn, so that other load falls on both), the KV bytes the call must read (every visible token's K and V, as stored) per second,
@@ -87,7 +89,10 @@ def copy_bandwidth(gib: float = 0.5, repeat: int = 5) -> float:
     return src.numel() * 4 / seconds
 
 
-def setup(shape: str, dtype: torch.dtype, batch: int, context: int, block_size: int, seed: int = 0):
+def setup(shape: str, dtype: torch.dtype, batch: int, context: int, block_size: int, seed: int = 0, rows: int = 1):
+    """One case: `batch` requests of `context` cached tokens, each with `rows` query rows, row r of a request
+    seeing its first context - rows + 1 + r tokens (a decode: one row; speculative verification or the rest of a
+    prompt after a prefix hit: several)."""
     heads, kv_heads, dk, dv, prefix = SHAPES[shape]
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq
@@ -96,30 +101,36 @@ def setup(shape: str, dtype: torch.dtype, batch: int, context: int, block_size: 
     value = key[..., :dv] if prefix else torch.randn(num_blocks * block_size, kv_heads, dv, generator=g).to(dtype)
     cache = KVCacheLayer(key, value, block_size, dtype)
     tables = torch.randperm(num_blocks, generator=g).view(batch, blocks_per_seq).to(torch.int32)
-    q = torch.randn(batch, heads, dk, generator=g).to(dtype)
-    row_seq = torch.arange(batch, dtype=torch.int32)
-    row_lens = torch.full((batch,), context, dtype=torch.int32)
+    q = torch.randn(batch * rows, heads, dk, generator=g).to(dtype)
+    row_seq = torch.arange(batch, dtype=torch.int32).repeat_interleave(rows)
+    sees = torch.arange(context - rows + 1, context + 1, dtype=torch.int32)  # row r's visible tokens
+    row_lens = sees.repeat(batch)
     span = torch.arange(blocks_per_seq * block_size)
-    bias = torch.zeros(batch, 1, span.numel()).masked_fill_((span >= context)[None, None], float("-inf"))
+    bias = torch.zeros(batch, rows, span.numel()).masked_fill_((span[None] >= sees[:, None])[None], float("-inf"))
     stored = kv_heads * (dk if prefix else dk + dv) * key.element_size()
-    return dict(q=q, cache=cache, tables=tables, row_seq=row_seq, row_lens=row_lens, bias=bias,
+    return dict(q=q, rows=rows, cache=cache, tables=tables, row_seq=row_seq, row_lens=row_lens, bias=bias,
                 scale=1.0 / math.sqrt(dk), kv_bytes=batch * context * stored)
 
 
-def run_paged(s, portable: bool = False):
+def run_paged(s, portable: bool = False, vector_lanes: bool = True):
     c = s["cache"]
     return paged.paged_attention(s["q"], c.key, c.value, s["tables"], s["row_seq"], s["row_lens"], c.block_size,
-                                 s["scale"], use_kernel=True, portable=portable)
+                                 s["scale"], use_kernel=True, portable=portable, vector_lanes=vector_lanes)
 
 
 def run_gather_flash(s, buffers):
     keys, values = s["cache"].gather(s["tables"].long(), buffers)
-    return attention_with_lse(s["q"][:, None], keys, values, s["bias"], s["scale"])
+    return attention_with_lse(_by_request(s), keys, values, s["bias"], s["scale"])
 
 
 def run_reference(s, buffers):
     keys, values = s["cache"].gather(s["tables"].long(), buffers)
-    return reference_attention_with_lse(s["q"][:, None], keys, values, s["bias"], s["scale"])
+    return reference_attention_with_lse(_by_request(s), keys, values, s["bias"], s["scale"])
+
+
+def _by_request(s) -> torch.Tensor:
+    q = s["q"]
+    return q.view(-1, s["rows"], *q.shape[1:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
     parser.add_argument("--contexts", nargs="+", type=int, default=[1024, 8192, 32768])
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--rows", type=int, default=1, help="query rows per request (1: decodes), each seeing up to "
+                        "its own position")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--max-kv-gib", type=float, default=2.0)
     parser.add_argument("--max-reference-tokens", type=int, default=64 * 8192)
@@ -142,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads; copy bandwidth {bandwidth / 1e9:.1f} GB/s "
           f"(bytes read per second by a 0.5 GiB tensor copy)")
     print(f"{'shape':5} {'dtype':5} {'batch':>5} {'context':>7} {'KV MB':>8} | {'paged ms':>9} {'GB/s':>6} {'%copy':>6}"
-          f" | {'portable ms':>11} | {'gather+flash ms':>15} {'GB/s':>6} | {'reference ms':>12} | {'speedup':>7}"
+          f" | {'token-lanes ms':>14} | {'portable ms':>11} | {'gather+flash ms':>15} {'GB/s':>6}"
+          f" | {'reference ms':>12} | {'speedup':>7}"
           f" {'max|do|':>8}")
     rows = []
     for shape in args.shapes:
@@ -154,27 +168,28 @@ def main(argv: list[str] | None = None) -> int:
                     if batch * context * stored > args.max_kv_gib * (1 << 30):
                         print(f"{shape:5} {dname:5} {batch:5} {context:7} skipped: cache above {args.max_kv_gib} GiB")
                         continue
-                    s = setup(shape, DTYPES[dname], batch, context, args.block_size)
+                    s = setup(shape, DTYPES[dname], batch, context, args.block_size, rows=args.rows)
                     buffers = GatherBuffers()  # reused across calls, as the layers of a step do
-                    t_paged, t_portable, t_flash = timed_together(
-                        [lambda: run_paged(s), lambda: run_paged(s, portable=True),
-                         lambda: run_gather_flash(s, buffers)], args.repeat)
+                    t_paged, t_tokens, t_portable, t_flash = timed_together(
+                        [lambda: run_paged(s), lambda: run_paged(s, vector_lanes=False),
+                         lambda: run_paged(s, portable=True), lambda: run_gather_flash(s, buffers)], args.repeat)
                     o_p, _ = run_paged(s)
                     o_f, _ = run_gather_flash(s, buffers)
-                    diff = float((o_p - o_f[:, 0]).abs().max())
+                    diff = float((o_p - o_f.flatten(0, 1)).abs().max())
                     t_ref = None
                     if batch * context <= args.max_reference_tokens:
                         t_ref = timed(lambda: run_reference(s, buffers), max(1, args.repeat // 2))
                     del buffers
                     row = dict(shape=shape, dtype=dname, batch=batch, context=context, kv_bytes=s["kv_bytes"],
-                               paged_s=t_paged, portable_s=t_portable, gather_flash_s=t_flash, reference_s=t_ref,
+                               paged_s=t_paged, token_lanes_s=t_tokens, portable_s=t_portable,
+                               gather_flash_s=t_flash, reference_s=t_ref,
                                paged_gbps=s["kv_bytes"] / t_paged / 1e9, flash_gbps=s["kv_bytes"] / t_flash / 1e9,
                                copy_gbps=bandwidth / 1e9, max_abs_diff=diff)
                     rows.append(row)
                     ref = f"{t_ref * 1e3:12.2f}" if t_ref is not None else f"{'-':>12}"
                     print(f"{shape:5} {dname:5} {batch:5} {context:7} {s['kv_bytes'] / 1e6:8.1f} | "
                           f"{t_paged * 1e3:9.2f} {row['paged_gbps']:6.1f} {100 * s['kv_bytes'] / t_paged / bandwidth:5.0f}%"
-                          f" | {t_portable * 1e3:11.2f} | {t_flash * 1e3:15.2f} {row['flash_gbps']:6.1f} | {ref} | "
+                          f" | {t_tokens * 1e3:14.2f} | {t_portable * 1e3:11.2f} | {t_flash * 1e3:15.2f} {row['flash_gbps']:6.1f} | {ref} | "
                           f"{t_flash / t_paged:6.2f}x {diff:8.1e}", flush=True)
                     del s
     if args.json:

@@ -92,16 +92,18 @@ def _check(out, lse, ref_out, ref_lse, atol, rtol):
 
 
 def _paged_kernel(q, key, value, tables, row_seq, row_lens, block_size, scale, k_scale, v_scale, split_tokens=0,
-                  portable=False):
+                  path="vector-lanes"):
     return paged.paged_attention(q, key, value, tables, row_seq, row_lens, block_size, scale, k_scale, v_scale,
-                                 split_tokens=split_tokens, use_kernel=True, portable=portable)
+                                 split_tokens=split_tokens, use_kernel=True, portable=path == "portable",
+                                 vector_lanes=path == "vector-lanes")
 
 
-@pytest.fixture(params=["tiles", "portable"])
-def portable(request):
-    """Each kernel case on both of the kernel's paths: its AVX-512 tiles (where the CPU has them; elsewhere
-    the same portable loops run twice) and the portable loops."""
-    return request.param == "portable"
+@pytest.fixture(params=["vector-lanes", "token-lanes", "portable"])
+def path(request):
+    """Each kernel case on each of the kernel's paths: its AVX-512 tiles as chosen (the query vectors in the lanes
+    for items of 16 vectors or a multiple, else the tokens), the tiles with the tokens in the lanes for every item
+    (where the CPU has no AVX-512, both run the portable loops), and the portable loops."""
+    return request.param
 
 
 def _cpu_flags() -> set[str]:
@@ -162,8 +164,8 @@ GQA = [(8, 1, 64), (9, 3, 32)]  # (query heads, KV heads, head dim): as the demo
 @pytest.mark.parametrize("heads,kv_heads,d", GQA)
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("interleave,dcp,rank", [(1, 1, 0), (1, 2, 1), (4, 4, 3), (16, 2, 1)])
-def test_decode_rows_match_reference_fp32(heads, kv_heads, d, block_size, interleave, dcp, rank, portable):
-    lens = _run(portable=portable,
+def test_decode_rows_match_reference_fp32(heads, kv_heads, d, block_size, interleave, dcp, rank, path):
+    lens = _run(path=path,
                 heads=heads, kv_heads=kv_heads, dk=d, dv=d, block_size=block_size, interleave=interleave, dcp=dcp,
                 rank=rank, context_lens=[1, 5, 37, 130, 300], query_lens=[1] * 5)
     if dcp > 1:
@@ -172,70 +174,75 @@ def test_decode_rows_match_reference_fp32(heads, kv_heads, d, block_size, interl
 
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("heads,kv_heads,d,interleave,dcp", [(8, 1, 64, 4, 2), (9, 3, 32, 1, 1)])
-def test_several_query_rows_per_request_causal(block_size, heads, kv_heads, d, interleave, dcp, portable):
+def test_several_query_rows_per_request_causal(block_size, heads, kv_heads, d, interleave, dcp, path):
     # speculative verification / a chunk's rows over the cache: each row sees up to its own position
     # (with 3 heads per KV head, vectors of rows with different bounds share the kernel's groups of 4)
-    lens = _run(portable=portable,
+    lens = _run(path=path,
                 heads=heads, kv_heads=kv_heads, dk=d, dv=d, block_size=block_size, interleave=interleave, dcp=dcp,
                 rank=0, context_lens=[6, 90, 200], query_lens=[4, 3, 17])
     assert len(set(lens[:4].tolist())) > 1  # the rows of one request really have different bounds
 
 
-def test_rows_without_causal_bound(portable):
-    _run(portable=portable,
+def test_rows_without_causal_bound(path):
+    _run(path=path,
          heads=9, kv_heads=3, dk=32, dv=32, block_size=16, interleave=1, dcp=1, rank=0, context_lens=[40, 70],
          query_lens=[3, 2], causal=False)
 
 
+@pytest.mark.parametrize("heads", [8, 16])
 @pytest.mark.parametrize("split_tokens", [16, 48, 100])
-def test_split_along_the_sequence_merges_exactly(split_tokens, portable):
-    _run(portable=portable, heads=8, kv_heads=1, dk=64, dv=64, block_size=16, interleave=1, dcp=2, rank=1,
+def test_split_along_the_sequence_merges_exactly(split_tokens, heads, path):
+    _run(path=path, heads=heads, kv_heads=1, dk=64, dv=64, block_size=16, interleave=1, dcp=2, rank=1,
          context_lens=[3, 250, 600], query_lens=[1, 1, 2], split_tokens=split_tokens)
 
 
-def test_mla_latent_value_is_a_prefix_of_the_key(portable):
+def test_mla_latent_value_is_a_prefix_of_the_key(path):
     # MLA absorbed: 16 query heads on one latent [c_kv | k_pe] (dk = 72), V = its first 64 channels
-    _run(portable=portable, heads=16, kv_heads=1, dk=72, dv=64, block_size=16, interleave=4, dcp=2, rank=1,
+    _run(path=path, heads=16, kv_heads=1, dk=72, dv=64, block_size=16, interleave=4, dcp=2, rank=1,
          context_lens=[2, 77, 260], query_lens=[1, 1, 3], mla=True)
-    _run(portable=portable,
+    _run(path=path,
          heads=16, kv_heads=1, dk=72, dv=64, block_size=64, interleave=16, dcp=4, rank=2, context_lens=[9, 300],
          query_lens=[1, 1], mla=True, dtype=torch.bfloat16, atol=2e-2, rtol=2e-2, split_tokens=64)
 
 
+@pytest.mark.parametrize("heads", [8, 16])  # 16: one item of 16 vectors, so the vector-lane path on the tiles
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
-def test_half_caches(cache_dtype, portable):
+def test_half_caches(cache_dtype, heads, path):
     # bf16/fp16 caches and queries: the oracle runs float32 on the same stored values
-    _run(portable=portable,
-         heads=8, kv_heads=1, dk=64, dv=64, block_size=16, interleave=1, dcp=2, rank=0, context_lens=[1, 40, 333],
+    _run(path=path,
+         heads=heads, kv_heads=1, dk=64, dv=64, block_size=16, interleave=1, dcp=2, rank=0, context_lens=[1, 40, 333],
          query_lens=[1, 1, 1], dtype=cache_dtype, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("mla", [False, True])
-def test_fp8_caches_with_scales(mla, portable):
+@pytest.mark.parametrize("mla,heads", [(False, 9), (True, 8), (True, 16)])
+def test_fp8_caches_with_scales(mla, heads, path):
     dk, dv = (72, 64) if mla else (64, 64)
-    _run(portable=portable,
-         heads=9 if not mla else 8, kv_heads=3 if not mla else 1, dk=dk, dv=dv, block_size=16, interleave=4, dcp=2,
+    _run(path=path,
+         heads=heads, kv_heads=3 if not mla else 1, dk=dk, dv=dv, block_size=16, interleave=4, dcp=2,
          rank=1, context_lens=[3, 50, 200], query_lens=[1, 2, 1], cache_dtype=FP8_DTYPE, mla=mla,
          k_scale=0.05, v_scale=0.02, dtype=torch.float32)
-    _run(portable=portable,
-         heads=8, kv_heads=1, dk=dk, dv=dv, block_size=64, interleave=1, dcp=1, rank=0, context_lens=[70, 129],
-         query_lens=[1, 1], cache_dtype=FP8_DTYPE, mla=mla, k_scale=0.05, v_scale=0.02, dtype=torch.bfloat16,
+    _run(path=path,
+         heads=heads if mla else 8, kv_heads=1, dk=dk, dv=dv, block_size=64, interleave=1, dcp=1, rank=0,
+         context_lens=[70, 129], query_lens=[1, 1], cache_dtype=FP8_DTYPE, mla=mla, k_scale=0.05, v_scale=0.02, dtype=torch.bfloat16,
          atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (16, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size,d", [(8, 64), (24, 36), (48, 33), (1, 64)])
-def test_tiles_across_block_and_channel_bounds(block_size, d, dtype, portable):
+def test_tiles_across_block_and_channel_bounds(block_size, d, dtype, heads, kv_heads, path):
     # tiles are 16 tokens of one block: blocks of 8 (short tiles), 24 and 48 (a 16-token tile and a shorter one),
-    # 1; channels not a multiple of 16 (36: a tail of 4; bfloat16 pairs with a tail of 2) and odd (33: no pairs)
+    # 1; channels not a multiple of 16 (36: a tail of 4; bfloat16 pairs with a tail of 2) and odd (33: no pairs,
+    # and on the vector-lane path each tile's keys converted to float32); 16 heads on one KV head: the vector lanes,
+    # with rows of 1, 3 and 2 (16, 48, 32 vectors) and rows that see fewer tokens than the tile holds
     tol = 1e-4 if dtype == torch.bfloat16 else 2e-5
-    _run(portable=portable, heads=6, kv_heads=2, dk=d, dv=d, block_size=block_size, interleave=1, dcp=1, rank=0,
+    _run(path=path, heads=heads, kv_heads=kv_heads, dk=d, dv=d, block_size=block_size, interleave=1, dcp=1, rank=0,
          context_lens=[1, 17, 50, 97], query_lens=[1, 3, 1, 2], dtype=dtype, atol=tol, rtol=tol)
 
 
-def test_all_rows_empty(portable):
+def test_all_rows_empty(path):
     # a DCP rank that holds no token of any request in the step
-    _run(portable=portable,
+    _run(path=path,
          heads=8, kv_heads=1, dk=64, dv=64, block_size=16, interleave=16, dcp=4, rank=3, context_lens=[3, 10],
          query_lens=[1, 1])
 

@@ -213,6 +213,7 @@ def paged_attention(
     split_tokens: int = 0,  # tokens per piece when the sequence is split; 0: the kernel decides
     use_kernel: bool | None = None,  # None: the kernel where it is built; False: the gather path
     portable: bool = False,  # the kernel's portable loops even where its AVX-512 tiles are built (tests, benchmarks)
+    vector_lanes: bool = True,  # False: the tiles keep tokens in the lanes for every item (tests, benchmarks)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each row of q over its visible cached tokens: o [t, H, dv] and lse [t, H],
     float32, natural log (views of one [t, H, dv + 1], `packed_of`); a row that sees no token
@@ -229,7 +230,7 @@ def paged_attention(
     if module is not None and q.device.type == "cpu":
         packed = module.paged_attention(q if q.stride(-1) == 1 else q.contiguous(), key_cache, value_cache,
                                         tables, seqs, lens, block_size, scale, k_scale, v_scale, split_tokens,
-                                        portable)
+                                        portable, vector_lanes)
         return packed[..., :-1], packed[..., -1]  # views of one [t, H, dv + 1]: see packed_of
     return gather_attention(q, key_cache, value_cache, tables, seqs, lens, block_size, scale, k_scale, v_scale)
 

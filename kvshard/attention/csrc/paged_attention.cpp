@@ -500,7 +500,9 @@ inline void scores(const float* __restrict qf, int64_t dk, const float* __restri
 
 // acc[g * dv + i] += sum_j p[g * 16 + j] * v_j[i] for G vectors over `count` value rows, CH chunks of 16
 // channels at a time so that G * CH accumulators stay in registers
-template <typename CT, int G>
+// (p[g * PG + j * PJ]: the token-lane tiles keep a vector's 16 weights together, PG = 16, PJ = 1; the vector-lane
+// items a token's, PG = 1, PJ = 16)
+template <typename CT, int G, int PG = kLanes, int PJ = 1>
 inline void weighted_values(float* __restrict acc, int64_t dv, const float* __restrict p, const CT* v,
                             int64_t stride, int64_t count) {
   constexpr int CH = G <= 4 ? 4 : 2;
@@ -515,7 +517,7 @@ inline void weighted_values(float* __restrict acc, int64_t dv, const float* __re
       for (int h = 0; h < CH; ++h) vj[h] = load16f(row + h * kLanes, 0xFFFF);
 #pragma GCC unroll 8
       for (int g = 0; g < G; ++g) {
-        const __m512 w = _mm512_set1_ps(p[g * kLanes + j]);
+        const __m512 w = _mm512_set1_ps(p[g * PG + j * PJ]);
         for (int h = 0; h < CH; ++h) r[g][h] = _mm512_fmadd_ps(w, vj[h], r[g][h]);
       }
     }
@@ -528,7 +530,7 @@ inline void weighted_values(float* __restrict acc, int64_t dv, const float* __re
     for (int g = 0; g < G; ++g) r[g] = _mm512_maskz_loadu_ps(cm, acc + g * dv + c);
     for (int64_t j = 0; j < count; ++j) {
       const __m512 vj = load16f(v + j * stride + c, cm);
-      for (int g = 0; g < G; ++g) r[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * kLanes + j]), vj, r[g]);
+      for (int g = 0; g < G; ++g) r[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * PG + j * PJ]), vj, r[g]);
     }
     for (int g = 0; g < G; ++g) _mm512_mask_storeu_ps(acc + g * dv + c, cm, r[g]);
   }
@@ -734,13 +736,189 @@ void run_item(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const QT* 
   finish_item(u, sh, acc, mx, sum, out, out_row_stride, out_head_stride, lse, lse_row_stride, lse_head_stride);
 }
 
+
+// Items of 16 query vectors or a multiple (MLA's heads on their one latent; many rows of one request): the vectors
+// in the lanes instead of the tokens. The queries are transposed once per item (qt[c * 16 + g] = channel c of
+// vector g), and a token's scores for 16 vectors are one accumulator of multiply-adds over the channels, each of
+// the key's channels broadcast from the cache row where it lies: no key tile is converted and transposed per
+// tile (36 transposes of 16 x 16 a tile for MLA's 576 channels). The running max and sum are vectors too; the
+// values go through `weighted_values` as on the token-lane path, reading the weights token-major.
+
+// s[j * 16 + g] = q_g . k_j (times `scale`) for the tile's rows j < count (rows of `stride` elements), 8 rows at a
+// time so that their addresses stay in registers
+inline void scores_wide(const float* __restrict qt, int64_t dk, const float* k, int64_t stride, int64_t count,
+                        float scale, float* __restrict s) {
+  for (int64_t j0 = 0; j0 < count; j0 += 8) {
+    const float* r[8];
+    for (int j = 0; j < 8; ++j) r[j] = k + std::min<int64_t>(j0 + j, count - 1) * stride;
+    __m512 a[8];
+    for (int j = 0; j < 8; ++j) a[j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < dk; ++c) {
+      const __m512 qv = _mm512_loadu_ps(qt + c * kLanes);
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) a[j] = _mm512_fmadd_ps(qv, _mm512_set1_ps(r[j][c]), a[j]);
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int j = 0; j < 8; ++j) _mm512_storeu_ps(s + (j0 + j) * kLanes, _mm512_mul_ps(a[j], sc));
+  }
+}
+
+#if defined(__AVX512BF16__)
+// the same on bfloat16 channel pairs as stored (qt: [words][16] pairs of the vectors, rows of `stride` words)
+inline void scores_wide_pairs(const uint32_t* __restrict qt, int64_t words, const uint32_t* k, int64_t stride,
+                              int64_t count, float scale, float* __restrict s) {
+  for (int64_t j0 = 0; j0 < count; j0 += 8) {
+    const uint32_t* r[8];
+    for (int j = 0; j < 8; ++j) r[j] = k + std::min<int64_t>(j0 + j, count - 1) * stride;
+    __m512 a[8];
+    for (int j = 0; j < 8; ++j) a[j] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < words; ++p) {
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512(qt + p * kLanes);
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_set1_epi32(static_cast<int>(r[j][p])));
+      }
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int j = 0; j < 8; ++j) _mm512_storeu_ps(s + (j0 + j) * kLanes, _mm512_mul_ps(a[j], sc));
+  }
+}
+#endif
+
+template <typename QT, typename CT>
+void run_item_wide(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const QT* q, const CT* kc, const CT* vc,
+                   const int32_t* table, const int32_t* lens, float* out, int64_t out_row_stride,
+                   int64_t out_head_stride, float* lse, int64_t lse_row_stride, int64_t lse_head_stride,
+                   std::vector<float>& scratch) {
+  const int64_t M = u.nrows * u.nheads, dk = sh.dk, dv = sh.dv, B = sh.block_size;  // M: a multiple of 16
+#if defined(__AVX512BF16__)
+  constexpr bool kPairs = std::is_same_v<QT, c10::BFloat16> && std::is_same_v<CT, c10::BFloat16>;
+#else
+  constexpr bool kPairs = false;
+#endif
+  const bool pairs = kPairs && dk % 2 == 0 && sh.k_tok % 2 == 0 && sh.k_head % 2 == 0;  // rows of whole words
+  // keys read as stored (float32, or bfloat16 pairs), else each tile's rows converted to float32 first
+  constexpr bool kFloatCache = std::is_same_v<CT, float>;
+  const bool convert = !kFloatCache && !pairs;
+  scratch.resize(M * dk + M * dv + M * kLanes + 2 * M + (convert ? kLanes * dk : 0));
+  float* qt = scratch.data();  // per group of 16 vectors: [dk][16] floats, or [dk / 2][16] channel pairs
+  float* acc = qt + M * dk;
+  float* s = acc + M * dv;  // per group: [16 tokens][16 vectors]
+  float* mx = s + M * kLanes;
+  float* sum = mx + M;
+  float* kf = sum + M;
+  int64_t bounds[kMaxVectors];
+  const int64_t reach = start_item(u, t1, sh, q, lens, bounds, mx, sum, [&](int64_t m, const QT* src) {
+    float* g = qt + (m / kLanes) * kLanes * dk;
+    const int64_t lane = m % kLanes;
+    if (pairs) {
+      uint32_t* w = reinterpret_cast<uint32_t*>(g);
+      const uint32_t* from = reinterpret_cast<const uint32_t*>(src);
+      for (int64_t p = 0; p < dk / 2; ++p) {
+        uint32_t word;
+        std::memcpy(&word, from + p, sizeof(word));
+        w[p * kLanes + lane] = word;
+      }
+    } else {
+      for (int64_t c = 0; c < dk; ++c) g[c * kLanes + lane] = static_cast<float>(src[c]);
+    }
+  });
+  int32_t bound32[kMaxVectors];
+  for (int64_t m = 0; m < M; ++m) bound32[m] = static_cast<int32_t>(bounds[m]);
+  std::fill(acc, acc + M * dv, 0.0f);
+  const int32_t* blocks = table + u.seq * sh.max_blocks;
+  auto tile_at = [&](int64_t tok, int64_t& slot, int64_t& count) {
+    const int64_t in_block = tok % B;
+    count = std::min<int64_t>({kLanes, B - in_block, reach - tok});
+    slot = static_cast<int64_t>(blocks[tok / B]) * B + in_block;
+  };
+  const int64_t k_bytes = dk * static_cast<int64_t>(sizeof(CT)), v_bytes = dv * static_cast<int64_t>(sizeof(CT));
+  for (int64_t tok0 = t0; tok0 < reach;) {
+    int64_t slot0, count;
+    tile_at(tok0, slot0, count);
+    const CT* kp = kc + slot0 * sh.k_tok + u.kv_head * sh.k_head;
+    const CT* vp = vc + slot0 * sh.v_tok + u.kv_head * sh.v_head;
+    if (tok0 + count + kLanes < reach) {  // two tiles ahead into L2, as on the token-lane path
+      int64_t next_slot, next_count;
+      tile_at(tok0 + count + kLanes, next_slot, next_count);
+      prefetch_rows(kc + next_slot * sh.k_tok + u.kv_head * sh.k_head, sh.k_tok, next_count, k_bytes);
+      if (!sh.v_in_k) prefetch_rows(vc + next_slot * sh.v_tok + u.kv_head * sh.v_head, sh.v_tok, next_count, v_bytes);
+    }
+    if (convert) {
+      for (int64_t j = 0; j < count; ++j) {
+        for (int64_t c = 0; c < dk; c += kLanes) {
+          const __mmask16 cm = lanes(dk - c);
+          _mm512_mask_storeu_ps(kf + j * dk + c, cm, load16f(kp + j * sh.k_tok + c, cm));
+        }
+      }
+    }
+    for (int64_t g0 = 0; g0 < M; g0 += kLanes) {
+      float* sg = s + g0 * kLanes;
+      const float* qg = qt + g0 * dk;
+#if defined(__AVX512BF16__)
+      if constexpr (kPairs) {
+        if (pairs) {
+          scores_wide_pairs(reinterpret_cast<const uint32_t*>(qg), dk / 2, reinterpret_cast<const uint32_t*>(kp),
+                            sh.k_tok / 2, count, sh.scale, sg);
+        }
+      }
+#endif
+      if constexpr (kFloatCache) {
+        scores_wide(qg, dk, reinterpret_cast<const float*>(kp), sh.k_tok, count, sh.scale, sg);
+      } else if (convert) {
+        scores_wide(qg, dk, kf, dk, count, sh.scale, sg);
+      }
+      // online softmax, 16 vectors at once: lane g sees token j while j < its bound
+      const __m512i bound = _mm512_loadu_si512(bound32 + g0);
+      __mmask16 seen[kLanes];
+      __m512 tile_max = _mm512_set1_ps(kNegInf);
+      for (int64_t j = 0; j < count; ++j) {
+        seen[j] = _mm512_cmpgt_epi32_mask(bound, _mm512_set1_epi32(static_cast<int32_t>(tok0 + j)));
+        tile_max = _mm512_mask_max_ps(tile_max, seen[j], tile_max, _mm512_loadu_ps(sg + j * kLanes));
+      }
+      const __m512 old_max = _mm512_loadu_ps(mx + g0);
+      const __m512 new_max = _mm512_max_ps(old_max, tile_max);
+      __m512 total = _mm512_loadu_ps(sum + g0);
+      // vectors whose max rose after they had seen a token: their sum and accumulators shrink by exp(old - new)
+      const __mmask16 grew = _mm512_cmp_ps_mask(new_max, old_max, _CMP_GT_OQ) &
+                             _mm512_cmp_ps_mask(old_max, _mm512_set1_ps(kNegInf), _CMP_NEQ_OQ);
+      if (grew) {
+        const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), grew, exp16(_mm512_sub_ps(old_max, new_max)));
+        total = _mm512_mul_ps(total, alpha);
+        float a[kLanes];
+        _mm512_storeu_ps(a, alpha);
+        for (int g = 0; g < kLanes; ++g) {
+          if (!((grew >> g) & 1)) continue;
+          const __m512 av = _mm512_set1_ps(a[g]);
+          float* am = acc + (g0 + g) * dv;
+          int64_t i = 0;
+          for (; i + kLanes <= dv; i += kLanes) _mm512_storeu_ps(am + i, _mm512_mul_ps(av, _mm512_loadu_ps(am + i)));
+          for (; i < dv; ++i) am[i] *= a[g];
+        }
+      }
+      _mm512_storeu_ps(mx + g0, new_max);
+      for (int64_t j = 0; j < count; ++j) {
+        const __m512 w = _mm512_maskz_mov_ps(seen[j], exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + j * kLanes), new_max)));
+        total = _mm512_add_ps(total, w);
+        _mm512_storeu_ps(sg + j * kLanes, w);
+      }
+      _mm512_storeu_ps(sum + g0, total);
+      for (int64_t h0 = 0; h0 < kLanes; h0 += kGroup) {
+        weighted_values<CT, kGroup, 1, kLanes>(acc + (g0 + h0) * dv, dv, sg + h0, vp, sh.v_tok, count);
+      }
+    }
+    tok0 += count;
+  }
+  finish_item(u, sh, acc, mx, sum, out, out_row_stride, out_head_stride, lse, lse_row_stride, lse_head_stride);
+}
+
 }  // namespace tiled
 #endif
 
 template <typename QT, typename CT>
 void launch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table,
             const at::Tensor& row_seq, const at::Tensor& row_lens, const Shape& sh, int64_t split_tokens,
-            bool portable, at::Tensor& out) {
+            bool portable, bool wide, at::Tensor& out) {
   const int64_t t = q.size(0);
   const int32_t* seqs = row_seq.data_ptr<int32_t>();
   const int32_t* lens = row_lens.data_ptr<int32_t>();
@@ -799,6 +977,10 @@ void launch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
   auto run = [&](const Unit& u, int64_t t0, int64_t t1, float* o, int64_t o_row, int64_t o_head, float* l,
                  int64_t l_row, int64_t l_head, std::vector<float>& scratch) {
 #if defined(KVSHARD_TILED)
+    if (!portable && wide && (u.nrows * u.nheads) % tiled::kLanes == 0) {
+      return tiled::run_item_wide<QT, CT>(u, t0, t1, sh, qp, kp, vp, tp, lens, o, o_row, o_head, l, l_row, l_head,
+                                          scratch);
+    }
     if (!portable) {
       return tiled::run_item<QT, CT>(u, t0, t1, sh, qp, kp, vp, tp, lens, o, o_row, o_head, l, l_row, l_head,
                                      scratch);
@@ -874,14 +1056,17 @@ void launch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
 template <typename QT>
 void dispatch_cache(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table,
                     const at::Tensor& row_seq, const at::Tensor& row_lens, const Shape& sh, int64_t split_tokens,
-                    bool portable, at::Tensor& out) {
+                    bool portable, bool wide, at::Tensor& out) {
   switch (kc.scalar_type()) {
-    case at::kFloat: return launch<QT, float>(q, kc, vc, table, row_seq, row_lens, sh, split_tokens, portable, out);
+    case at::kFloat:
+      return launch<QT, float>(q, kc, vc, table, row_seq, row_lens, sh, split_tokens, portable, wide, out);
     case at::kBFloat16:
-      return launch<QT, c10::BFloat16>(q, kc, vc, table, row_seq, row_lens, sh, split_tokens, portable, out);
-    case at::kHalf: return launch<QT, c10::Half>(q, kc, vc, table, row_seq, row_lens, sh, split_tokens, portable, out);
+      return launch<QT, c10::BFloat16>(q, kc, vc, table, row_seq, row_lens, sh, split_tokens, portable, wide, out);
+    case at::kHalf:
+      return launch<QT, c10::Half>(q, kc, vc, table, row_seq, row_lens, sh, split_tokens, portable, wide, out);
     case at::kFloat8_e4m3fn:
-      return launch<QT, c10::Float8_e4m3fn>(q, kc, vc, table, row_seq, row_lens, sh, split_tokens, portable, out);
+      return launch<QT, c10::Float8_e4m3fn>(q, kc, vc, table, row_seq, row_lens, sh, split_tokens, portable, wide,
+                                            out);
     default: TORCH_CHECK(false, "paged_attention: unsupported cache dtype ", kc.scalar_type());
   }
 }
@@ -896,7 +1081,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                                         const at::Tensor& value_cache, const at::Tensor& block_tables,
                                         const at::Tensor& row_seq, const at::Tensor& row_lens, int64_t block_size,
                                         double scale, double k_scale, double v_scale, int64_t split_tokens,
-                                        bool portable) {
+                                        bool portable, bool wide) {
   TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 3 && value_cache.dim() == 3, "paged_attention: q [t, H, dk], "
               "caches [slots, Hk, d]");
   TORCH_CHECK(q.device().is_cpu() && key_cache.device().is_cpu() && value_cache.device().is_cpu(),
@@ -950,15 +1135,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
   switch (q.scalar_type()) {
     case at::kFloat:
       dispatch_cache<float>(q, key_cache, value_cache, block_tables, row_seq, row_lens, sh, split_tokens, portable,
-                            out);
+                            wide, out);
       break;
     case at::kBFloat16:
       dispatch_cache<c10::BFloat16>(q, key_cache, value_cache, block_tables, row_seq, row_lens, sh, split_tokens,
-                                    portable, out);
+                                    portable, wide, out);
       break;
     case at::kHalf:
       dispatch_cache<c10::Half>(q, key_cache, value_cache, block_tables, row_seq, row_lens, sh, split_tokens,
-                                portable, out);
+                                portable, wide, out);
       break;
     default: TORCH_CHECK(false, "paged_attention: unsupported query dtype ", q.scalar_type());
   }
