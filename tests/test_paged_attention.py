@@ -227,14 +227,15 @@ def test_fp8_caches_with_scales(mla, heads, path):
          atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (16, 1)])
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (8, 1), (16, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size,d", [(8, 64), (24, 36), (48, 33), (1, 64)])
 def test_tiles_across_block_and_channel_bounds(block_size, d, dtype, heads, kv_heads, path):
     # tiles are 16 tokens of one block: blocks of 8 (short tiles), 24 and 48 (a 16-token tile and a shorter one),
     # 1; channels not a multiple of 16 (36: a tail of 4; bfloat16 pairs with a tail of 2) and odd (33: no pairs,
     # and on the vector-lane path each tile's keys converted to float32); 16 heads on one KV head: the vector lanes,
-    # with rows of 1, 3 and 2 (16, 48, 32 vectors) and rows that see fewer tokens than the tile holds
+    # with rows of 1, 3 and 2 (16, 48, 32 vectors) and rows that see fewer tokens than the tile holds; 8 on one:
+    # 8 vector lanes where the scores are bfloat16 pairs, token lanes for one row in float32, 16 for two rows
     tol = 1e-4 if dtype == torch.bfloat16 else 2e-5
     _run(path=path, heads=heads, kv_heads=kv_heads, dk=d, dv=d, block_size=block_size, interleave=1, dcp=1, rank=0,
          context_lens=[1, 17, 50, 97], query_lens=[1, 3, 1, 2], dtype=dtype, atol=tol, rtol=tol)

@@ -737,90 +737,184 @@ void run_item(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const QT* 
 }
 
 
-// Items of 16 query vectors or a multiple (MLA's heads on their one latent; many rows of one request): the vectors
-// in the lanes instead of the tokens. The queries are transposed once per item (qt[c * 16 + g] = channel c of
-// vector g), and a token's scores for 16 vectors are one accumulator of multiply-adds over the channels, each of
-// the key's channels broadcast from the cache row where it lies: no key tile is converted and transposed per
-// tile (36 transposes of 16 x 16 a tile for MLA's 576 channels). The running max and sum are vectors too; the
-// values go through `weighted_values` as on the token-lane path, reading the weights token-major.
+// Items of 16 query vectors or a multiple (MLA's 16 or more heads a rank on their one latent; several rows of one
+// request), and of 8 or a multiple where the scores are bfloat16 pairs (8 heads on one KV head): the vectors in the
+// lanes instead of the tokens (`vector_lanes_for`). The queries are transposed once per item (qt[c * L + g] =
+// channel c of vector g, L = 16 lanes of a 512-bit register or 8 of a 256-bit one),
+// and a token's scores for L vectors are one accumulator of multiply-adds over the channels, each of the key's
+// channels broadcast from the cache row where it lies: no key tile is converted and transposed per tile (36
+// transposes of 16 x 16 a tile for MLA's 576 channels). The running max and sum are vectors too; the values go
+// through `weighted_values` as on the token-lane path, reading the weights token-major.
 
-// s[j * 16 + g] = q_g . k_j (times `scale`) for the tile's rows j < count (rows of `stride` elements), 8 rows at a
-// time so that their addresses stay in registers
-inline void scores_wide(const float* __restrict qt, int64_t dk, const float* k, int64_t stride, int64_t count,
-                        float scale, float* __restrict s) {
-  for (int64_t j0 = 0; j0 < count; j0 += 8) {
-    const float* r[8];
-    for (int j = 0; j < 8; ++j) r[j] = k + std::min<int64_t>(j0 + j, count - 1) * stride;
-    __m512 a[8];
-    for (int j = 0; j < 8; ++j) a[j] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < dk; ++c) {
-      const __m512 qv = _mm512_loadu_ps(qt + c * kLanes);
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) a[j] = _mm512_fmadd_ps(qv, _mm512_set1_ps(r[j][c]), a[j]);
-    }
-    const __m512 sc = _mm512_set1_ps(scale);
-    for (int j = 0; j < 8; ++j) _mm512_storeu_ps(s + (j0 + j) * kLanes, _mm512_mul_ps(a[j], sc));
+// The operations of the vector-lane path on L float lanes.
+template <int L>
+struct Lanes;
+
+template <>
+struct Lanes<16> {
+  using V = __m512;
+  using Mask = __mmask16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V mask_max(V src, Mask m, V a, V b) { return _mm512_mask_max_ps(src, m, a, b); }
+  static V mask_mov(V src, Mask m, V a) { return _mm512_mask_mov_ps(src, m, a); }
+  static V maskz_mov(Mask m, V a) { return _mm512_maskz_mov_ps(m, a); }
+  static Mask greater(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+  static Mask not_equal(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_NEQ_OQ); }
+  // the lanes whose bound is past token `tok`
+  static Mask sees(const int32_t* bound, int32_t tok) {
+    return _mm512_cmpgt_epi32_mask(_mm512_loadu_si512(bound), _mm512_set1_epi32(tok));
   }
-}
-
+  static V exp(V x) { return exp16(x); }
 #if defined(__AVX512BF16__)
-// the same on bfloat16 channel pairs as stored (qt: [words][16] pairs of the vectors, rows of `stride` words)
-inline void scores_wide_pairs(const uint32_t* __restrict qt, int64_t words, const uint32_t* k, int64_t stride,
-                              int64_t count, float scale, float* __restrict s) {
+  static V dot_pairs(V acc, const uint32_t* q, uint32_t k) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q), (__m512bh)_mm512_set1_epi32(static_cast<int>(k)));
+  }
+#endif
+};
+
+template <>
+struct Lanes<8> {
+  using V = __m256;
+  using Mask = __mmask8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V mask_max(V src, Mask m, V a, V b) { return _mm256_mask_max_ps(src, m, a, b); }
+  static V mask_mov(V src, Mask m, V a) { return _mm256_mask_mov_ps(src, m, a); }
+  static V maskz_mov(Mask m, V a) { return _mm256_maskz_mov_ps(m, a); }
+  static Mask greater(V a, V b) { return _mm256_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+  static Mask not_equal(V a, V b) { return _mm256_cmp_ps_mask(a, b, _CMP_NEQ_OQ); }
+  static Mask sees(const int32_t* bound, int32_t tok) {
+    return _mm256_cmpgt_epi32_mask(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bound)),
+                                   _mm256_set1_epi32(tok));
+  }
+  // exp16's polynomial on 8 lanes
+  static V exp(V x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const V n = _mm256_roundscale_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    V r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    V p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    return _mm256_scalef_ps(p, n);
+  }
+#if defined(__AVX512BF16__)
+  static V dot_pairs(V acc, const uint32_t* q, uint32_t k) {
+    return _mm256_dpbf16_ps(acc, (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)),
+                            (__m256bh)_mm256_set1_epi32(static_cast<int>(k)));
+  }
+#endif
+};
+
+// s[j * L + g] = scale * q_g . k_j for the tile's rows j < count (rows of `stride` elements: float32, or bfloat16
+// channel pairs as 32-bit words with `Pairs`), 8 rows at a time so that their addresses stay in registers
+template <int L, bool Pairs, typename KT>
+inline void scores_wide(const KT* __restrict qt, int64_t dk, const KT* k, int64_t stride, int64_t count, float scale,
+                        float* __restrict s) {
+  using O = Lanes<L>;
+  using V = typename O::V;
   for (int64_t j0 = 0; j0 < count; j0 += 8) {
-    const uint32_t* r[8];
+    const KT* r[8];
     for (int j = 0; j < 8; ++j) r[j] = k + std::min<int64_t>(j0 + j, count - 1) * stride;
-    __m512 a[8];
-    for (int j = 0; j < 8; ++j) a[j] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < words; ++p) {
-      const __m512bh qv = (__m512bh)_mm512_loadu_si512(qt + p * kLanes);
+    V a[8];
+    for (int j = 0; j < 8; ++j) a[j] = O::zero();
+    for (int64_t c = 0; c < dk; ++c) {
+      if constexpr (Pairs) {
+#if defined(__AVX512BF16__)
 #pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) {
-        a[j] = _mm512_dpbf16_ps(a[j], qv, (__m512bh)_mm512_set1_epi32(static_cast<int>(r[j][p])));
+        for (int j = 0; j < 8; ++j) a[j] = O::dot_pairs(a[j], qt + c * L, r[j][c]);
+#endif
+      } else {
+        const V qv = O::load(qt + c * L);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) a[j] = O::fmadd(qv, O::set1(r[j][c]), a[j]);
       }
     }
-    const __m512 sc = _mm512_set1_ps(scale);
-    for (int j = 0; j < 8; ++j) _mm512_storeu_ps(s + (j0 + j) * kLanes, _mm512_mul_ps(a[j], sc));
+    const V sc = O::set1(scale);
+    for (int j = 0; j < 8; ++j) O::store(s + (j0 + j) * L, O::mul(a[j], sc));
   }
 }
-#endif
 
+// bfloat16 queries on a bfloat16 cache, whole channel pairs in every row: the scores by `vdpbf16ps`
 template <typename QT, typename CT>
+inline bool pairs_apply(const Shape& sh) {
+#if defined(__AVX512BF16__)
+  return std::is_same_v<QT, c10::BFloat16> && std::is_same_v<CT, c10::BFloat16> && sh.dk % 2 == 0 &&
+         sh.k_tok % 2 == 0 && sh.k_head % 2 == 0;
+#else
+  return false;
+#endif
+}
+
+// Which lanes an item of m vectors takes: 16 vectors a register where m is a multiple of 16; 8 (a 256-bit
+// register) where it is a multiple of 8 and the scores are bfloat16 pairs; else 0, the token lanes. (With float32
+// keys, 8 vector lanes ran 0.9-1.0x the token lanes on 8 heads of one KV head: a broadcast per channel and 8 lanes
+// of work for it; bfloat16 pairs carry two channels a broadcast. BENCHMARKS.md section 19.)
+template <typename QT, typename CT>
+inline int vector_lanes_for(int64_t m, const Shape& sh) {
+  if (m % 16 == 0) return 16;
+  if (m % 8 == 0 && pairs_apply<QT, CT>(sh)) return 8;
+  return 0;
+}
+
+template <int L, typename QT, typename CT>
 void run_item_wide(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const QT* q, const CT* kc, const CT* vc,
                    const int32_t* table, const int32_t* lens, float* out, int64_t out_row_stride,
                    int64_t out_head_stride, float* lse, int64_t lse_row_stride, int64_t lse_head_stride,
                    std::vector<float>& scratch) {
-  const int64_t M = u.nrows * u.nheads, dk = sh.dk, dv = sh.dv, B = sh.block_size;  // M: a multiple of 16
+  using O = Lanes<L>;
+  using V = typename O::V;
+  const int64_t M = u.nrows * u.nheads, dk = sh.dk, dv = sh.dv, B = sh.block_size;  // M: a multiple of L
 #if defined(__AVX512BF16__)
   constexpr bool kPairs = std::is_same_v<QT, c10::BFloat16> && std::is_same_v<CT, c10::BFloat16>;
 #else
   constexpr bool kPairs = false;
 #endif
-  const bool pairs = kPairs && dk % 2 == 0 && sh.k_tok % 2 == 0 && sh.k_head % 2 == 0;  // rows of whole words
+  const bool pairs = pairs_apply<QT, CT>(sh);
   // keys read as stored (float32, or bfloat16 pairs), else each tile's rows converted to float32 first
   constexpr bool kFloatCache = std::is_same_v<CT, float>;
   const bool convert = !kFloatCache && !pairs;
   scratch.resize(M * dk + M * dv + M * kLanes + 2 * M + (convert ? kLanes * dk : 0));
-  float* qt = scratch.data();  // per group of 16 vectors: [dk][16] floats, or [dk / 2][16] channel pairs
+  float* qt = scratch.data();  // per group of L vectors: [dk][L] floats, or [dk / 2][L] channel pairs
   float* acc = qt + M * dk;
-  float* s = acc + M * dv;  // per group: [16 tokens][16 vectors]
+  float* s = acc + M * dv;  // per group: [16 tokens][L vectors]
   float* mx = s + M * kLanes;
   float* sum = mx + M;
   float* kf = sum + M;
   int64_t bounds[kMaxVectors];
   const int64_t reach = start_item(u, t1, sh, q, lens, bounds, mx, sum, [&](int64_t m, const QT* src) {
-    float* g = qt + (m / kLanes) * kLanes * dk;
-    const int64_t lane = m % kLanes;
+    float* g = qt + (m / L) * L * dk;
+    const int64_t lane = m % L;
     if (pairs) {
       uint32_t* w = reinterpret_cast<uint32_t*>(g);
       const uint32_t* from = reinterpret_cast<const uint32_t*>(src);
       for (int64_t p = 0; p < dk / 2; ++p) {
         uint32_t word;
         std::memcpy(&word, from + p, sizeof(word));
-        w[p * kLanes + lane] = word;
+        w[p * L + lane] = word;
       }
     } else {
-      for (int64_t c = 0; c < dk; ++c) g[c * kLanes + lane] = static_cast<float>(src[c]);
+      for (int64_t c = 0; c < dk; ++c) g[c * L + lane] = static_cast<float>(src[c]);
     }
   });
   int32_t bound32[kMaxVectors];
@@ -852,42 +946,38 @@ void run_item_wide(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const
         }
       }
     }
-    for (int64_t g0 = 0; g0 < M; g0 += kLanes) {
+    for (int64_t g0 = 0; g0 < M; g0 += L) {
       float* sg = s + g0 * kLanes;
       const float* qg = qt + g0 * dk;
-#if defined(__AVX512BF16__)
       if constexpr (kPairs) {
         if (pairs) {
-          scores_wide_pairs(reinterpret_cast<const uint32_t*>(qg), dk / 2, reinterpret_cast<const uint32_t*>(kp),
-                            sh.k_tok / 2, count, sh.scale, sg);
+          scores_wide<L, true>(reinterpret_cast<const uint32_t*>(qg), dk / 2, reinterpret_cast<const uint32_t*>(kp),
+                               sh.k_tok / 2, count, sh.scale, sg);
         }
       }
-#endif
       if constexpr (kFloatCache) {
-        scores_wide(qg, dk, reinterpret_cast<const float*>(kp), sh.k_tok, count, sh.scale, sg);
+        scores_wide<L, false>(qg, dk, reinterpret_cast<const float*>(kp), sh.k_tok, count, sh.scale, sg);
       } else if (convert) {
-        scores_wide(qg, dk, kf, dk, count, sh.scale, sg);
+        scores_wide<L, false>(qg, dk, static_cast<const float*>(kf), dk, count, sh.scale, sg);
       }
-      // online softmax, 16 vectors at once: lane g sees token j while j < its bound
-      const __m512i bound = _mm512_loadu_si512(bound32 + g0);
-      __mmask16 seen[kLanes];
-      __m512 tile_max = _mm512_set1_ps(kNegInf);
+      // online softmax, L vectors at once: lane g sees token j while j < its bound
+      typename O::Mask seen[kLanes];
+      V tile_max = O::set1(kNegInf);
       for (int64_t j = 0; j < count; ++j) {
-        seen[j] = _mm512_cmpgt_epi32_mask(bound, _mm512_set1_epi32(static_cast<int32_t>(tok0 + j)));
-        tile_max = _mm512_mask_max_ps(tile_max, seen[j], tile_max, _mm512_loadu_ps(sg + j * kLanes));
+        seen[j] = O::sees(bound32 + g0, static_cast<int32_t>(tok0 + j));
+        tile_max = O::mask_max(tile_max, seen[j], tile_max, O::load(sg + j * L));
       }
-      const __m512 old_max = _mm512_loadu_ps(mx + g0);
-      const __m512 new_max = _mm512_max_ps(old_max, tile_max);
-      __m512 total = _mm512_loadu_ps(sum + g0);
+      const V old_max = O::load(mx + g0);
+      const V new_max = O::max(old_max, tile_max);
+      V total = O::load(sum + g0);
       // vectors whose max rose after they had seen a token: their sum and accumulators shrink by exp(old - new)
-      const __mmask16 grew = _mm512_cmp_ps_mask(new_max, old_max, _CMP_GT_OQ) &
-                             _mm512_cmp_ps_mask(old_max, _mm512_set1_ps(kNegInf), _CMP_NEQ_OQ);
+      const typename O::Mask grew = O::greater(new_max, old_max) & O::not_equal(old_max, O::set1(kNegInf));
       if (grew) {
-        const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), grew, exp16(_mm512_sub_ps(old_max, new_max)));
-        total = _mm512_mul_ps(total, alpha);
-        float a[kLanes];
-        _mm512_storeu_ps(a, alpha);
-        for (int g = 0; g < kLanes; ++g) {
+        const V alpha = O::mask_mov(O::set1(1.0f), grew, O::exp(O::sub(old_max, new_max)));
+        total = O::mul(total, alpha);
+        float a[L];
+        O::store(a, alpha);
+        for (int g = 0; g < L; ++g) {
           if (!((grew >> g) & 1)) continue;
           const __m512 av = _mm512_set1_ps(a[g]);
           float* am = acc + (g0 + g) * dv;
@@ -896,15 +986,15 @@ void run_item_wide(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const
           for (; i < dv; ++i) am[i] *= a[g];
         }
       }
-      _mm512_storeu_ps(mx + g0, new_max);
+      O::store(mx + g0, new_max);
       for (int64_t j = 0; j < count; ++j) {
-        const __m512 w = _mm512_maskz_mov_ps(seen[j], exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + j * kLanes), new_max)));
-        total = _mm512_add_ps(total, w);
-        _mm512_storeu_ps(sg + j * kLanes, w);
+        const V w = O::maskz_mov(seen[j], O::exp(O::sub(O::load(sg + j * L), new_max)));
+        total = O::add(total, w);
+        O::store(sg + j * L, w);
       }
-      _mm512_storeu_ps(sum + g0, total);
-      for (int64_t h0 = 0; h0 < kLanes; h0 += kGroup) {
-        weighted_values<CT, kGroup, 1, kLanes>(acc + (g0 + h0) * dv, dv, sg + h0, vp, sh.v_tok, count);
+      O::store(sum + g0, total);
+      for (int64_t h0 = 0; h0 < L; h0 += kGroup) {
+        weighted_values<CT, kGroup, 1, L>(acc + (g0 + h0) * dv, dv, sg + h0, vp, sh.v_tok, count);
       }
     }
     tok0 += count;
@@ -977,9 +1067,14 @@ void launch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
   auto run = [&](const Unit& u, int64_t t0, int64_t t1, float* o, int64_t o_row, int64_t o_head, float* l,
                  int64_t l_row, int64_t l_head, std::vector<float>& scratch) {
 #if defined(KVSHARD_TILED)
-    if (!portable && wide && (u.nrows * u.nheads) % tiled::kLanes == 0) {
-      return tiled::run_item_wide<QT, CT>(u, t0, t1, sh, qp, kp, vp, tp, lens, o, o_row, o_head, l, l_row, l_head,
-                                          scratch);
+    const int vector_lanes = !portable && wide ? tiled::vector_lanes_for<QT, CT>(u.nrows * u.nheads, sh) : 0;
+    if (vector_lanes == 16) {
+      return tiled::run_item_wide<16, QT, CT>(u, t0, t1, sh, qp, kp, vp, tp, lens, o, o_row, o_head, l, l_row,
+                                              l_head, scratch);
+    }
+    if (vector_lanes == 8) {
+      return tiled::run_item_wide<8, QT, CT>(u, t0, t1, sh, qp, kp, vp, tp, lens, o, o_row, o_head, l, l_row,
+                                             l_head, scratch);
     }
     if (!portable) {
       return tiled::run_item<QT, CT>(u, t0, t1, sh, qp, kp, vp, tp, lens, o, o_row, o_head, l, l_row, l_head,
