@@ -4,8 +4,10 @@
         --clients 10 --seconds 20
 
 Each of `--clients` clients sends completions of `--prompt-len` token ids (distinct per client and request)
-and `--max-tokens` ignore-eos tokens, one after another, for `--seconds`; once with `stream: true` (tokens
-counted as their events arrive) and once without (each answer's completion tokens counted when it is back).
+and `--max-tokens` ignore-eos tokens, one after another, for `--seconds`; once with `stream: true` and once
+without, each answer's completion tokens counted when it is complete (the usage of a stream's last event, or
+of the answer), so that a server started with `--stream-interval N` is counted alike. Events per second are
+printed for the streams.
 Prints the output tok/s of each and the client's own CPU seconds, which on a small machine compete with the
 server's ranks.
 """
@@ -26,21 +28,27 @@ async def _client(client: httpx.AsyncClient, args, index: int, stream: bool, sto
     while time.monotonic() < stop:
         body = {"model": args.model, "max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0,
                 "stream": stream, "prompt": [(7 * index + j + sent) % 500 + 2 for j in range(args.prompt_len)]}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
         sent += 1
         if stream:
             async with client.stream("POST", "/v1/completions", json=body) as response:
                 response.raise_for_status()
                 async for line in response.aiter_lines():
-                    if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:])["choices"]:
-                        counted[0] += 1  # one event per token
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        event = json.loads(line[6:])
+                        if event["choices"]:
+                            counted[1] += 1
+                        elif event.get("usage"):
+                            counted[0] += event["usage"]["completion_tokens"]
         else:
             response = await client.post("/v1/completions", json=body)
             response.raise_for_status()
             counted[0] += response.json()["usage"]["completion_tokens"]
 
 
-async def _run(args, stream: bool) -> tuple[float, float]:
-    counted = [0]
+async def _run(args, stream: bool) -> tuple[float, float, float]:
+    counted = [0, 0]  # completion tokens, events
     cpu_before = resource.getrusage(resource.RUSAGE_SELF)
     async with httpx.AsyncClient(base_url=args.url, timeout=600) as client:
         start = time.monotonic()
@@ -49,7 +57,7 @@ async def _run(args, stream: bool) -> tuple[float, float]:
         elapsed = time.monotonic() - start
     cpu_after = resource.getrusage(resource.RUSAGE_SELF)
     cpu = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
-    return counted[0] / elapsed, cpu
+    return counted[0] / elapsed, counted[1] / elapsed, cpu
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,8 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=200)
     args = parser.parse_args(argv)
     for stream in (True, False):
-        tok_s, cpu = asyncio.run(_run(args, stream))
-        print(f"{'streamed' if stream else 'whole':8s}: {tok_s:7.1f} output tok/s, client CPU {cpu:.1f} s "
+        tok_s, events_s, cpu = asyncio.run(_run(args, stream))
+        events = f", {events_s:6.1f} events/s" if stream else ""
+        print(f"{'streamed' if stream else 'whole':8s}: {tok_s:7.1f} output tok/s{events}, client CPU {cpu:.1f} s "
               f"in {args.seconds:.0f} s", flush=True)
     return 0
 

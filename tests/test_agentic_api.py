@@ -350,9 +350,11 @@ SERVED = {
     # SmolLM2 has 9 query and 3 KV heads: tp=2, dcp=2 runs its replicated attention layout; hermes, its format
     SMOL: [SMOL, *LAYOUT, "--max-model-len", "2048", "--kv-cache-memory", "128MiB", "--enable-auto-tool-choice",
            "--tool-call-parser", "hermes"],
-    # DeepSeek-V3 in miniature (latent attention: the cache split along the sequence only), random weights
+    # DeepSeek-V3 in miniature (latent attention: the cache split along the sequence only), random weights; its
+    # streams gather 3 tokens an event (--stream-interval), so every streamed tool call here is parsed from deltas
+    # of several tokens
     MLA: [MLA, *LAYOUT, "--max-model-len", "1024", "--kv-cache-memory", "16MiB", "--enable-auto-tool-choice",
-          "--tool-call-parser", "deepseek_v3"],
+          "--tool-call-parser", "deepseek_v3", "--stream-interval", "3"],
 }
 # A random model's greedy pick among the tokens a JSON constraint allows is mostly whitespace, up to the bound of
 # each run (and SmolLM2-135M writes its tool calls with runs of blanks in every gap): these are asked for compact

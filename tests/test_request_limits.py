@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvshard.engine.sampler import _filtered_probs
-from kvshard.entrypoints.openai_server import APIError, _merged
+from kvshard.entrypoints.openai_server import APIError, _deltas, _merged
 from kvshard.outputs import CompletionOutput, RequestOutput
 from kvshard.sampling_params import INT64_MAX, SamplingParams
 
@@ -103,3 +103,17 @@ def test_a_slow_reader_gets_every_token_and_is_not_aborted():
 
     seen = asyncio.run(run())
     assert seen[-1] == 300 and seen == sorted(seen) and len(seen) < 300 and not engine.aborted
+
+
+@pytest.mark.parametrize("interval, counts", [(1, [1] * 10), (4, [1, 4, 4, 1]), (3, [1, 3, 3, 3]), (50, [1, 9])])
+def test_a_stream_interval_gathers_tokens_after_the_first(interval, counts):
+    # --stream-interval: the first token at once, then an event per `interval` tokens, and the rest when it ends
+    async def run() -> list:
+        return [delta async for delta in _deltas(_Engine(10), "r", [[1]], SamplingParams(), 50, asyncio.Event(),
+                                                 interval)]
+
+    deltas = asyncio.run(run())
+    assert [len(d.token_ids) for d in deltas] == counts
+    assert "".join(d.text for d in deltas) == "x" * 10
+    assert [d.token_ids for d in deltas][-1][-1] == 9 and sum((d.token_ids for d in deltas), []) == list(range(10))
+    assert [d.finish_reason for d in deltas] == [None] * (len(counts) - 1) + ["length"]

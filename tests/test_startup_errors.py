@@ -111,7 +111,8 @@ def test_the_rendezvous_store_listens_on_the_configured_host_only():
 
 
 @pytest.mark.parametrize("flag, value", [("--max-request-body-bytes", "0"), ("--request-read-timeout", "0"),
-                                         ("--max-choices-per-request", "-1"), ("--timeout-keep-alive", "0")])
+                                         ("--max-choices-per-request", "-1"), ("--timeout-keep-alive", "0"),
+                                         ("--stream-interval", "0")])
 def test_a_bad_limit_is_a_flag_error(no_ranks, capsys, flag, value):
     refused(capsys, [MODEL, *SMALL, flag, value], flag)
 

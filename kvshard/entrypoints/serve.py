@@ -36,6 +36,10 @@ def add_serve_parser(subparsers) -> None:
                         help="serve /metrics without the API key (for a Prometheus scraper)")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="model name(s) clients use (default: the MODEL argument)")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="tokens a streamed choice gathers before its next event, after the first token, "
+                             "which goes at once (vLLM's flag): 1 sends every token as it comes; more sends fewer, "
+                             "longer events, which take less of the host's time per token (default: 1)")
     add_door_args(parser)
     add_chat_args(parser)
     parser.set_defaults(func=run_serve)
@@ -96,7 +100,7 @@ def add_door_args(parser: argparse.ArgumentParser, serve: bool = True) -> None:
 
 def check_door_args(args: argparse.Namespace) -> None:
     for flag in ("max_request_body_bytes", "timeout_keep_alive", "h11_max_incomplete_event_size",
-                 "max_choices_per_request"):
+                 "max_choices_per_request", "stream_interval"):
         value = getattr(args, flag, None)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
@@ -221,6 +225,7 @@ def _serve(config: EngineConfig, master: tuple[str, int] | None, listener: socke
         server = OpenAIServer(engine, model_names, api_key, max_request_body_bytes=args.max_request_body_bytes,
                               request_read_timeout=args.request_read_timeout,
                               max_choices_per_request=args.max_choices_per_request,
+                              stream_interval=args.stream_interval,
                               public_metrics=args.public_metrics,
                               enable_auto_tool_choice=args.enable_auto_tool_choice,
                               tool_call_parser=args.tool_call_parser, chat_template=args.chat_template)

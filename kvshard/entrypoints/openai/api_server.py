@@ -74,7 +74,7 @@ class OpenAIServer(ServingBase, CompletionServing, ChatServing, ResponsesServing
                  max_choices_per_request: int = DEFAULT_MAX_CHOICES_PER_REQUEST,
                  public_metrics: bool = False, enable_auto_tool_choice: bool = False,
                  tool_call_parser: str | None = None, chat_template: str | None = None,
-                 max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> None:
+                 max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES, stream_interval: int = 1) -> None:
         self.model_names = served_model_names
         self.tokenizer = engine.tokenizer
         self.validate_prompt = engine.validate_prompt
@@ -89,6 +89,9 @@ class OpenAIServer(ServingBase, CompletionServing, ChatServing, ResponsesServing
         self.max_prompt_chars = 2 * self.max_model_len * _longest_token_chars(self.tokenizer)
         self.vocab_size = engine.config.model.hf_config.vocab_size
         self.max_stream_backlog = max_stream_backlog or _backlog_from_env()
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
+        self.stream_interval = stream_interval  # tokens per streamed event after a choice's first
         self.model_root = str(engine.config.model.path)
         self.metrics = ServerMetrics(engine.config, served_model_names[0])
         self.engine = AsyncLLMEngine(engine, self.metrics)

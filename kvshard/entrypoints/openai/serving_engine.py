@@ -106,11 +106,13 @@ def _num_tokens(output: RequestOutput) -> int:
 
 
 async def _deltas(engine: AsyncLLMEngine, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                  max_backlog: int, cut: asyncio.Event) -> AsyncIterator[_ChoiceDelta]:
+                  max_backlog: int, cut: asyncio.Event, interval: int = 1) -> AsyncIterator[_ChoiceDelta]:
     """Streaming: each choice's text as it becomes final.
 
     Held back until the choice ends: the last characters that might start a stop
-    string, and an incomplete UTF-8 character (decoded as U+FFFD for now).
+    string, and an incomplete UTF-8 character (decoded as U+FFFD for now). After a
+    choice's first delta, the next waits until `interval` tokens have come since the
+    last one sent (`--stream-interval`), or the choice ends.
     """
     holdback = max((len(s) for s in params.stop), default=1) - 1
     sent_text: dict[int, str] = {}
@@ -126,10 +128,12 @@ async def _deltas(engine: AsyncLLMEngine, request_id: str, prompts: list[list[in
                 finished.add(index)
             else:
                 text = text[: len(text) - holdback].rstrip("\ufffd")
+            first = sent_tokens.get(index, 0)
+            if first and not completion.finished and len(completion.token_ids) - first < interval:
+                continue  # a later delta carries these tokens
             delta = text[len(sent_text.get(index, "")):]
             if not delta and not completion.finished:
                 continue
-            first = sent_tokens.get(index, 0)
             sent_text[index], sent_tokens[index] = text, len(completion.token_ids)
             yield _ChoiceDelta(index, prompt_index, output.num_cached_tokens or 0, delta, completion.token_ids[first:],
                                completion.logprobs[first:] if completion.logprobs is not None else None,
@@ -302,7 +306,8 @@ class ServingBase:
             completion_tokens = 0
             cached_tokens: dict[int, int] = {}  # per prompt
             try:
-                async for delta in _deltas(self.engine, request_id, prompts, params, self.max_stream_backlog, cut):
+                async for delta in _deltas(self.engine, request_id, prompts, params, self.max_stream_backlog, cut,
+                                           self.stream_interval):
                     completion_tokens += len(delta.token_ids)
                     cached_tokens[delta.prompt_index] = delta.num_cached_tokens
                     shaped = choice(delta)

@@ -240,7 +240,8 @@ class ResponsesServing:
                 return done
 
             try:
-                async for delta in _deltas(self.engine, response_id, prompts, params, self.max_stream_backlog, cut):
+                async for delta in _deltas(self.engine, response_id, prompts, params, self.max_stream_backlog, cut,
+                                           self.stream_interval):
                     tokens += len(delta.token_ids)
                     cached = delta.num_cached_tokens
                     text += delta.text
