@@ -474,7 +474,9 @@ inline void key_tile(const CT* k, int64_t stride, int64_t count, int64_t dk, flo
 // the 16 scores of G query vectors (qf: G rows of dk, scaled): s[g * 16 + j] = q_g . k_j
 template <int G>
 inline void scores(const float* __restrict qf, int64_t dk, const float* __restrict kt, float* __restrict s) {
-  constexpr int A = G < 4 ? 2 : 1;  // accumulator sets: short groups alternate two to hide the add's latency
+  // two accumulator sets, channels alternating between them (a short group hides the add's latency so): for every
+  // group size, so that a vector's score sums in the same order whatever group it is in
+  constexpr int A = 2;
   __m512 a[A][G];
   for (int x = 0; x < A; ++x)
     for (int g = 0; g < G; ++g) a[x][g] = _mm512_setzero_ps();
@@ -493,7 +495,7 @@ inline void scores(const float* __restrict qf, int64_t dk, const float* __restri
   }
   for (int g = 0; g < G; ++g) {
     __m512 v = a[0][g];
-    if constexpr (A > 1) v = _mm512_add_ps(v, a[1][g]);
+    v = _mm512_add_ps(v, a[1][g]);
     _mm512_storeu_ps(s + g * kLanes, v);
   }
 }
@@ -557,7 +559,7 @@ inline void key_tile_pairs(const c10::BFloat16* k, int64_t stride, int64_t count
 template <int G>
 inline void scores_pairs(const uint32_t* __restrict qw, int64_t words, const uint32_t* __restrict kw, float scale,
                          float* __restrict s) {
-  constexpr int A = G < 4 ? 2 : 1;
+  constexpr int A = 2;  // as `scores`: the same order for every group size
   __m512 a[A][G];
   for (int x = 0; x < A; ++x)
     for (int g = 0; g < G; ++g) a[x][g] = _mm512_setzero_ps();
@@ -581,7 +583,7 @@ inline void scores_pairs(const uint32_t* __restrict qw, int64_t words, const uin
   const __m512 sc = _mm512_set1_ps(scale);
   for (int g = 0; g < G; ++g) {
     __m512 v = a[0][g];
-    if constexpr (A > 1) v = _mm512_add_ps(v, a[1][g]);
+    v = _mm512_add_ps(v, a[1][g]);
     _mm512_storeu_ps(s + g * kLanes, _mm512_mul_ps(v, sc));
   }
 }
@@ -855,6 +857,67 @@ inline void scores_wide(const KT* __restrict qt, int64_t dk, const KT* k, int64_
   }
 }
 
+#if defined(__AVX512BF16__)
+// acc[g * dv + perm(i)] += sum_j p_j[g] v_j[i] for G vectors over a bfloat16 cache's value rows, by `vdpbf16ps` on
+// pairs of tokens: pw[jp * PJ + g] holds vector g's weights of tokens 2jp and 2jp + 1 rounded to bfloat16 (as
+// PyTorch's flash kernel rounds its weights for a bfloat16 product with V), and two rows interleaved by channel
+// (unpacklo / unpackhi of 16-bit words) give each lane the two tokens' values of one channel; so each chunk of 32
+// channels is kept in the order those unpacks give (`unpermute_pairs` restores it). dv: a multiple of 32.
+template <int G, int PJ>
+inline void weighted_values_pairs(float* __restrict acc, int64_t dv, const uint32_t* __restrict pw,
+                                  const c10::BFloat16* v, int64_t stride, int64_t count) {
+  for (int64_t c = 0; c < dv; c += 32) {
+    __m512 lo[G], hi[G];
+    for (int g = 0; g < G; ++g) {
+      lo[g] = _mm512_loadu_ps(acc + g * dv + c);
+      hi[g] = _mm512_loadu_ps(acc + g * dv + c + 16);
+    }
+    for (int64_t j = 0; j < count; j += 2) {
+      const __m512i r0 = _mm512_loadu_si512(v + j * stride + c);
+      const __m512i r1 = j + 1 < count ? _mm512_loadu_si512(v + (j + 1) * stride + c) : _mm512_setzero_si512();
+      const __m512bh a = (__m512bh)_mm512_unpacklo_epi16(r0, r1), b = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
+#pragma GCC unroll 8
+      for (int g = 0; g < G; ++g) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[(j / 2) * PJ + g]));
+        lo[g] = _mm512_dpbf16_ps(lo[g], a, w);
+        hi[g] = _mm512_dpbf16_ps(hi[g], b, w);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      _mm512_storeu_ps(acc + g * dv + c, lo[g]);
+      _mm512_storeu_ps(acc + g * dv + c + 16, hi[g]);
+    }
+  }
+}
+
+// a row of `weighted_values_pairs`' accumulators back in channel order: in each chunk of 32, lane 4k + i of the
+// first 16 is channel 8k + i, of the second 16 channel 8k + 4 + i (k < 4, i < 4)
+inline void unpermute_pairs(float* row, int64_t dv) {
+  float chunk[32];
+  for (int64_t c = 0; c < dv; c += 32) {
+    for (int k = 0; k < 4; ++k) {
+      for (int i = 0; i < 4; ++i) {
+        chunk[8 * k + i] = row[c + 4 * k + i];
+        chunk[8 * k + 4 + i] = row[c + 16 + 4 * k + i];
+      }
+    }
+    std::memcpy(row + c, chunk, sizeof(chunk));
+  }
+}
+
+// the bfloat16 pairs of a tile's weights: pw[jp * L + g] = (p[2jp][g], p[2jp + 1][g]), p[count][g] = 0
+template <int L>
+inline void weight_pairs(const float* p, int64_t count, uint32_t* pw) {
+  for (int64_t j = 0; j < count; j += 2) {
+    for (int g = 0; g < L; ++g) {
+      const uint16_t a = c10::BFloat16(p[j * L + g]).x;
+      const uint16_t b = j + 1 < count ? c10::BFloat16(p[(j + 1) * L + g]).x : 0;
+      pw[(j / 2) * L + g] = static_cast<uint32_t>(a) | (static_cast<uint32_t>(b) << 16);
+    }
+  }
+}
+#endif
+
 // bfloat16 queries on a bfloat16 cache, whole channel pairs in every row: the scores by `vdpbf16ps`
 template <typename QT, typename CT>
 inline bool pairs_apply(const Shape& sh) {
@@ -866,14 +929,17 @@ inline bool pairs_apply(const Shape& sh) {
 #endif
 }
 
-// Which lanes an item of m vectors takes: 16 vectors a register where m is a multiple of 16; 8 (a 256-bit
-// register) where it is a multiple of 8 and the scores are bfloat16 pairs; else 0, the token lanes. (With float32
-// keys, 8 vector lanes ran 0.9-1.0x the token lanes on 8 heads of one KV head: a broadcast per channel and 8 lanes
-// of work for it; bfloat16 pairs carry two channels a broadcast. BENCHMARKS.md section 19.)
+// Which lanes an item whose rows have `heads` query heads each takes: 16 vectors a register where the heads are a
+// multiple of 16; 8 (a 256-bit register) where they are a multiple of 8 and the scores are bfloat16 pairs; else 0,
+// the token lanes. (With float32 keys, 8 vector lanes ran 0.9-1.0x the token lanes on 8 heads of one KV head: a
+// broadcast per channel and 8 lanes of work for it; bfloat16 pairs carry two channels a broadcast. BENCHMARKS.md
+// section 19.) Chosen by the heads, not by the rows x heads of the item, so that a row of several (speculative
+// verification, the rest of a prompt) takes the path a decode of its token takes, and computes the same bits:
+// on either path a vector's sums run in the same order whatever else its item holds.
 template <typename QT, typename CT>
-inline int vector_lanes_for(int64_t m, const Shape& sh) {
-  if (m % 16 == 0) return 16;
-  if (m % 8 == 0 && pairs_apply<QT, CT>(sh)) return 8;
+inline int vector_lanes_for(int64_t heads, const Shape& sh) {
+  if (heads % 16 == 0) return 16;
+  if (heads % 8 == 0 && pairs_apply<QT, CT>(sh)) return 8;
   return 0;
 }
 
@@ -891,16 +957,19 @@ void run_item_wide(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const
   constexpr bool kPairs = false;
 #endif
   const bool pairs = pairs_apply<QT, CT>(sh);
+  // the values weighed by bfloat16 pairs of tokens too (`weighted_values_pairs`), on a bfloat16 cache
+  const bool value_pairs = kPairs && dv % 32 == 0 && sh.v_tok % 2 == 0 && sh.v_head % 2 == 0;
   // keys read as stored (float32, or bfloat16 pairs), else each tile's rows converted to float32 first
   constexpr bool kFloatCache = std::is_same_v<CT, float>;
   const bool convert = !kFloatCache && !pairs;
-  scratch.resize(M * dk + M * dv + M * kLanes + 2 * M + (convert ? kLanes * dk : 0));
+  scratch.resize(M * dk + M * dv + M * kLanes + 2 * M + (convert ? kLanes * dk : 0) + kLanes / 2 * L);
   float* qt = scratch.data();  // per group of L vectors: [dk][L] floats, or [dk / 2][L] channel pairs
   float* acc = qt + M * dk;
   float* s = acc + M * dv;  // per group: [16 tokens][L vectors]
   float* mx = s + M * kLanes;
   float* sum = mx + M;
   float* kf = sum + M;
+  uint32_t* pw = reinterpret_cast<uint32_t*>(kf + (convert ? kLanes * dk : 0));  // [8 token pairs][L]
   int64_t bounds[kMaxVectors];
   const int64_t reach = start_item(u, t1, sh, q, lens, bounds, mx, sum, [&](int64_t m, const QT* src) {
     float* g = qt + (m / L) * L * dk;
@@ -993,12 +1062,28 @@ void run_item_wide(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const
         O::store(sg + j * L, w);
       }
       O::store(sum + g0, total);
+#if defined(__AVX512BF16__)
+      if constexpr (kPairs) {
+        if (value_pairs) {
+          weight_pairs<L>(sg, count, pw);
+          for (int64_t h0 = 0; h0 < L; h0 += kGroup) {
+            weighted_values_pairs<kGroup, L>(acc + (g0 + h0) * dv, dv, pw + h0, vp, sh.v_tok, count);
+          }
+          continue;
+        }
+      }
+#endif
       for (int64_t h0 = 0; h0 < L; h0 += kGroup) {
         weighted_values<CT, kGroup, 1, L>(acc + (g0 + h0) * dv, dv, sg + h0, vp, sh.v_tok, count);
       }
     }
     tok0 += count;
   }
+#if defined(__AVX512BF16__)
+  if (value_pairs) {
+    for (int64_t m = 0; m < M; ++m) unpermute_pairs(acc + m * dv, dv);
+  }
+#endif
   finish_item(u, sh, acc, mx, sum, out, out_row_stride, out_head_stride, lse, lse_row_stride, lse_head_stride);
 }
 
@@ -1067,7 +1152,7 @@ void launch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
   auto run = [&](const Unit& u, int64_t t0, int64_t t1, float* o, int64_t o_row, int64_t o_head, float* l,
                  int64_t l_row, int64_t l_head, std::vector<float>& scratch) {
 #if defined(KVSHARD_TILED)
-    const int vector_lanes = !portable && wide ? tiled::vector_lanes_for<QT, CT>(u.nrows * u.nheads, sh) : 0;
+    const int vector_lanes = !portable && wide ? tiled::vector_lanes_for<QT, CT>(u.nheads, sh) : 0;
     if (vector_lanes == 16) {
       return tiled::run_item_wide<16, QT, CT>(u, t0, t1, sh, qp, kp, vp, tp, lens, o, o_row, o_head, l, l_row,
                                               l_head, scratch);
