@@ -804,22 +804,8 @@ struct Lanes<8> {
     return _mm256_cmpgt_epi32_mask(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bound)),
                                    _mm256_set1_epi32(tok));
   }
-  // exp16's polynomial on 8 lanes
-  static V exp(V x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const V n = _mm256_roundscale_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    V r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-    V p = _mm256_set1_ps(1.0f / 720.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    return _mm256_scalef_ps(p, n);
-  }
+  // exp16 on the low half of a 512-bit register (the upper lanes' results are dropped)
+  static V exp(V x) { return _mm512_castps512_ps256(exp16(_mm512_castps256_ps512(x))); }
 #if defined(__AVX512BF16__)
   static V dot_pairs(V acc, const uint32_t* q, uint32_t k) {
     return _mm256_dpbf16_ps(acc, (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)),
