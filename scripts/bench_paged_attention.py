@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                     ref = f"{t_ref * 1e3:12.2f}" if t_ref is not None else f"{'-':>12}"
                     print(f"{shape:5} {dname:5} {batch:5} {context:7} {s['kv_bytes'] / 1e6:8.1f} | "
                           f"{t_paged * 1e3:9.2f} {row['paged_gbps']:6.1f} {100 * s['kv_bytes'] / t_paged / bandwidth:5.0f}%"
-                          f" | {t_tokens * 1e3:14.2f} | {t_portable * 1e3:11.2f} | {t_flash * 1e3:15.2f} {row['flash_gbps']:6.1f} | {ref} | "
+                          f" | {t_tokens * 1e3:14.2f} | {t_portable * 1e3:11.2f} | {t_flash * 1e3:15.2f}"
+                          f" {row['flash_gbps']:6.1f} | {ref} | "
                           f"{t_flash / t_paged:6.2f}x {diff:8.1e}", flush=True)
                     del s
     if args.json:

@@ -227,8 +227,8 @@ def test_fp8_caches_with_scales(mla, heads, path):
          k_scale=0.05, v_scale=0.02, dtype=torch.float32)
     _run(path=path,
          heads=heads if mla else 8, kv_heads=1, dk=dk, dv=dv, block_size=64, interleave=1, dcp=1, rank=0,
-         context_lens=[70, 129], query_lens=[1, 1], cache_dtype=FP8_DTYPE, mla=mla, k_scale=0.05, v_scale=0.02, dtype=torch.bfloat16,
-         atol=2e-2, rtol=2e-2)
+         context_lens=[70, 129], query_lens=[1, 1], cache_dtype=FP8_DTYPE, mla=mla, k_scale=0.05, v_scale=0.02,
+         dtype=torch.bfloat16, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (8, 1), (16, 1)])

@@ -891,14 +891,24 @@ inline void unpermute_pairs(float* row, int64_t dv) {
   }
 }
 
-// the bfloat16 pairs of a tile's weights: pw[jp * L + g] = (p[2jp][g], p[2jp + 1][g]), p[count][g] = 0
+// the bfloat16 pairs of a tile's weights (rounded to nearest even): pw[jp * L + g] = (p[2jp][g], p[2jp + 1][g]),
+// p[count][g] = 0
 template <int L>
 inline void weight_pairs(const float* p, int64_t count, uint32_t* pw) {
   for (int64_t j = 0; j < count; j += 2) {
-    for (int g = 0; g < L; ++g) {
-      const uint16_t a = c10::BFloat16(p[j * L + g]).x;
-      const uint16_t b = j + 1 < count ? c10::BFloat16(p[(j + 1) * L + g]).x : 0;
-      pw[(j / 2) * L + g] = static_cast<uint32_t>(a) | (static_cast<uint32_t>(b) << 16);
+    if constexpr (L == 16) {
+      const __m512 a = _mm512_loadu_ps(p + j * L);
+      const __m512 b = j + 1 < count ? _mm512_loadu_ps(p + (j + 1) * L) : _mm512_setzero_ps();
+      const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(a));
+      const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(b));
+      _mm512_storeu_si512(pw + (j / 2) * L, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    } else {
+      const __m256 a = _mm256_loadu_ps(p + j * L);
+      const __m256 b = j + 1 < count ? _mm256_loadu_ps(p + (j + 1) * L) : _mm256_setzero_ps();
+      const __m256i lo = _mm256_cvtepu16_epi32((__m128i)_mm256_cvtneps_pbh(a));
+      const __m256i hi = _mm256_cvtepu16_epi32((__m128i)_mm256_cvtneps_pbh(b));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pw + (j / 2) * L),
+                          _mm256_or_si256(lo, _mm256_slli_epi32(hi, 16)));
     }
   }
 }
