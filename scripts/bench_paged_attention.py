@@ -2,9 +2,9 @@
 their cached context.
 
 Compares the paged kernel (kvshard/attention/paged.py: reads the blocks where they lie; its AVX-512
-tiles where the CPU has them, the query vectors in the lanes for items of 16 vectors or a multiple; the
-tiles with the tokens in the lanes for every item in the `token-lanes ms` column; its portable loops in
-the `portable ms` column) with
+tiles where the CPU has them, the query vectors in the lanes where a row's heads on their KV head are 16
+or a multiple, or 8 or a multiple on a bfloat16 cache or a float32 latent; the tiles with the tokens in
+the lanes for every item in the `token-lanes ms` column; its portable loops in the `portable ms` column) with
 the gather path (KVCacheLayer.gather into reused buffers, then attention_with_lse, PyTorch's flash
 kernel) and the plain-matmul reference over the same gathered copy. Reports the median time per
 call (the paged and gather+flash samples taken in turn, so that other load falls on both), the KV bytes the call must read (every visible token's K and V, as stored) per second,
@@ -13,6 +13,9 @@ read per second).
 
     PYTHONPATH=$PWD .venv/bin/python scripts/bench_paged_attention.py
     PYTHONPATH=$PWD .venv/bin/python scripts/bench_paged_attention.py --shapes gqa8 --batches 8 --contexts 8192
+
+The default shapes are gqa8, gqa9 and mla; mla8 (the latent at 8 heads a rank) and mla-demo (the MLA demo's
+160-channel latent at 8 heads) are there to be asked for.
 
 Caches above --max-kv-gib (all requests' K/V in the cache dtype) are skipped, and the reference
 above --max-reference-tokens (its scores and gathered float32 copy grow with batch x context).
@@ -40,7 +43,10 @@ SHAPES = {
     "gqa8": (8, 1, 64, 64, False),  # 8 query heads on 1 KV head, head size 64 (kvshard-demo-gqa)
     "gqa9": (9, 3, 64, 64, False),  # 9 on 3 as SmolLM2-135M
     "mla": (16, 1, 576, 512, True),  # MLA absorbed: the latent [c_kv 512 | k_pe 64], V its first 512
+    "mla8": (8, 1, 576, 512, True),  # the same latent at 8 query heads a rank (Kimi K2's 64 at tp=8)
+    "mla-demo": (8, 1, 160, 128, True),  # kvshard-demo-mla's latent [c_kv 128 | k_pe 32], 8 heads (a DCP rank's)
 }
+DEFAULT_SHAPES = ["gqa8", "gqa9", "mla"]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -135,7 +141,7 @@ def _by_request(s) -> torch.Tensor:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, choices=list(SHAPES))
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64])
     parser.add_argument("--contexts", nargs="+", type=int, default=[1024, 8192, 32768])

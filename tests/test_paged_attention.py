@@ -209,6 +209,17 @@ def test_mla_latent_value_is_a_prefix_of_the_key(path):
          query_lens=[1, 1], mla=True, dtype=torch.bfloat16, atol=2e-2, rtol=2e-2, split_tokens=64)
 
 
+@pytest.mark.parametrize("heads", [8, 24])
+@pytest.mark.parametrize("block_size,dk,dv", [(8, 576, 512), (24, 520, 512), (1, 513, 512), (16, 72, 64)])
+def test_float32_latent_at_8_heads(block_size, dk, dv, heads, path):
+    # MLA's absorbed step at 8 heads a rank (Kimi K2's 64 at tp=8) or 24, in float32: 8 vector lanes on a latent of
+    # 512 channels or more (16 lanes for neither), the token lanes on a narrow one (72); short tiles at blocks of
+    # 8 and 1, a channel tail of 8 (520) and an odd key width (513); rows of 1 to 3 per request, each seeing up to
+    # its own position
+    _run(path=path, heads=heads, kv_heads=1, dk=dk, dv=dv, block_size=block_size, interleave=1, dcp=2, rank=1,
+         context_lens=[2, 45, 130, 301], query_lens=[1, 3, 1, 2], mla=True)
+
+
 @pytest.mark.parametrize("heads", [8, 16])  # 16: one item of 16 vectors, so the vector-lane path on the tiles
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
 def test_half_caches(cache_dtype, heads, path):
@@ -247,7 +258,7 @@ def test_tiles_across_block_and_channel_bounds(block_size, d, dtype, heads, kv_h
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,dk,dv,mla", [(8, 1, 64, 64, False), (9, 3, 32, 32, False),
-                                                      (16, 1, 72, 64, True)])
+                                                      (16, 1, 72, 64, True), (8, 1, 576, 512, True)])
 def test_a_row_among_several_computes_the_bits_of_its_decode(heads, kv_heads, dk, dv, mla, dtype, path):
     # speculative verification rows (and the rest of a prompt) read the cache as decodes of their tokens would:
     # each row, computed with the request's other rows in one item, gives the same bits as alone (the kernel's

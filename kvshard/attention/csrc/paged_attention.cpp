@@ -760,7 +760,8 @@ void run_item(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const QT* 
 
 
 // Items whose rows have 16 query heads on their KV head or a multiple (MLA's heads on their one latent), or 8 or a
-// multiple where the scores are bfloat16 pairs (`vector_lanes_for`): the query vectors in the lanes instead of the
+// multiple where the scores are bfloat16 pairs or the cache a wide float32 latent (`vector_lanes_for`): the query
+// vectors in the lanes instead of the
 // tokens. The queries are transposed once per item (qt[c * L + g] = channel c of vector g, L = 16 lanes of a
 // 512-bit register or 8 of a 256-bit one), and a token's scores for L vectors are one accumulator of multiply-adds
 // over the channels, each of the key's channels broadcast from the cache row where it lies: no key tile is
@@ -946,16 +947,22 @@ inline bool pairs_apply(const Shape& sh) {
 }
 
 // Which lanes an item whose rows have `heads` query heads each takes: 16 vectors a register where the heads are a
-// multiple of 16; 8 (a 256-bit register) where they are a multiple of 8 and the scores are bfloat16 pairs; else 0,
-// the token lanes. (With float32 keys, 8 vector lanes ran 0.9-1.0x the token lanes on 8 heads of one KV head: a
-// broadcast per channel and 8 lanes of work for it; bfloat16 pairs carry two channels a broadcast. BENCHMARKS.md
-// section 19.) Chosen by the heads, not by the rows x heads of the item, so that a row of several (speculative
-// verification, the rest of a prompt) takes the path a decode of its token takes, and computes the same bits:
-// on either path a vector's sums run in the same order whatever else its item holds.
+// multiple of 16; 8 (a 256-bit register) where they are a multiple of 8 and either the scores are bfloat16 pairs
+// or the cache is a float32 MLA latent of 512 channels or more (V its keys' leading channels); else 0, the token
+// lanes. With float32 keys and a V of its own, 8 vector lanes ran 0.9-1.0x the token lanes on 8 heads of one KV
+// head (a broadcast per channel and 8 lanes of work for it, where bfloat16 pairs carry two channels a broadcast:
+// BENCHMARKS.md section 19); on MLA's 576-channel latent, 1.08-1.15x, whose token lanes transpose 36 tiles of
+// 16 x 16 a tile; on the MLA demo's 160 channels, 0.94-1.07x (section 20). Chosen by the heads and the cache, not
+// by the rows x heads of the
+// item, so that a row of several (speculative verification, the rest of a prompt) takes the path a decode of its
+// token takes, and computes the same bits: on either path a vector's sums run in the same order whatever else its
+// item holds.
 template <typename QT, typename CT>
 inline int vector_lanes_for(int64_t heads, const Shape& sh) {
   if (heads % 16 == 0) return 16;
-  if (heads % 8 == 0 && pairs_apply<QT, CT>(sh)) return 8;
+  if (heads % 8 == 0 && (pairs_apply<QT, CT>(sh) || (std::is_same_v<CT, float> && sh.v_in_k && sh.dk >= 512))) {
+    return 8;
+  }
   return 0;
 }
 
