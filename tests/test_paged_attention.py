@@ -386,3 +386,28 @@ def test_the_build_compiles_a_copy_in_its_folder_so_checkouts_at_other_paths_sha
     (compiled,) = first["sources"]
     assert Path(compiled).parent == Path(first["build_directory"]) and Path(compiled).read_bytes() == \
         paged._SOURCE.read_bytes()
+
+
+@pytest.mark.parametrize("heads,kv_heads,dk,dv", [(4, 4, 64, 32), (9, 3, 32, 32), (8, 1, 64, 64), (16, 1, 24, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunks_attend_to_themselves_in_the_kernel(heads, kv_heads, dk, dv, dtype):
+    # prefill chunks' causal attention to their own K/V (MLA's expanded form: 64-channel keys, 32-channel values):
+    # the paged backend reads each chunk in place through the kernel, row i seeing keys 0..i; a decode and a chunk
+    # after cached context read in the cache (no attention to themselves: lse -inf, o 0 here)
+    from kvshard.attention.backends import make_backend
+    from kvshard.attention.metadata import AttentionMetadata
+
+    layout = DCPLayout(16, 1, 1)
+    context_lens, query_lens = [30, 20, 0, 0, 0], [1, 4, 2, 37, 130]
+    tables = [[(5 * i + j) % 64 for j in range(12)] for i in range(5)]
+    meta = AttentionMetadata.build(context_lens, query_lens, tables, layout, 0, torch.device("cpu"))
+    assert [g.attends_itself for g in meta.groups] == [False, False, True, True, True]
+    t = sum(query_lens)
+    g = torch.Generator().manual_seed(7)
+    q, k = (torch.randn(t, h, dk, generator=g).to(dtype) for h in (heads, kv_heads))
+    v = torch.randn(t, kv_heads, 2 * dv, generator=g).to(dtype)[..., :dv]  # a strided view, as a split projection
+    ref_out, ref_lse = make_backend("reference").attend_chunks(q, k, v, meta, 0.3)
+    out, lse = make_backend("paged").attend_chunks(q, k, v, meta, 0.3)
+    assert torch.isneginf(lse[:5]).all() and not out[:5].any()
+    tol = 2e-5 if dtype == torch.float32 else 4e-3
+    _check(out, lse, ref_out, ref_lse, tol, tol)

@@ -55,6 +55,7 @@ AUTO, PAGED, GATHER, REFERENCE, TRITON = "auto", "paged", "gather", "reference",
 ATTENTION_BACKENDS = (AUTO, PAGED, GATHER, REFERENCE, TRITON)
 # In batch-invariant mode the kernel never splits a row's tokens: where it splits depends on the batch.
 NO_SPLIT = 1 << 40
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the paged kernel's query dtypes
 
 
 class AttentionBackend(Protocol):
@@ -217,6 +218,19 @@ class PagedBackend(_Backend):
             rows = slice(done, c)
             out[rows], lse[rows] = self._paged(q[rows], cache, meta, scale, rows, invariant)
         return out[:c], lse[:c]
+
+    def attend_chunks(self, q, k, v, meta, scale):
+        """Each chunk's causal attention to itself in the kernel too (the chunk's K/V read in place, one
+        request's rows each up to its own position): 1.4-2.2x PyTorch's flash kernel on one thread (BENCHMARKS.md
+        section 20). The batch-invariant mode keeps the flash kernel, as for its chunks' cached context."""
+        if batch_invariant_active() or q.dtype not in _KERNEL_DTYPES or k.dtype != v.dtype:
+            return super().attend_chunks(q, k, v, meta, scale)
+        out, lse = paged.empty_packed(q.shape[0], q.shape[1], v.shape[-1], q.device)
+        for group in meta.groups:
+            if group.attends_itself:
+                rows = slice(group.start, group.end)
+                out[rows], lse[rows] = paged.causal_attention(q[rows], k[rows], v[rows], scale)
+        return out, lse
 
     @staticmethod
     def _paged(q, cache, meta, scale, rows: slice, invariant: bool):
