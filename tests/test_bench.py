@@ -356,6 +356,12 @@ def test_tiny_dcp_run_of_agentic_sessions_prints_the_table_and_writes_json_and_p
     out = capsys.readouterr().out
     assert code == 0, out
     assert "max concurrency" in out and "TP=2 + DCP=2 vs TP=2: max concurrency" in out
+    # both servers up before the first point, then the layouts take turns, the first of a turn alternating
+    lines = [line.strip() for line in out.splitlines()]
+    started = [i for i, line in enumerate(lines) if line.startswith("== ")]
+    points = [(i, line.split(" c=")[0]) for i, line in enumerate(lines) if " c=" in line and "running peak" in line]
+    assert len(started) == 2 and max(started) < points[0][0]
+    assert [label for _, label in points] == ["TP=2", "TP=2 + DCP=2", "TP=2 + DCP=2", "TP=2"]
 
     result = json.loads((tmp_path / "dcp.json").read_text())
     sessions = WorkloadSpec("sessions", vocab_size=model_vocab_size(MODEL), context_scale=1 / 1024,

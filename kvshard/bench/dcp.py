@@ -1,9 +1,10 @@
 """`kvshard bench dcp`: the seed's experiment, TP alone against TP + DCP, in one command.
 
 For each layout (tp alone, then tp with each requested dcp) a `kvshard serve`
-starts with the same per-rank KV budget; the same requests (or sessions of
-requests, with the sessions workload) run at rising client concurrency, each
-point from an empty prefix cache; /metrics says how many requests the server
+starts with the same per-rank KV budget, all of them before the first point;
+the same requests (or sessions of requests, with the sessions workload) run at
+rising client concurrency, the layouts taking turns point by point (which goes
+first alternates), each point from an empty prefix cache; /metrics says how many requests the server
 actually ran at once and how full its KV cache was. The table then gives, per
 layout, the seed's columns: the maximum concurrency reached, output tok/s per
 rank, KV usage, and what limits it. A point is *KV-limited* when the server
@@ -15,7 +16,7 @@ limit.
 from __future__ import annotations
 
 import signal
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -133,67 +134,92 @@ def _sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
+class _Sweep:
+    """One layout's server and its sweep of concurrencies, a point at a time."""
+
+    def __init__(self, experiment: DCPExperiment, tp: int, dcp: int) -> None:
+        self.experiment, self.tp, self.dcp = experiment, tp, dcp
+        self.label = layout_label(tp, dcp)
+        self.flags = ["--tensor-parallel-size", str(tp), "--dcp", str(dcp),
+                      "--kv-cache-memory", experiment.kv_cache_memory,
+                      "--max-num-seqs", str(experiment.max_num_seqs), *experiment.server_flags]
+        self.server = ServerProcess(experiment.model, self.flags,
+                                    experiment.output_dir / f"server-tp{tp}-dcp{dcp}.log", experiment.startup_timeout)
+        self.concurrencies = list(experiment.concurrencies)
+        self.points: list[dict] = []
+        self.sweep_end: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return not self.concurrencies
+
+    def run_next(self, sessions: list[list[BenchRequest]], log) -> None:
+        experiment, label = self.experiment, self.label
+        concurrency = self.concurrencies.pop(0)
+        wanted = concurrency * experiment.prompts_per_concurrency
+        if wanted > len(sessions):
+            self.sweep_end = f"the workload has {len(sessions)} sessions, fewer than c={concurrency} needs ({wanted})"
+            log(f"   {label} c={concurrency}: skipped, {self.sweep_end}")
+            self.concurrencies.clear()
+            return
+        # each point replays the first sessions of the last: it must not find them cached
+        reset_prefix_cache(self.server.base_url)
+        result = run_serve_benchmark(self.server.base_url, sessions[:wanted], max_concurrency=concurrency,
+                                     num_ranks=self.tp, metrics_interval=experiment.metrics_interval,
+                                     progress=experiment.progress, label=f"{label} c={concurrency}")
+        point = {"concurrency": concurrency, "num_prompts": result["num_prompts"],
+                 **{k: result[k] for k in _POINT_FIELDS}}
+        steps = point["server"]["engine_steps"]
+        point["mean_step_ms"] = point["duration_s"] * 1000 / steps if steps else None
+        point["limited_by"] = limit_of(point, experiment.max_num_seqs)
+        self.points.append(point)
+        s = point["server"]
+        log(f"   {label} c={concurrency:<4} running peak {s['peak_running']:>3} (mean {s['mean_running']:.1f}), "
+            f"waiting peak {s['peak_waiting']:>3}, KV peak {s['peak_kv_usage']:.0%}, "
+            f"preemptions {s['preemptions']}, "
+            f"cached {format_percent(point['cached_fraction'], 0)} of prompt tokens, "
+            f"{point['output_throughput_per_rank']:.1f} out tok/s/rank"
+            + (f", {point['failed']} FAILED: {point['errors'][0]}" if point["failed"] else ""))
+        if self.concurrencies:
+            return
+        if saturated(self.points):
+            self.sweep_end = f"saturated at c={concurrency}"
+        elif concurrency * 2 > experiment.sweep_limit:
+            self.sweep_end = f"not saturated: the sweep stopped at c={concurrency} (--sweep-limit {experiment.sweep_limit})"
+        else:
+            self.concurrencies.append(concurrency * 2)
+
+    def summary(self, log) -> dict:
+        if not self.points:
+            raise BenchmarkError(f"{self.label}: no point of the sweep could run: {self.sweep_end}")
+        if self.sweep_end is None:
+            self.sweep_end = f"the sweep ended at c={self.points[-1]['concurrency']}"
+        log(f"   {self.label}: {self.sweep_end}")
+        return {"label": self.label, "tp": self.tp, "dcp": self.dcp, "base_url": self.server.base_url,
+                "layout": self.points[0]["server"]["layout"], "server_log": str(self.server.log_path),
+                "points": self.points, "sweep_end": self.sweep_end, "saturated": saturated(self.points),
+                **summarize_config(self.points)}
+
+
 def run_dcp_experiment(experiment: DCPExperiment, log=print) -> dict:
+    """Every layout's server is started first; then the layouts take turns point by point (the one that goes
+    first alternates), so that a machine whose speed drifts over the minutes of a sweep weighs on every layout
+    alike: run one layout's whole sweep after another's, the 2-core VMs of BENCHMARKS.md moved a layout's tok/s
+    by up to 20% between them. An idle server's ranks nap (kvshard/shm.py) while another's point runs."""
     # with the sessions workload, concurrency and prompts per concurrency count sessions
     sessions = experiment.all_sessions()
-    configs = []
-    with _sigterm_as_interrupt():
-        for tp, dcp in experiment.layouts():
-            label = layout_label(tp, dcp)
-            flags = ["--tensor-parallel-size", str(tp), "--dcp", str(dcp),
-                     "--kv-cache-memory", experiment.kv_cache_memory,
-                     "--max-num-seqs", str(experiment.max_num_seqs), *experiment.server_flags]
-            server = ServerProcess(experiment.model, flags, experiment.output_dir / f"server-tp{tp}-dcp{dcp}.log",
-                                   experiment.startup_timeout)
-            log(f"== {label}: kvshard serve {experiment.model} {' '.join(flags)}")
-            points = []
-            with server:
-                concurrencies, sweep_end = list(experiment.concurrencies), None
-                while concurrencies:
-                    concurrency = concurrencies.pop(0)
-                    wanted = concurrency * experiment.prompts_per_concurrency
-                    if wanted > len(sessions):
-                        sweep_end = (f"the workload has {len(sessions)} sessions, fewer than c={concurrency} "
-                                     f"needs ({wanted})")
-                        log(f"   c={concurrency}: skipped, {sweep_end}")
-                        break
-                    batch = sessions[:wanted]
-                    # each point replays the first sessions of the last: it must not find them cached
-                    reset_prefix_cache(server.base_url)
-                    result = run_serve_benchmark(server.base_url, batch, max_concurrency=concurrency, num_ranks=tp,
-                                                 metrics_interval=experiment.metrics_interval,
-                                                 progress=experiment.progress, label=f"{label} c={concurrency}")
-                    point = {"concurrency": concurrency, "num_prompts": result["num_prompts"],
-                             **{k: result[k] for k in _POINT_FIELDS}}
-                    steps = point["server"]["engine_steps"]
-                    point["mean_step_ms"] = point["duration_s"] * 1000 / steps if steps else None
-                    point["limited_by"] = limit_of(point, experiment.max_num_seqs)
-                    points.append(point)
-                    s = point["server"]
-                    log(f"   c={concurrency:<4} running peak {s['peak_running']:>3} (mean {s['mean_running']:.1f}), "
-                        f"waiting peak {s['peak_waiting']:>3}, KV peak {s['peak_kv_usage']:.0%}, "
-                        f"preemptions {s['preemptions']}, "
-                        f"cached {format_percent(point['cached_fraction'], 0)} of prompt tokens, "
-                        f"{point['output_throughput_per_rank']:.1f} out tok/s/rank"
-                        + (f", {point['failed']} FAILED: {point['errors'][0]}" if point["failed"] else ""))
-                    if concurrencies:
-                        continue
-                    if saturated(points):
-                        sweep_end = f"saturated at c={concurrency}"
-                    elif concurrency * 2 > experiment.sweep_limit:
-                        sweep_end = (f"not saturated: the sweep stopped at c={concurrency} (--sweep-limit "
-                                     f"{experiment.sweep_limit})")
-                    else:
-                        concurrencies.append(concurrency * 2)
-                if not points:
-                    raise BenchmarkError(f"{label}: no point of the sweep could run: {sweep_end}")
-                if sweep_end is None:
-                    sweep_end = f"the sweep ended at c={points[-1]['concurrency']}"
-                log(f"   {label}: {sweep_end}")
-                layout_info = points[0]["server"]["layout"]
-            configs.append({"label": label, "tp": tp, "dcp": dcp, "base_url": server.base_url, "layout": layout_info,
-                            "server_log": str(server.log_path), "points": points, "sweep_end": sweep_end,
-                            "saturated": saturated(points), **summarize_config(points)})
+    sweeps = [_Sweep(experiment, tp, dcp) for tp, dcp in experiment.layouts()]
+    with _sigterm_as_interrupt(), ExitStack() as servers:
+        for sweep in sweeps:
+            log(f"== {sweep.label}: kvshard serve {experiment.model} {' '.join(sweep.flags)}")
+            servers.enter_context(sweep.server)
+        turn = 0
+        while not all(sweep.done for sweep in sweeps):
+            order = [sweep for sweep in sweeps if not sweep.done]
+            for sweep in (order if turn % 2 == 0 else order[::-1]):
+                sweep.run_next(sessions, log)
+            turn += 1
+        configs = [sweep.summary(log) for sweep in sweeps]
     baseline = configs[0]
     for config in configs[1:]:
         config["vs_tp_only"] = {
