@@ -14,6 +14,11 @@ read per second).
     PYTHONPATH=$PWD .venv/bin/python scripts/bench_paged_attention.py
     PYTHONPATH=$PWD .venv/bin/python scripts/bench_paged_attention.py --shapes gqa8 --batches 8 --contexts 8192
 
+`--chunks` times a prefill chunk's causal attention to its own K/V instead (chunks of --contexts tokens): the
+paged backend's kernel call against PyTorch's flash kernel, for the MLA demo's expanded chunk and the GQA shapes.
+
+    PYTHONPATH=$PWD .venv/bin/python scripts/bench_paged_attention.py --chunks --contexts 300 1024 2048
+
 The default shapes are gqa8, gqa9 and mla; mla8 (the latent at 8 heads a rank) and mla-demo (the MLA demo's
 160-channel latent at 8 heads) are there to be asked for.
 
@@ -47,6 +52,35 @@ SHAPES = {
     "mla-demo": (8, 1, 160, 128, True),  # kvshard-demo-mla's latent [c_kv 128 | k_pe 32], 8 heads (a DCP rank's)
 }
 DEFAULT_SHAPES = ["gqa8", "gqa9", "mla"]
+# --chunks: a prefill chunk's causal attention to its own K/V, name: (query heads, KV heads, key dim, value dim)
+CHUNK_SHAPES = {
+    "mla-expanded": (4, 4, 64, 32),  # the MLA demo's expanded chunk at a rank of tp=2: keys n 32 + r 32, values 32
+    "gqa8": (8, 1, 64, 64),
+    "gqa9": (9, 3, 64, 64),
+}
+
+
+def run_chunks(args) -> int:
+    """The paged backend's chunk attention (paged.causal_attention: the chunk read in place by the kernel) against
+    PyTorch's flash kernel (attention_with_lse, causal), one chunk of each length, median of --repeat in turn."""
+    print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads; a chunk's causal attention to itself")
+    print(f"{'shape':12} {'dtype':5} {'chunk':>6} | {'kernel ms':>9} | {'flash ms':>9} | {'speedup':>7} {'max|do|':>8}")
+    for shape in args.chunk_shapes:
+        heads, kv_heads, dk, dv = CHUNK_SHAPES[shape]
+        for dname in args.dtypes:
+            for length in args.contexts:
+                g = torch.Generator().manual_seed(0)
+                q, k, v = (torch.randn(length, h, d, generator=g).to(DTYPES[dname])
+                           for h, d in ((heads, dk), (kv_heads, dk), (kv_heads, dv)))
+                scale = dk ** -0.5
+                t_kernel, t_flash = timed_together(
+                    [lambda: paged.causal_attention(q, k, v, scale),
+                     lambda: attention_with_lse(q[None], k[None], v[None], None, scale, causal=True)], args.repeat)
+                diff = float((paged.causal_attention(q, k, v, scale)[0]
+                              - attention_with_lse(q[None], k[None], v[None], None, scale, causal=True)[0][0]).abs().max())
+                print(f"{shape:12} {dname:5} {length:6} | {t_kernel * 1e3:9.2f} | {t_flash * 1e3:9.2f} | "
+                      f"{t_flash / t_kernel:6.2f}x {diff:8.1e}", flush=True)
+    return 0
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -152,7 +186,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-kv-gib", type=float, default=2.0)
     parser.add_argument("--max-reference-tokens", type=int, default=64 * 8192)
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--chunks", action="store_true", help="time a prefill chunk's causal attention to itself "
+                        "instead (the kernel against PyTorch's flash), chunks of --contexts tokens")
+    parser.add_argument("--chunk-shapes", nargs="+", default=list(CHUNK_SHAPES), choices=list(CHUNK_SHAPES))
     args = parser.parse_args(argv)
+    if args.chunks:
+        if not paged.kernel_available():
+            print("the paged attention kernel could not be built; nothing to compare", file=sys.stderr)
+            return 1
+        return run_chunks(args)
 
     if not paged.kernel_available():
         print("the paged attention kernel could not be built; nothing to compare", file=sys.stderr)

@@ -134,6 +134,23 @@ def test_the_kernel_runs_on_torchs_threads():
             torch.set_num_threads(1)
 
 
+def test_threads_share_a_chunks_rows_and_give_the_bits_of_one():
+    # the units go to whichever thread is free, the most work first (a causal chunk's last rows see the most
+    # keys): each is computed alone, so one thread and two give the same bits
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(700, h, d, generator=g) for h, d in ((4, 64), (4, 64), (4, 32)))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = paged.causal_attention(q, k, v, 0.125)
+        torch.set_num_threads(2)
+        assert paged.load_extension().parallel_threads(64) == 2
+        two = paged.causal_attention(q, k, v, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
 def _run(*, heads, kv_heads, dk, dv, block_size, interleave, dcp, rank, context_lens, query_lens, dtype=torch.float32,
          cache_dtype=None, mla=False, causal=True, k_scale=1.0, v_scale=1.0, atol=2e-5, rtol=2e-5,
          seed=0, kernel=_paged_kernel, **kernel_options):

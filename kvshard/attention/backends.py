@@ -221,8 +221,9 @@ class PagedBackend(_Backend):
 
     def attend_chunks(self, q, k, v, meta, scale):
         """Each chunk's causal attention to itself in the kernel too (the chunk's K/V read in place, one
-        request's rows each up to its own position): 1.4-2.2x PyTorch's flash kernel on one thread (BENCHMARKS.md
-        section 20). The batch-invariant mode keeps the flash kernel, as for its chunks' cached context."""
+        request's rows each up to its own position), no V padded to K's width: 1.4-2.2x PyTorch's flash kernel on
+        MLA's expanded chunks in float32 on one thread (BENCHMARKS.md section 20). The batch-invariant mode keeps the
+        flash kernel, as for its chunks' cached context."""
         if batch_invariant_active() or q.dtype not in _KERNEL_DTYPES or k.dtype != v.dtype:
             return super().attend_chunks(q, k, v, meta, scale)
         out, lse = paged.empty_packed(q.shape[0], q.shape[1], v.shape[-1], q.device)

@@ -22,9 +22,11 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <limits>
 #include <vector>
 
@@ -1177,10 +1179,21 @@ void launch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
   };
 
   if (!split) {
-    at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+    // The units, the most work first, each taken by whichever thread is free next: a chunk's rows see more keys
+    // the further they lie and the scheduler sorts decodes longest first, so handing each thread a contiguous
+    // share of the units (at::parallel_for's) left one thread most of the work (a chunk of 2,048 rows: 1.4x
+    // the one-thread speed on two). Every unit is computed alone, whatever thread takes it: the same bits.
+    const int64_t n = static_cast<int64_t>(units.size());
+    std::vector<int64_t> order(n);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+      return units[a].max_len * units[a].nrows * units[a].nheads > units[b].max_len * units[b].nrows * units[b].nheads;
+    });
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
       std::vector<float> scratch;
-      for (int64_t i = begin; i < end; ++i) {
-        const Unit& u = units[i];
+      for (int64_t k = next.fetch_add(1); k < n; k = next.fetch_add(1)) {
+        const Unit& u = units[order[k]];
         float* o = op + (u.row0 * H + u.head0) * P;
         run(u, 0, u.max_len, o, H * P, P, o + dv, H * P, P, scratch);
       }
