@@ -954,7 +954,7 @@ inline bool pairs_apply(const Shape& sh) {
 // lanes. With float32 keys and a V of its own, 8 vector lanes ran 0.9-1.0x the token lanes on 8 heads of one KV
 // head (a broadcast per channel and 8 lanes of work for it, where bfloat16 pairs carry two channels a broadcast:
 // BENCHMARKS.md section 19); on MLA's 576-channel latent, 1.08-1.15x, whose token lanes transpose 36 tiles of
-// 16 x 16 a tile; on the MLA demo's 160 channels, 0.94-1.07x (section 20). Chosen by the heads and the cache, not
+// 16 x 16 a tile; on the MLA demo's 160 channels, 0.89-1.10x (section 20). Chosen by the heads and the cache, not
 // by the rows x heads of the
 // item, so that a row of several (speculative verification, the rest of a prompt) takes the path a decode of its
 // token takes, and computes the same bits: on either path a vector's sums run in the same order whatever else its
