@@ -387,6 +387,23 @@ def test_tiny_dcp_run_of_agentic_sessions_prints_the_table_and_writes_json_and_p
     assert (tmp_path / "dcp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_without_interleave_one_server_runs_at_a_time(tmp_path, capsys, forked_servers):
+    # where the servers would share GPUs: each layout's server up for its own sweep only, the sweeps one after the other
+    code = bench_main([
+        "dcp", MODEL, "-tp", "2", "--dcp", "2", "--kv-cache-memory", "2MiB", "--workload", "random",
+        "--input-len", "16", "--output-len", "4", "--concurrency", "1,2", "--sweep-limit", "0", "--no-interleave",
+        "--metrics-interval", "0.05", "--output-dir", str(tmp_path), "--no-progress",
+    ])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    lines = [line.strip() for line in out.splitlines()]
+    order = [line.split(":")[0] if line.startswith("== ") else line.split(" c=")[0] for line in lines
+             if line.startswith("== ") or ("running peak" in line and " c=" in line)]
+    assert order == ["== TP=2", "TP=2", "TP=2", "== TP=2 + DCP=2", "TP=2 + DCP=2", "TP=2 + DCP=2"]
+    assert [[p["concurrency"] for p in c["points"]] for c in json.loads((tmp_path / "dcp.json").read_text())["configs"]] \
+        == [[1, 2], [1, 2]]
+
+
 def test_python_m_kvshard_bench_runs_without_the_main_cli():
     done = subprocess.run([sys.executable, "-m", "kvshard.bench", "throughput", "--help"], capture_output=True,
                           text=True, timeout=60, cwd=ROOT)

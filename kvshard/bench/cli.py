@@ -326,10 +326,21 @@ def _add_dcp(commands) -> None:
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--metrics-interval", type=float, default=0.25, help="seconds between /metrics scrapes")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
+                        help="start every layout's server at once and run their points in turn, so that a machine "
+                             "whose speed drifts weighs on each alike (default on a CPU); --no-interleave: one "
+                             "server at a time, each layout's sweep after the other's (default where CUDA is: the "
+                             "servers would share the GPUs' memory)")
     # defaults: the experiment of BENCHMARKS.md, sized for the demo model on a 2-core CPU
     _add_workload_args(parser, "agentic", input_len=1024, output_len=128, range_ratio=0.0,
                        context_scale="1/512", output_scale="1/2")
     parser.set_defaults(func=_reporting_errors(_run_dcp))
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _run_dcp(args: argparse.Namespace) -> int:
@@ -361,6 +372,7 @@ def _run_dcp(args: argparse.Namespace) -> int:
         server_flags=flags, prompts_per_concurrency=args.prompts_per_concurrency, output_dir=output_dir,
         startup_timeout=args.startup_timeout, metrics_interval=args.metrics_interval, progress=not args.no_progress,
         sweep_limit=args.sweep_limit,
+        interleave=args.interleave if args.interleave is not None else not _cuda_available(),
     )
     print(f"workload: {experiment.workload_description}; max-model-len {max_model_len:,}; "
           f"KV {args.kv_cache_memory} per rank")

@@ -1,10 +1,11 @@
 """`kvshard bench dcp`: the seed's experiment, TP alone against TP + DCP, in one command.
 
 For each layout (tp alone, then tp with each requested dcp) a `kvshard serve`
-starts with the same per-rank KV budget, all of them before the first point;
-the same requests (or sessions of requests, with the sessions workload) run at
-rising client concurrency, the layouts taking turns point by point (which goes
-first alternates), each point from an empty prefix cache; /metrics says how many requests the server
+starts with the same per-rank KV budget, all of them before the first point
+(`--interleave`, the default on a CPU; one at a time where they would share
+GPUs); the same requests (or sessions of requests, with the sessions workload)
+run at rising client concurrency, the layouts taking turns point by point
+(which goes first alternates), each point from an empty prefix cache; /metrics says how many requests the server
 actually ran at once and how full its KV cache was. The table then gives, per
 layout, the seed's columns: the maximum concurrency reached, output tok/s per
 rank, KV usage, and what limits it. A point is *KV-limited* when the server
@@ -55,6 +56,9 @@ class DCPExperiment:
     # None: drawn from the workload spec
     sessions: list[list[BenchRequest]] | None = None
     sweep_limit: int = 0  # past the last concurrency, double up to this until the layout saturates
+    # every layout's server up at once, the layouts taking turns point by point; False: one server at a time, each
+    # layout's whole sweep after the other's (servers that cannot share the devices: a GPU's memory)
+    interleave: bool = True
 
     def layouts(self) -> list[tuple[int, int]]:
         return [(self.tp, 1)] + [(self.tp, d) for d in self.dcps if d != 1]
@@ -202,24 +206,35 @@ class _Sweep:
 
 
 def run_dcp_experiment(experiment: DCPExperiment, log=print) -> dict:
-    """Every layout's server is started first; then the layouts take turns point by point (the one that goes
-    first alternates), so that a machine whose speed drifts over the minutes of a sweep weighs on every layout
-    alike: run one layout's whole sweep after another's, the 2-core VMs of BENCHMARKS.md moved a layout's tok/s
-    by up to 20% between them. An idle server's ranks nap (kvshard/shm.py) while another's point runs."""
+    """With `interleave`, every layout's server is started first; then the layouts take turns point by point (the
+    one that goes first alternates), so that a machine whose speed drifts over the minutes of a sweep weighs on
+    every layout alike: run one layout's whole sweep after another's, the 2-core VMs of BENCHMARKS.md moved a
+    layout's tok/s by up to 20% between them. An idle server's ranks nap (kvshard/shm.py) while another's point
+    runs. Without it, one server at a time (each holds the devices' memory: GPUs)."""
     # with the sessions workload, concurrency and prompts per concurrency count sessions
     sessions = experiment.all_sessions()
     sweeps = [_Sweep(experiment, tp, dcp) for tp, dcp in experiment.layouts()]
-    with _sigterm_as_interrupt(), ExitStack() as servers:
-        for sweep in sweeps:
-            log(f"== {sweep.label}: kvshard serve {experiment.model} {' '.join(sweep.flags)}")
-            servers.enter_context(sweep.server)
-        turn = 0
-        while not all(sweep.done for sweep in sweeps):
-            order = [sweep for sweep in sweeps if not sweep.done]
-            for sweep in (order if turn % 2 == 0 else order[::-1]):
-                sweep.run_next(sessions, log)
-            turn += 1
-        configs = [sweep.summary(log) for sweep in sweeps]
+    with _sigterm_as_interrupt():
+        if experiment.interleave:
+            with ExitStack() as servers:
+                for sweep in sweeps:
+                    log(f"== {sweep.label}: kvshard serve {experiment.model} {' '.join(sweep.flags)}")
+                    servers.enter_context(sweep.server)
+                turn = 0
+                while not all(sweep.done for sweep in sweeps):
+                    order = [sweep for sweep in sweeps if not sweep.done]
+                    for sweep in (order if turn % 2 == 0 else order[::-1]):
+                        sweep.run_next(sessions, log)
+                    turn += 1
+                configs = [sweep.summary(log) for sweep in sweeps]
+        else:
+            configs = []
+            for sweep in sweeps:
+                log(f"== {sweep.label}: kvshard serve {experiment.model} {' '.join(sweep.flags)}")
+                with sweep.server:
+                    while not sweep.done:
+                        sweep.run_next(sessions, log)
+                    configs.append(sweep.summary(log))
     baseline = configs[0]
     for config in configs[1:]:
         config["vs_tp_only"] = {
