@@ -18,7 +18,8 @@ Four of them, chosen once at start-up (`--attention-backend`, EngineConfig.atten
 - `gather`: each group's blocks copied out (`KVCacheLayer.gather`), then PyTorch's CPU flash
   kernel (`attention_with_lse`).
 - `paged`: the C++ kernel of attention/paged.py, one call for every context row, reading the
-  blocks where they lie; CPU only, built on first use.
+  blocks where they lie, and a call for each long chunk's attention to itself, reading its K/V where
+  they lie; CPU only, built on first use.
 - `triton`: the Triton kernels of attention/triton_paged.py, the same reads on a GPU (on a CPU
   only under Triton's interpreter: the tests).
 

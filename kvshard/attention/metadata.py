@@ -37,7 +37,8 @@ if TYPE_CHECKING:
 DECODE_GROUP_SPREAD = envs.env("KVSHARD_DECODE_GROUP_SPREAD").default  # 1024
 # A chunk after cached context of at most this many rows is read whole from the cache by a backend
 # with `causal_rows` (one kernel call with the decodes, no chunk attention and no merge); longer
-# chunks attend to themselves with the flash kernel, which is faster for many rows.
+# chunks read the context cached before them and attend to themselves apart (the paged backend's kernel
+# reads the chunk's own K/V in place: attention/backends.py), merged by LSE.
 CAUSAL_ROWS_MAX_QUERY = 16
 
 
