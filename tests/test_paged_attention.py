@@ -428,3 +428,29 @@ def test_chunks_attend_to_themselves_in_the_kernel(heads, kv_heads, dk, dv, dtyp
     assert torch.isneginf(lse[:5]).all() and not out[:5].any()
     tol = 2e-5 if dtype == torch.float32 else 4e-3
     _check(out, lse, ref_out, ref_lse, tol, tol)
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_a_long_chunk_reads_its_cached_context_in_the_kernel(mla):
+    # a chunk of more than 16 rows after cached context (the rest of a long prompt, a turn after a prefix hit): its
+    # rows all see the context cached before the chunk, read by the kernel as the decodes' are, here on DCP rank 1
+    from kvshard.attention.backends import make_backend
+    from kvshard.attention.metadata import AttentionMetadata
+    from kvshard.kv.cache import KVCacheSpec, allocate_kv_cache
+
+    layout = DCPLayout(16, 2, 4)
+    context_lens, query_lens = [57, 300, 0], [1, 40, 30]
+    tables = [[(7 * i + 3 * j) % 64 for j in range(16)] for i in range(3)]
+    meta = AttentionMetadata.build(context_lens, query_lens, tables, layout, 1, torch.device("cpu"))
+    assert [g.attends_itself for g in meta.groups] == [False, True, True] and meta.context_rows == 41
+    spec, heads = (KVCacheSpec(1, 1, key_dim=72, value_dim=64, value_in_key=True), 16) if mla else \
+        (KVCacheSpec(1, 3, key_dim=32, value_dim=32, value_in_key=False), 9)
+    (cache,) = allocate_kv_cache(spec, 64, 16, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(9)
+    cache.write(torch.arange(cache.key.shape[0]), torch.randn(cache.key.shape, generator=g),
+                torch.randn(cache.value.shape, generator=g))
+    q = torch.randn(meta.context_rows, heads, spec.key_dim, generator=g)
+    ref_out, ref_lse = make_backend("reference").attend_context(q, cache, meta, 0.2)
+    out, lse = make_backend("paged").attend_context(q, cache, meta, 0.2)
+    assert torch.isfinite(ref_lse).all()
+    _check(out, lse, ref_out, ref_lse, atol=1e-5, rtol=1e-5)

@@ -196,35 +196,17 @@ class PagedBackend(_Backend):
             raise RuntimeError(f"the paged attention kernel is unavailable: {paged.unavailable_reason()}")
 
     def attend_context(self, q, cache, meta, scale):
+        # every context row in the kernel, a long chunk's rows too (they all see the same cached context): prompts
+        # of two chunks prefilled 1.1-1.6x faster than with those rows' blocks gathered for the flash kernel
+        # (BENCHMARKS.md section 20; in section 10, before the kernel's tiles, the kernel had been 2.5x slower)
         c = q.shape[0]
-        invariant = batch_invariant_active()
-        # a long prefill chunk's rows all see the same cached context: there, gathering its blocks once and
-        # multiplying (the gather backend's flash path) beats the kernel's row-by-row reads, 2x on the trace
-        # workload (BENCHMARKS.md section 10); the batch-invariant mode keeps every row in the kernel
-        chunks = [] if invariant else [g for g in meta.groups if g.start < c and g.attends_itself]
-        if not chunks:
-            return self._paged(q, cache, meta, scale, slice(0, c), invariant)
-        t, heads = q.shape[:2]
-        out, lse = paged.empty_packed(t, heads, cache.value.shape[-1], q.device)
-        done = 0  # rows [done, group.start) go to the kernel in one call
-        for group in chunks:
-            if group.start > done:
-                rows = slice(done, group.start)
-                out[rows], lse[rows] = self._paged(q[rows], cache, meta, scale, rows, invariant)
-            rows = slice(group.start, min(group.end, c))
-            done = rows.stop
-            if group.context_blocks is not None:  # else none of its tokens here: out 0, lse -inf as made
-                out[rows], lse[rows] = _gathered_context(q[rows], cache, group, scale)
-        if done < c:
-            rows = slice(done, c)
-            out[rows], lse[rows] = self._paged(q[rows], cache, meta, scale, rows, invariant)
-        return out[:c], lse[:c]
+        return self._paged(q, cache, meta, scale, slice(0, c), batch_invariant_active())
 
     def attend_chunks(self, q, k, v, meta, scale):
         """Each chunk's causal attention to itself in the kernel too (the chunk's K/V read in place, one
         request's rows each up to its own position), no V padded to K's width: 1.4-2.2x PyTorch's flash kernel on
         MLA's expanded chunks in float32 on one thread (BENCHMARKS.md section 20). The batch-invariant mode keeps the
-        flash kernel, as for its chunks' cached context."""
+        flash kernel for them."""
         if batch_invariant_active() or q.dtype not in _KERNEL_DTYPES or k.dtype != v.dtype:
             return super().attend_chunks(q, k, v, meta, scale)
         out, lse = paged.empty_packed(q.shape[0], q.shape[1], v.shape[-1], q.device)
