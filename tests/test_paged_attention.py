@@ -324,11 +324,26 @@ def test_bad_inputs_are_refused():
 
 # --- the backends (kvshard/attention/backends.py) on a step's metadata ---------------------------
 
+def step_cache(mla: bool, num_blocks: int, rows: int, seed: int, cache_dtype=None, scales=None):
+    """A step's random paged cache, blocks of 16 (MLA's latent: 16 heads on a 72-channel key, V its first 64
+    channels; else 9 heads on 3 KV heads of 32) and `rows` queries for it: (cache, q)."""
+    from kvshard.kv.cache import KVCacheSpec, allocate_kv_cache
+
+    spec, heads = (KVCacheSpec(1, 1, key_dim=72, value_dim=64, value_in_key=True), 16) if mla else \
+        (KVCacheSpec(1, 3, key_dim=32, value_dim=32, value_in_key=False), 9)
+    (cache,) = allocate_kv_cache(spec, num_blocks, 16, torch.float32, torch.device("cpu"), cache_dtype=cache_dtype,
+                                 scales=scales)
+    g = torch.Generator().manual_seed(seed)
+    cache.write(torch.arange(cache.key.shape[0]), torch.randn(cache.key.shape, generator=g),
+                torch.randn(cache.value.shape, generator=g))
+    return cache, torch.randn(rows, heads, spec.key_dim, generator=g)
+
+
 @pytest.mark.parametrize("kind", ["gqa", "mla", "fp8"])
 def test_backends_agree_on_a_step(kind):
     from kvshard.attention.backends import make_backend
     from kvshard.attention.metadata import AttentionMetadata
-    from kvshard.kv.cache import KVCacheSpec, KVScales, allocate_kv_cache
+    from kvshard.kv.cache import KVScales
 
     block_size, dcp, rank = 16, 2, 1
     layout = DCPLayout(block_size, dcp, 4)
@@ -339,18 +354,9 @@ def test_backends_agree_on_a_step(kind):
     meta = AttentionMetadata.build(context_lens, query_lens, tables, layout, rank, torch.device("cpu"),
                                    decode_group_spread=0)
     assert len(meta.groups) > 3 and meta.context_rows == 9
-    if kind == "mla":
-        spec, heads = KVCacheSpec(1, 1, key_dim=72, value_dim=64, value_in_key=True), 16
-    else:
-        spec, heads = KVCacheSpec(1, 3, key_dim=32, value_dim=32, value_in_key=False), 9
     fp8 = kind == "fp8"
-    (cache,) = allocate_kv_cache(spec, 64, block_size, torch.float32, torch.device("cpu"),
-                                 cache_dtype=FP8_DTYPE if fp8 else None,
-                                 scales=[KVScales(0.05, 0.03)] if fp8 else None)
-    g = torch.Generator().manual_seed(5)
-    slots = torch.arange(cache.key.shape[0])
-    cache.write(slots, torch.randn(cache.key.shape, generator=g), torch.randn(cache.value.shape, generator=g))
-    q = torch.randn(meta.context_rows, heads, spec.key_dim, generator=g)
+    cache, q = step_cache(kind == "mla", 64, meta.context_rows, 5, cache_dtype=FP8_DTYPE if fp8 else None,
+                          scales=[KVScales(0.05, 0.03)] if fp8 else None)
     assert meta.row_lens.tolist()[0] == 0  # rank 1 holds none of the 3-token request: lse -inf below
     results = {name: make_backend(name).attend_context(q, cache, meta, 0.2)
                for name in ("reference", "gather", "paged")}
@@ -436,20 +442,13 @@ def test_a_long_chunk_reads_its_cached_context_in_the_kernel(mla):
     # rows all see the context cached before the chunk, read by the kernel as the decodes' are, here on DCP rank 1
     from kvshard.attention.backends import make_backend
     from kvshard.attention.metadata import AttentionMetadata
-    from kvshard.kv.cache import KVCacheSpec, allocate_kv_cache
 
     layout = DCPLayout(16, 2, 4)
     context_lens, query_lens = [57, 300, 0], [1, 40, 30]
     tables = [[(7 * i + 3 * j) % 64 for j in range(16)] for i in range(3)]
     meta = AttentionMetadata.build(context_lens, query_lens, tables, layout, 1, torch.device("cpu"))
     assert [g.attends_itself for g in meta.groups] == [False, True, True] and meta.context_rows == 41
-    spec, heads = (KVCacheSpec(1, 1, key_dim=72, value_dim=64, value_in_key=True), 16) if mla else \
-        (KVCacheSpec(1, 3, key_dim=32, value_dim=32, value_in_key=False), 9)
-    (cache,) = allocate_kv_cache(spec, 64, 16, torch.float32, torch.device("cpu"))
-    g = torch.Generator().manual_seed(9)
-    cache.write(torch.arange(cache.key.shape[0]), torch.randn(cache.key.shape, generator=g),
-                torch.randn(cache.value.shape, generator=g))
-    q = torch.randn(meta.context_rows, heads, spec.key_dim, generator=g)
+    cache, q = step_cache(mla, 64, meta.context_rows, 9)
     ref_out, ref_lse = make_backend("reference").attend_context(q, cache, meta, 0.2)
     out, lse = make_backend("paged").attend_context(q, cache, meta, 0.2)
     assert torch.isfinite(ref_lse).all()

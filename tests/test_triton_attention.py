@@ -15,7 +15,7 @@ import torch
 from kvshard.attention import triton_paged
 from kvshard.kv.cache import FP8_DTYPE
 from kvshard.kv.layout import DCPLayout
-from test_paged_attention import _check, _run as _paged_case
+from test_paged_attention import _check, _run as _paged_case, step_cache
 
 # tests/conftest.py turns the interpreter on where no GPU is found; CI installs triton
 pytestmark = pytest.mark.skipif(not triton_paged.interpreted(),
@@ -91,21 +91,12 @@ def test_triton_backend_on_a_step_agrees_with_the_reference(mla):
     # a first chunk with no context) through ContextRows, as the engine hands it over
     from kvshard.attention.backends import make_backend
     from kvshard.attention.metadata import AttentionMetadata
-    from kvshard.kv.cache import KVCacheSpec, allocate_kv_cache
-
     layout = DCPLayout(16, 2, 4)
     context_lens, query_lens = [2, 40, 130, 50, 0], [1, 1, 1, 3, 2]
     tables = [[(5 * i + 3 * j) % 40 for j in range(8)] for i in range(5)]
     meta = AttentionMetadata.build(context_lens, query_lens, tables, layout, 1, torch.device("cpu"),
                                    decode_group_spread=0)
-    spec = KVCacheSpec(1, 1, key_dim=72, value_dim=64, value_in_key=True) if mla else \
-        KVCacheSpec(1, 3, key_dim=32, value_dim=32, value_in_key=False)
-    heads = 16 if mla else 9
-    (cache,) = allocate_kv_cache(spec, 40, 16, torch.float32, torch.device("cpu"))
-    g = torch.Generator().manual_seed(3)
-    cache.write(torch.arange(cache.key.shape[0]), torch.randn(cache.key.shape, generator=g),
-                torch.randn(cache.value.shape, generator=g))
-    q = torch.randn(meta.context_rows, heads, spec.key_dim, generator=g)
+    cache, q = step_cache(mla, 40, meta.context_rows, 3)
     ref_out, ref_lse = make_backend("reference").attend_context(q, cache, meta, 0.2)
     assert torch.isneginf(ref_lse).any() and torch.isfinite(ref_lse).any()
     _check(*make_backend("triton").attend_context(q, cache, meta, 0.2), ref_out, ref_lse, atol=1e-5, rtol=1e-5)

@@ -241,17 +241,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     kernel reads a request's speculative verification rows. No padding of V to K's width (PyTorch's flash kernel
     needs one head size: MLA's chunks, 64-channel keys and 32-channel values in the demo, paid a third more).
     o [t, H, dv] and lse [t, H], float32 (views of one [t, H, dv + 1], `packed_of`)."""
-    module = load_extension()
-    if module is None:
-        raise RuntimeError(f"the paged attention kernel is unavailable: {_unavailable}")
     t = q.shape[0]
-    k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
-    table = torch.zeros(1, 1, dtype=torch.int32)
-    seqs = torch.zeros(t, dtype=torch.int32)
-    lens = torch.arange(1, t + 1, dtype=torch.int32)
-    packed = module.paged_attention(q if q.stride(-1) == 1 else q.contiguous(), k, v, table, seqs, lens, max(t, 1),
-                                    scale, 1.0, 1.0, 0, False, True)
-    return packed[..., :-1], packed[..., -1]
+    k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))  # the kernel reads rows of channels
+    return paged_attention(q, k, v, torch.zeros(1, 1, dtype=torch.int32), torch.zeros(t, dtype=torch.int32),
+                           torch.arange(1, t + 1, dtype=torch.int32), max(t, 1), scale, use_kernel=True)
 
 
 def gather_attention(q, key_cache, value_cache, block_tables, row_seq, row_lens, block_size: int, scale: float,
