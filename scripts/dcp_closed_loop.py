@@ -109,6 +109,7 @@ def run_point(conn, model: str, tp: int, dcp: int, requests, concurrency: int, k
         "preemptions": preemptions, "empty_queue_share": float(times[idle_queue].sum() / times.sum()),
         "fit_ms": {"fixed": float(fit[0]), "per_decode": float(fit[1]), "per_prompt_token": float(fit[2]),
                    "per_1k_context": float(fit[3])},
+        "step_records": [[float(t), *map(float, b), bool(e)] for t, b, e in zip(times, shape, idle_queue)],
     })
 
 

@@ -19,7 +19,7 @@ from kvshard import LLM, ConfigError, SamplingParams
 from kvshard.config import EngineConfig
 from kvshard.engine.arg_utils import EngineArgs
 
-from conftest import assert_same_generation
+from conftest import assert_same_generation, engine_after_run
 
 BLOCK_SIZE = 4  # a virtual block at dcp=4 is 16 tokens: the longer prompts span several
 NEW_TOKENS = 32
@@ -306,3 +306,83 @@ def test_default_demo_is_a_small_deepseek_v3_moe():
     with LLM("kvshard-demo", max_model_len=256, num_kv_blocks=32) as llm:
         out = llm.generate(["Hello, world!"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 8
+
+
+# Long chunks after cached context read it in the expanded form: keys and values per head, up-projected from the cached
+# latents, instead of the absorbed queries over the latents (models/deepseek.py, `_expanded_context`). The demo's bound
+# is 64 rows; KVSHARD_MLA_EXPANDED_MIN_ROWS=17 brings it to these prompts. With chunks of 40 tokens the 30-token prompt
+# continues with 28 rows after 2 cached tokens (ranks that hold none of them: the rank's part is empty) and the 50-token
+# one with 39 rows after 11, next to a first chunk and decodes.
+EXPANDED_PROMPT_LENGTHS = [38, 30, 50]
+EXPANDED_RUNS = [
+    ("v3-moe", Layout(1, 1), {}),
+    ("v3-moe", Layout(1, 1), {"attention_backend": "gather"}),  # PyTorch's kernels, not the paged one
+    ("v3-moe", Layout(4, 2, 1, "replicated"), {}),
+    ("v3-dense", Layout(4, 4, BLOCK_SIZE, "replicated"), {}),
+    # a rank's share of the output ends inside a head: the expanded rows' merge reduce-scatters features
+    ("v3-6heads", Layout(4, 2, BLOCK_SIZE, env=(("KVSHARD_FUSED_MERGE_MAX_BYTES", "0"), ("KVSHARD_A2A_MAX_BYTES", "0"))),
+     {}),
+]
+
+
+def _expanded_prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(2)
+    return [torch.randint(2, 128, (n,), generator=generator).tolist() for n in EXPANDED_PROMPT_LENGTHS]
+
+
+def _expanded_run(checkpoint, monkeypatch, name: str, layout: Layout, min_rows: int, **extra):
+    """(the Run, the long chunks of each call rank 0's layers made of the two-form context path)."""
+    from kvshard.attention import backend
+
+    taken = []
+    both_forms = backend.Attention._context_in_both_forms
+
+    def counted(self, *args, **kwargs):
+        taken.append(len(args[-1]))
+        return both_forms(self, *args, **kwargs)
+
+    monkeypatch.setattr(backend.Attention, "_context_in_both_forms", counted)
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=LOGPROB_TOP)
+    env = dict(layout.env, KVSHARD_MLA_EXPANDED_MIN_ROWS=str(min_rows))
+    engine = dict(tensor_parallel_size=layout.tp, decode_context_parallel_size=layout.dcp,
+                  dcp_kv_interleave_size=layout.interleave, dcp_attention_layout=layout.attention,
+                  block_size=BLOCK_SIZE, max_model_len=128, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=40,
+                  **extra)
+    with engine_after_run(LLM, str(checkpoint(name)), _expanded_prompts(), params, env, None, engine) as (_, got):
+        pass
+    monkeypatch.undo()
+    return got, taken
+
+
+@pytest.mark.parametrize("name, layout, extra", EXPANDED_RUNS,
+                         ids=[f"{n}-{l}" + "".join(f"-{v}" for v in e.values()) for n, l, e in EXPANDED_RUNS])
+def test_long_chunks_read_cached_latents_expanded_and_match_transformers(checkpoint, hf_reference, monkeypatch,
+                                                                        name, layout, extra):
+    got, taken = _expanded_run(checkpoint, monkeypatch, name, layout, 17, **extra)
+    assert taken == [1] * (2 * CONFIGS[name][0].num_hidden_layers)  # two steps with one long chunk each, every layer
+    want_tokens, steps = hf_reference(checkpoint(name), _expanded_prompts(), NEW_TOKENS, logprobs=True)
+    want_logprobs = [[{i: float(row[i]) for i in range(row.shape[0])} for row in rows] for rows in steps]
+    assert_same_generation(got.tokens, got.logprobs, want_tokens, want_logprobs, atol=1e-3, same_candidates=False)
+
+
+def test_expanded_form_reads_an_fp8_cache_as_the_absorbed_one_does(checkpoint, monkeypatch):
+    """Both forms read the same e4m3 latents (dequantized with the cache's scale): the same tokens and log-probabilities
+    up to float rounding; above the bound, no chunk takes the expanded form."""
+    layout = Layout(4, 2, 1, "replicated")
+    expanded, taken = _expanded_run(checkpoint, monkeypatch, "v3-moe", layout, 17, kv_cache_dtype="fp8")
+    absorbed, none = _expanded_run(checkpoint, monkeypatch, "v3-moe", layout, 1 << 20, kv_cache_dtype="fp8")
+    assert taken and not none
+    assert_same_generation(expanded.tokens, expanded.logprobs, absorbed.tokens, absorbed.logprobs, atol=1e-3)
+
+
+def test_expanded_context_in_pieces_of_one_block_matches_transformers(checkpoint, hf_reference, monkeypatch):
+    """A long context expands piece by piece (backend.EXPANDED_PIECE_BYTES), the pieces merged by LSE: here one block
+    each (the engine's only rank runs in this process)."""
+    from kvshard.attention import backend
+
+    monkeypatch.setattr(backend, "EXPANDED_PIECE_BYTES", 1)
+    got, taken = _expanded_run(checkpoint, monkeypatch, "v3-moe", Layout(1, 1), 17)
+    assert taken
+    want_tokens, steps = hf_reference(checkpoint("v3-moe"), _expanded_prompts(), NEW_TOKENS, logprobs=True)
+    want_logprobs = [[{i: float(row[i]) for i in range(row.shape[0])} for row in rows] for rows in steps]
+    assert_same_generation(got.tokens, got.logprobs, want_tokens, want_logprobs, atol=1e-3, same_candidates=False)

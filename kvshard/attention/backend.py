@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from kvshard.attention.merge import lse_weights, merge_attention_states
 from kvshard.attention.metadata import AttentionMetadata
-from kvshard.attention.paged import packed_of
+from kvshard.attention.paged import empty_packed, packed_of
 from kvshard.attention.timing import DCP_TIMES, DcpTimes
 from kvshard import envs
 from kvshard.kv.cache import KVCacheLayer
@@ -46,6 +46,27 @@ FUSED_MERGE_MAX_BYTES = envs.env("KVSHARD_FUSED_MERGE_MAX_BYTES").default  # 256
 # all-to-all 1.3-3x faster from 1 to 8 MiB, 16 MiB split between runs; above is unmeasured.
 A2A_MAX_BYTES = envs.env("KVSHARD_A2A_MAX_BYTES").default  # 16 MiB
 AG_RS, AG_RS_FUSED, A2A = "ag_rs", "ag_rs fused", "a2a"  # the merge schemes, named as the planner's
+# MLA's long chunks expand their cached latents into per-head keys and values in pieces of at most this many bytes
+# (DeepSeek-V3's 128 heads in bfloat16: 80 KiB a token, some 800 tokens a piece), merged by LSE: a long context's
+# whole expansion would take gigabytes.
+EXPANDED_PIECE_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class ExpandedContext:
+    """MLA's cached context in the expanded form, for the long chunks (DeepseekV2MLAAttention).
+
+    In the absorbed form each (row, cached token, head) costs c + r channels of scores and c of
+    values; expanded, n + r and v, after each cached token is up-projected once per head (c (n + v)
+    multiply-adds): cheaper for a chunk of at least `min_rows` rows. The cache holds latents either way.
+    """
+
+    min_rows: int  # a chunk after cached context with at least this many rows takes this form
+    value_dim: int  # v, the channels of an expanded value
+    # rows -> [R, H/A, n + r]: those rows' queries for the group's heads, not absorbed
+    queries: Callable[[slice], torch.Tensor]
+    # latents [L, c + r] (the cache's rows, in the model's dtype) -> keys [L, H/A, n + r], values [L, H/A, v]
+    keys_values: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def fused_merge_max_bytes_from_env() -> int:
@@ -89,6 +110,7 @@ class Attention:
         meta: AttentionMetadata,
         value_map: Callable[[torch.Tensor], torch.Tensor] | None = None,
         chunk: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        expanded: ExpandedContext | None = None,
     ) -> torch.Tensor:
         """This rank's output features [t, H/A * dv / N] (dv after value_map, with value_map).
 
@@ -100,6 +122,10 @@ class Attention:
         then replaces q, k, v for the prefill chunks' attention to themselves: MLA attends to its
         cached latents in the absorbed form and, within a chunk, in the cheaper expanded form. The
         merge by LSE is exact across forms because both give the same scores.
+
+        `expanded` (with `value_map`, in the replicated layout or without DCP: the rank computes its
+        group's queries) reads the cached context of chunks of at least `expanded.min_rows` rows in
+        the expanded form too; their rows leave the absorbed call empty and are merged apart.
         """
         state = self.parallel
         meta.backend.write(cache, meta, k, v)
@@ -111,13 +137,17 @@ class Attention:
             if self.heads.gathers_queries:
                 q_group = dcp_all_gather(q_group, state).permute(1, 0, 2, 3).flatten(1, 2)  # [c, H/A, dk]
                 start = times.add("collective", start) if times else start
-            packed = self._attend_context(q_group, cache, meta)  # [c, H/A, dv + 1]
-            start = times.add("attention", start) if times else start
-            # a value map needs whole heads' merged latents: a share ending inside a head gathers them all
-            out, lse = self._merge_over_group(packed, whole_heads=value_map is not None,
-                                              times=times, start=start)  # [c, H_o, dv], [c, H_o]
-            if value_map is not None:  # in the model's dtype, as its weights; merged in float32
-                out = value_map(out.to(q.dtype)).float()
+            long = self._expanded_groups(meta, expanded, value_map)
+            if long:
+                out, lse = self._context_in_both_forms(q_group, cache, meta, value_map, expanded, long)
+            else:
+                packed = self._attend_context(q_group, cache, meta)  # [c, H/A, dv + 1]
+                start = times.add("attention", start) if times else start
+                # a value map needs whole heads' merged latents: a share ending inside a head gathers them all
+                out, lse = self._merge_over_group(packed, whole_heads=value_map is not None,
+                                                  times=times, start=start)  # [c, H_o, dv], [c, H_o]
+                if value_map is not None:  # in the model's dtype, as its weights; merged in float32
+                    out = value_map(out.to(q.dtype)).float()
         if meta.has_prefill:
             if chunk is None:
                 chunk = (q[:, self._output_in_query], k[:, self._output_kv], v[:, self._output_kv])
@@ -130,6 +160,77 @@ class Attention:
         if self._whole_heads:
             return out.flatten(1).to(q.dtype)
         return out.flatten(1)[:, self._share(out.shape[-1])].to(q.dtype)  # [t, H/A * dv / N]
+
+    def _expanded_groups(self, meta: AttentionMetadata, expanded: ExpandedContext | None,
+                         value_map) -> list:
+        """The chunks after cached context that read it in the expanded form: every rank picks the same ones
+        (row counts are global). None in the head-split layout (a rank computes only its own heads' queries)
+        or the batch-invariant mode (whether a chunk is long depends on the batch)."""
+        if expanded is None or value_map is None or self.heads.gathers_queries or batch_invariant_active():
+            return []
+        return [g for g in meta.groups
+                if g.attends_itself and g.start < meta.context_rows and g.query_len >= expanded.min_rows]
+
+    def _context_in_both_forms(self, q_group, cache: KVCacheLayer, meta: AttentionMetadata, value_map,
+                               expanded: ExpandedContext, long: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """The context rows' attention [c, H_o, v], [c, H_o]: the long chunks' rows in the expanded form (each
+        request's cached latents on this rank up-projected once per layer), the others absorbed, each set merged
+        over the group by LSE."""
+        c = meta.context_rows
+        in_long = torch.zeros(c, dtype=torch.bool)
+        for group in long:
+            in_long[group.start:group.end] = True
+        absorbed_rows = (~in_long).nonzero().squeeze(1).to(q_group.device)
+        long_rows = in_long.nonzero().squeeze(1).to(q_group.device)
+        out = lse = None
+        if absorbed_rows.numel():
+            # the long chunks' rows see no token in the absorbed call (the kernel skips them; the gather backend's
+            # groups leave them out), and their rows stay out of its merge
+            row_lens = meta.row_lens.clone()
+            row_lens[long_rows] = 0
+            absorbed = replace(meta, groups=[g for g in meta.groups if not any(g is x for x in long)],
+                               row_lens=row_lens)
+            packed = self._attend_context(q_group, cache, absorbed)[absorbed_rows]  # [a, H/A, c + 1]
+            o, l = self._merge_over_group(packed, whole_heads=True)
+            o = value_map(o.to(q_group.dtype)).float()  # [a, H_o, v]
+            out = o.new_zeros(c, *o.shape[1:])
+            lse = l.new_full((c, l.shape[1]), float("-inf"))
+            out[absorbed_rows], lse[absorbed_rows] = o, l
+        parts = []
+        for group in long:
+            queries = expanded.queries(slice(group.start, group.end))  # [R, H/A, n + r]
+            local = int(group.local_lens[0])  # this rank's cached tokens of the request
+            if local == 0:  # a DCP rank holding none of them yet
+                o, l = empty_packed(queries.shape[0], queries.shape[1], expanded.value_dim, queries.device)
+            else:
+                o, l = self._expanded_over_cache(queries, cache, meta, expanded, group, local)
+            parts.append(packed_of(o, l))
+        o, l = self._merge_over_group(torch.cat(parts))  # [e, H_o, v], [e, H_o]
+        if out is None:
+            out = o.new_zeros(c, *o.shape[1:])
+            lse = l.new_full((c, l.shape[1]), float("-inf"))
+        out[long_rows], lse[long_rows] = o, l
+        return out, lse
+
+    def _expanded_over_cache(self, queries, cache: KVCacheLayer, meta: AttentionMetadata, expanded: ExpandedContext,
+                             group, local: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A long chunk's rows [R, H/A, n + r] over the request's `local` cached latents on this rank, expanded: in
+        pieces of whole blocks whose keys and values take at most EXPANDED_PIECE_BYTES, merged by LSE."""
+        b = cache.block_size
+        per_token = queries.shape[1] * (queries.shape[-1] + expanded.value_dim) * queries.element_size()
+        piece = max(b, EXPANDED_PIECE_BYTES // per_token // b * b)
+        outs, lses = [], []
+        for first in range(0, local, piece):
+            n = min(piece, local - first)
+            blocks = group.context_blocks[:1, first // b: -(-(first + n) // b)]  # [1, nb]
+            latents = cache.gather(blocks, group.buffers)[0][0, :n, 0]  # [n, c + r], the model's dtype
+            keys, values = expanded.keys_values(latents.to(queries.dtype))
+            o, l = meta.backend.attend_keys(queries, keys, values, self.scale)
+            outs.append(o)
+            lses.append(l)
+        if len(outs) == 1:
+            return outs[0], lses[0]
+        return merge_attention_states(torch.stack(outs), torch.stack(lses))
 
     def _kv_heads_of(self, query_heads: range) -> slice | torch.Tensor:
         """The KV heads (among heads.kv) the given query heads read: a slice when the kernel's

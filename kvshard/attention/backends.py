@@ -10,7 +10,9 @@ all-to-all) stays above and does not care which backend did the work. A backend 
   one [c, H, dv + 1] (`paged.packed_of`), which the DCP merge then sends without a copy. Row r of the step sees
   the first `meta.row_lens[r]` local tokens of request `meta.row_seq[r]`;
 - `attend_chunks`: each prefill chunk's causal attention to itself (the K/V every rank of the
-  group computed), merged above with the context part by LSE.
+  group computed), merged above with the context part by LSE;
+- `attend_keys`: rows of one request over keys and values given whole, no mask (MLA's long chunks
+  read their cached context in the expanded form: attention/backend.py).
 
 Four of them, chosen once at start-up (`--attention-backend`, EngineConfig.attention_backend):
 
@@ -79,6 +81,12 @@ class AttentionBackend(Protocol):
         h // (H / Hk)."""
         ...
 
+    def attend_keys(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """o [t, H, dv], lse [t, H] (float32): every row of q [t, H, dk] over all of one request's k [L, Hk, dk] and
+        v [L, Hk, dv], no mask (MLA's cached context in the expanded form). Query head h reads KV head h // (H / Hk)."""
+        ...
+
 
 def _value_scale(cache: KVCacheLayer) -> float:
     # MLA reads its value from the key's channels: stored with the key's scale
@@ -109,6 +117,13 @@ class _Backend:
             o, l = self._causal(q[rows][None], k[rows][None], v[rows][None], scale)
             out[rows], lse[rows] = o[0], l[0]
         return out, lse
+
+    def attend_keys(self, q, k, v, scale):
+        """o [t, H, dv], lse [t, H] (float32): every row of q [t, H, dk] over all of one request's keys k [L, Hk, dk]
+        and values v [L, Hk, dv], no mask (MLA's cached context in the expanded form, attention/backend.py)."""
+        bias = torch.zeros(1, 1, k.shape[0], device=q.device)
+        o, l = attention_with_lse(q[None], k[None], v[None], bias, scale)
+        return o[0], l[0]
 
     @staticmethod
     def _causal(q, k, v, scale):
@@ -215,6 +230,11 @@ class PagedBackend(_Backend):
                 rows = slice(group.start, group.end)
                 out[rows], lse[rows] = paged.causal_attention(q[rows], k[rows], v[rows], scale)
         return out, lse
+
+    def attend_keys(self, q, k, v, scale):
+        if q.dtype not in _KERNEL_DTYPES or not (k.dtype == v.dtype == q.dtype):
+            return super().attend_keys(q, k, v, scale)
+        return paged.full_attention(q, k, v, scale)
 
     @staticmethod
     def _paged(q, cache, meta, scale, rows: slice, invariant: bool):

@@ -247,6 +247,16 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
                            torch.arange(1, t + 1, dtype=torch.int32), max(t, 1), scale, use_kernel=True)
 
 
+def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row of q [t, H, dk] over all of k [L, Hk, dk] and v [L, Hk, dv] (one request's keys, no mask), through
+    the kernel, which reads them where they lie as one block of L slots: o [t, H, dv] and lse [t, H], float32 (views
+    of one [t, H, dv + 1], `packed_of`). MLA's cached context in the expanded form (attention/backend.py)."""
+    t, n = q.shape[0], k.shape[0]
+    k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))  # the kernel reads rows of channels
+    return paged_attention(q, k, v, torch.zeros(1, 1, dtype=torch.int32), torch.zeros(t, dtype=torch.int32),
+                           torch.full((t,), n, dtype=torch.int32), max(n, 1), scale, use_kernel=True)
+
+
 def gather_attention(q, key_cache, value_cache, block_tables, row_seq, row_lens, block_size: int, scale: float,
                      k_scale: float = 1.0, v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """`paged_attention` by copying each sequence's blocks out and running `attention_with_lse`:

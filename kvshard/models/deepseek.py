@@ -1,6 +1,7 @@
 """DeepSeek-V2 / V3 decoders (Kimi K2 checkpoints are V3): Multi-head Latent Attention and MoE.
 
-MLA runs in its absorbed form (docs/design.md#one-decode-step-of-attention). The cache holds one latent
+MLA decodes in its absorbed form (docs/design.md#one-decode-step-of-attention; long prefill chunks read
+their cached context expanded, docs/mla.md). The cache holds one latent
 per token, [c_kv | k_pe], shared by all heads; q_nope is taken into the latent
 space through W_UK, so attention scores are q_latent . [c_kv | k_pe] and the
 attention output is a latent that W_UV takes back to each head. The latent is a
@@ -21,7 +22,8 @@ import re
 import torch
 from torch import nn
 
-from kvshard.attention.backend import Attention
+from kvshard import envs
+from kvshard.attention.backend import Attention, ExpandedContext
 from kvshard.compilation import call_opaque
 from kvshard.forward_context import get_forward_context
 from kvshard.models.causal_lm import CausalLM
@@ -53,43 +55,68 @@ def softmax_scale(cfg) -> float:
 class LatentUpProjection(nn.Module):
     """kv_b_proj [H*(n+v), c], kept in the two pieces the absorbed form uses.
 
-    One parameter: W_UK [H_q, n, c] for every head whose query this rank computes,
-    then W_UV [H_o, v, c] for the heads whose output it keeps.
+    One parameter: W_UK [H_q, n, c] then W_UV [H_q, v, c], for every head whose query this rank
+    computes (the heads whose output it keeps are among them; the others' W_UV expands the cached
+    context of long chunks, `expand_kv` with `all_query_heads`).
     """
 
     def __init__(self, cfg, q_heads: range, own_heads: range, dtype: torch.dtype) -> None:
         super().__init__()
+        if not (q_heads.start <= own_heads.start and own_heads.stop <= q_heads.stop):
+            raise ValueError(f"output heads {own_heads} are not among the query heads {q_heads}")
         self.num_heads = cfg.num_attention_heads
         self.q_heads, self.own_heads = q_heads, own_heads
         self.nope_dim, self.v_dim, self.latent_dim = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        rows = len(q_heads) * self.nope_dim + len(own_heads) * self.v_dim
+        rows = len(q_heads) * (self.nope_dim + self.v_dim)
         self.weight = nn.Parameter(torch.empty(rows, self.latent_dim, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.own = _relative(own_heads, q_heads)  # the kept heads among the query heads
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         n = self.nope_dim
-        per_head = loaded.view(self.num_heads, n + self.v_dim, self.latent_dim)  # [H, n+v, c]
-        w_uk = per_head[self.q_heads.start : self.q_heads.stop, :n]  # [H_q, n, c]
-        w_uv = per_head[self.own_heads.start : self.own_heads.stop, n:]  # [H_o, v, c]
-        param.data.copy_(torch.cat([w_uk.flatten(0, 1), w_uv.flatten(0, 1)]))
+        per_head = loaded.view(self.num_heads, n + self.v_dim, self.latent_dim)[self.q_heads.start : self.q_heads.stop]
+        param.data.copy_(torch.cat([per_head[:, :n].flatten(0, 1), per_head[:, n:].flatten(0, 1)]))
+
+    def _w_uk(self) -> torch.Tensor:  # [H_q, n, c]
+        return self.weight[: len(self.q_heads) * self.nope_dim].view(len(self.q_heads), self.nope_dim, self.latent_dim)
+
+    def _w_uv(self) -> torch.Tensor:  # [H_q, v, c]
+        return self.weight[len(self.q_heads) * self.nope_dim :].view(len(self.q_heads), self.v_dim, self.latent_dim)
 
     def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
         """[t, H_q, n] -> [t, H_q, c]: q_nope . (W_UK c_kv) == (q_nope W_UK) . c_kv."""
-        w_uk = self.weight[: len(self.q_heads) * self.nope_dim].view(len(self.q_heads), self.nope_dim, self.latent_dim)
-        return torch.einsum("thn,hnc->thc", q_nope, w_uk)
+        return torch.einsum("thn,hnc->thc", q_nope, self._w_uk())
 
-    def expand_kv(self, c_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[t, c] -> per-head keys [t, H_o, n] and values [t, H_o, v] of the heads whose output it keeps."""
-        first = self.own_heads.start - self.q_heads.start  # own heads inside the query span
-        w_uk = self.weight[: len(self.q_heads) * self.nope_dim].view(len(self.q_heads), self.nope_dim, self.latent_dim)
-        w_uk = w_uk[first : first + len(self.own_heads)]
-        w_uv = self.weight[len(self.q_heads) * self.nope_dim :].view(len(self.own_heads), self.v_dim, self.latent_dim)
-        return torch.einsum("tc,hnc->thn", c_kv, w_uk), torch.einsum("tc,hvc->thv", c_kv, w_uv)
+    def expand_kv(self, c_kv: torch.Tensor, all_query_heads: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """[t, c] -> per-head keys [t, H, n] and values [t, H, v] of the heads whose output it keeps (H_o),
+        or with `all_query_heads` of every head whose query it computes (H_q)."""
+        if all_query_heads:  # one product with the whole parameter: [t, H_q * n | H_q * v]
+            both = torch.nn.functional.linear(c_kv, self.weight)
+            split = len(self.q_heads) * self.nope_dim
+            return both[:, :split].unflatten(1, (-1, self.nope_dim)), both[:, split:].unflatten(1, (-1, self.v_dim))
+        return (torch.einsum("tc,hnc->thn", c_kv, self._w_uk()[self.own]),
+                torch.einsum("tc,hvc->thv", c_kv, self._w_uv()[self.own]))
 
     def expand_output(self, latent: torch.Tensor) -> torch.Tensor:
         """[t, H_o, c] -> [t, H_o, v]: the attention-weighted latent through each head's W_UV."""
-        w_uv = self.weight[len(self.q_heads) * self.nope_dim :].view(len(self.own_heads), self.v_dim, self.latent_dim)
-        return torch.einsum("thc,hvc->thv", latent, w_uv)
+        return torch.einsum("thc,hvc->thv", latent, self._w_uv()[self.own])
+
+    def expanded_min_rows(self) -> int:
+        """The rows from which a chunk reads its cached context cheaper expanded than absorbed.
+
+        Per (row, cached token, head) the absorbed form takes c + r multiply-adds for the score and c for the
+        value, the expanded one n + r and v; expanding costs c (n + v) per (cached token, head), once per chunk:
+        level in products at c (n + v) / (2c - n - v) rows (43 in the MLA demo, 171 in DeepSeek-V3's dims).
+        Measured on the demo (BENCHMARKS.md section 21), the absorbed kernel runs its products faster than the
+        expanded one (every head of a row reads one latent), so the break-even is some 1.3x that, and whole
+        steps were level between 64 and 96 rows: the bound is 1.5x the products' one (64 in the demo, 256 in
+        DeepSeek-V3's dims). KVSHARD_MLA_EXPANDED_MIN_ROWS overrides."""
+        override = envs.get("KVSHARD_MLA_EXPANDED_MIN_ROWS")
+        if override is not None:
+            return override
+        c, n, v = self.latent_dim, self.nope_dim, self.v_dim
+        saved = 2 * c - n - v
+        return -(-3 * c * (n + v) // (2 * saved)) if saved > 0 else 1 << 40
 
 
 class DeepseekV2MLAAttention(nn.Module):
@@ -116,6 +143,7 @@ class DeepseekV2MLAAttention(nn.Module):
         self.kv_a_proj_with_mqa = ReplicatedLinear(cfg.hidden_size, self.latent_dim + self.rope_dim, bias, dtype)
         self.kv_a_layernorm = RMSNorm(self.latent_dim, LATENT_NORM_EPS, dtype)
         self.kv_b_proj = LatentUpProjection(cfg, q_heads, own_heads, dtype)
+        self._expanded_min_rows = self.kv_b_proj.expanded_min_rows()
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.v_head_dim, cfg.hidden_size, bias, dtype, parallel)
         self.attn = Attention(heads, softmax_scale(cfg), parallel)
 
@@ -142,17 +170,34 @@ class DeepseekV2MLAAttention(nn.Module):
         q_latent = torch.cat([self.kv_b_proj.absorb_query(q_nope[:rows]), q_pe[:rows]], dim=-1)  # [rows, H_q, c+r]
         latent_kv = torch.cat([c_kv.unsqueeze(1), k_pe], dim=-1)  # [t, 1, c+r]: what the cache stores
         chunk = self._chunk_attention_inputs(q_nope, q_pe, c_kv, k_pe) if meta.has_prefill else None
+        expanded = self._expanded_context(q_nope, q_pe) if meta.has_prefill and rows else None
         return self.attn.forward(
             q_latent, latent_kv, latent_kv[..., : self.latent_dim], cache, meta,
-            value_map=self.kv_b_proj.expand_output, chunk=chunk,
+            value_map=self.kv_b_proj.expand_output, chunk=chunk, expanded=expanded,
         )  # [t, H_o*v]
+
+    def _expanded_context(self, q_nope, q_pe) -> ExpandedContext:
+        """How a long chunk reads its cached context in the expanded form (Attention.forward): queries per head,
+        the cached latents [L, c + r] up-projected into keys [L, H_q, n + r] and values [L, H_q, v]."""
+        up = self.kv_b_proj
+
+        def queries(rows: slice) -> torch.Tensor:
+            return torch.cat([q_nope[rows], q_pe[rows]], dim=-1)
+
+        def keys_values(latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            c_kv, k_pe = latents.split([self.latent_dim, self.rope_dim], dim=-1)
+            k_nope, v = up.expand_kv(c_kv, all_query_heads=True)
+            return torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, k_nope.shape[1], -1)], dim=-1), v
+
+        return ExpandedContext(self._expanded_min_rows, up.v_dim, queries, keys_values)
 
     def _chunk_attention_inputs(self, q_nope, q_pe, c_kv, k_pe) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A prefill chunk attends to itself in the expanded form: keys of n + r and values of v
         channels per head, against c + r channels both ways in the absorbed form (the same scores:
         q_nope . (W_UK c) == (q_nope W_UK) . c). Many queries against as many keys pay for channels,
-        so the smaller form is used there; cached context stays absorbed (the cache holds latents)."""
-        own = _relative(self.kv_b_proj.own_heads, self.kv_b_proj.q_heads)  # the kept heads among the queries
+        so the smaller form is used there; cached context is read absorbed (the cache holds latents), except by
+        long chunks (`_expanded_context`)."""
+        own = self.kv_b_proj.own  # the kept heads among the queries
         q_nope, q_pe = q_nope[:, own], q_pe[:, own]
         k_nope, v = self.kv_b_proj.expand_kv(c_kv)  # [t, H_o, n], [t, H_o, v]
         q = torch.cat([q_nope, q_pe], dim=-1)
