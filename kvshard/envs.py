@@ -134,7 +134,7 @@ REGISTRY: dict[str, EnvVar] = _declare(
     EnvVar("KVSHARD_MLA_EXPANDED_MIN_ROWS", POSITIVE_INT, None,
            "an MLA prefill chunk of at least this many rows reads the cached context in the expanded form "
            "(keys and values per head, up-projected from the cached latents) instead of the absorbed one",
-           numerics=True, shown_default="1.5 c (n + v) / (2c - n - v) (64 in the MLA demo)"),
+           numerics=True, shown_default="1.75 c (n + v) / (2c - n - v) (75 in the MLA demo)"),
     EnvVar("KVSHARD_DECODE_GROUP_SPREAD", NON_NEGATIVE_INT, 1024,
            "decodes attend in groups padded to their longest member, spanning at most this many tokens of "
            "local context; 0 gives each local length a group of its own", numerics=True),

@@ -386,3 +386,21 @@ def test_expanded_context_in_pieces_of_one_block_matches_transformers(checkpoint
     want_tokens, steps = hf_reference(checkpoint("v3-moe"), _expanded_prompts(), NEW_TOKENS, logprobs=True)
     want_logprobs = [[{i: float(row[i]) for i in range(row.shape[0])} for row in rows] for rows in steps]
     assert_same_generation(got.tokens, got.logprobs, want_tokens, want_logprobs, atol=1e-3, same_candidates=False)
+
+
+def test_expanded_form_bound_follows_the_models_dims_and_the_environment(monkeypatch):
+    """1.75x the rows at which both forms take the same products: 75 in the demo's dims, 299 in DeepSeek-V3's."""
+    from types import SimpleNamespace
+
+    from kvshard.models.deepseek import LatentUpProjection
+
+    def bound(c: int, n: int, v: int) -> int:
+        cfg = SimpleNamespace(num_attention_heads=8, qk_nope_head_dim=n, v_head_dim=v, kv_lora_rank=c)
+        return LatentUpProjection(cfg, range(8), range(4), torch.float32).expanded_min_rows()
+
+    assert (bound(128, 32, 32), bound(512, 128, 128)) == (75, 299)
+    monkeypatch.setenv("KVSHARD_MLA_EXPANDED_MIN_ROWS", "17")
+    assert bound(512, 128, 128) == 17
+    monkeypatch.setenv("KVSHARD_MLA_EXPANDED_MIN_ROWS", "0")
+    with pytest.raises(ConfigError, match="KVSHARD_MLA_EXPANDED_MIN_ROWS='0' is not an integer >= 1"):
+        bound(512, 128, 128)

@@ -106,17 +106,18 @@ class LatentUpProjection(nn.Module):
 
         Per (row, cached token, head) the absorbed form takes c + r multiply-adds for the score and c for the
         value, the expanded one n + r and v; expanding costs c (n + v) per (cached token, head), once per chunk:
-        level in products at c (n + v) / (2c - n - v) rows (43 in the MLA demo, 171 in DeepSeek-V3's dims).
-        Measured on the demo (BENCHMARKS.md section 21), the absorbed kernel runs its products faster than the
-        expanded one (every head of a row reads one latent), so the break-even is some 1.3x that, and whole
-        steps were level between 64 and 96 rows: the bound is 1.5x the products' one (64 in the demo, 256 in
-        DeepSeek-V3's dims). KVSHARD_MLA_EXPANDED_MIN_ROWS overrides."""
+        level in products at c (n + v) / (2c - n - v) rows (43 in the MLA demo, 171 in DeepSeek-V3's dims). The
+        absorbed kernel runs its products faster (every head of a row reads one latent), so on the AVX-512 CPU of
+        BENCHMARKS.md section 21 one layer's two forms were level at 1.75-2.1x that in the demo's dims and 1.45-1.5x
+        in DeepSeek-V3's (16 heads, float32 and bfloat16): the bound is 1.75x the products' break-even (75 rows in
+        the demo, 299 in DeepSeek-V3's dims), where either error costs a few percent of the chunk's attention.
+        KVSHARD_MLA_EXPANDED_MIN_ROWS overrides."""
         override = envs.get("KVSHARD_MLA_EXPANDED_MIN_ROWS")
         if override is not None:
             return override
         c, n, v = self.latent_dim, self.nope_dim, self.v_dim
         saved = 2 * c - n - v
-        return -(-3 * c * (n + v) // (2 * saved)) if saved > 0 else 1 << 40
+        return -(-7 * c * (n + v) // (4 * saved)) if saved > 0 else 1 << 40
 
 
 class DeepseekV2MLAAttention(nn.Module):
