@@ -319,6 +319,9 @@ EXPANDED_RUNS = [
     ("v3-moe", Layout(1, 1), {"attention_backend": "gather"}),  # PyTorch's kernels, not the paged one
     ("v3-moe", Layout(4, 2, 1, "replicated"), {}),
     ("v3-dense", Layout(4, 4, BLOCK_SIZE, "replicated"), {}),
+    # head-split: the group all-gathers the request's latents; each rank attends with its own heads, nothing merged
+    ("v3-moe", Layout(4, 2, BLOCK_SIZE, "head-split"), {}),
+    ("v3-dense", Layout(4, 4, 1, "head-split"), {}),
     # a rank's share of the output ends inside a head: the expanded rows' merge reduce-scatters features
     ("v3-6heads", Layout(4, 2, BLOCK_SIZE, env=(("KVSHARD_FUSED_MERGE_MAX_BYTES", "0"), ("KVSHARD_A2A_MAX_BYTES", "0"))),
      {}),

@@ -123,9 +123,9 @@ class Attention:
         cached latents in the absorbed form and, within a chunk, in the cheaper expanded form. The
         merge by LSE is exact across forms because both give the same scores.
 
-        `expanded` (with `value_map`, in the replicated layout or without DCP: the rank computes its
-        group's queries) reads the cached context of chunks of at least `expanded.min_rows` rows in
-        the expanded form too; their rows leave the absorbed call empty and are merged apart.
+        `expanded` (with `value_map`) reads the cached context of chunks of at least `expanded.min_rows`
+        rows in the expanded form too; their rows leave the absorbed call empty and are merged apart
+        (`_context_in_both_forms`).
         """
         state = self.parallel
         meta.backend.write(cache, meta, k, v)
@@ -133,14 +133,14 @@ class Attention:
         if meta.uses_context:
             times = DCP_TIMES if DCP_TIMES.enabled and state.dcp_size > 1 else None
             start = time.perf_counter() if times else 0.0
-            q_group = q[: meta.context_rows]  # [c, Hq, dk]
-            if self.heads.gathers_queries:
-                q_group = dcp_all_gather(q_group, state).permute(1, 0, 2, 3).flatten(1, 2)  # [c, H/A, dk]
-                start = times.add("collective", start) if times else start
             long = self._expanded_groups(meta, expanded, value_map)
             if long:
-                out, lse = self._context_in_both_forms(q_group, cache, meta, value_map, expanded, long)
+                out, lse = self._context_in_both_forms(q[: meta.context_rows], cache, meta, value_map, expanded, long)
             else:
+                q_group = q[: meta.context_rows]  # [c, Hq, dk]
+                if self.heads.gathers_queries:
+                    q_group = dcp_all_gather(q_group, state).permute(1, 0, 2, 3).flatten(1, 2)  # [c, H/A, dk]
+                    start = times.add("collective", start) if times else start
                 packed = self._attend_context(q_group, cache, meta)  # [c, H/A, dv + 1]
                 start = times.add("attention", start) if times else start
                 # a value map needs whole heads' merged latents: a share ending inside a head gathers them all
@@ -164,26 +164,36 @@ class Attention:
     def _expanded_groups(self, meta: AttentionMetadata, expanded: ExpandedContext | None,
                          value_map) -> list:
         """The chunks after cached context that read it in the expanded form: every rank picks the same ones
-        (row counts are global). None in the head-split layout (a rank computes only its own heads' queries)
-        or the batch-invariant mode (whether a chunk is long depends on the batch)."""
-        if expanded is None or value_map is None or self.heads.gathers_queries or batch_invariant_active():
+        (row counts are global). None in the batch-invariant mode (whether a chunk is long depends on the batch)."""
+        if expanded is None or value_map is None or batch_invariant_active():
             return []
         return [g for g in meta.groups
                 if g.attends_itself and g.start < meta.context_rows and g.query_len >= expanded.min_rows]
 
-    def _context_in_both_forms(self, q_group, cache: KVCacheLayer, meta: AttentionMetadata, value_map,
+    def _context_in_both_forms(self, q_context, cache: KVCacheLayer, meta: AttentionMetadata, value_map,
                                expanded: ExpandedContext, long: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """The context rows' attention [c, H_o, v], [c, H_o]: the long chunks' rows in the expanded form (each
-        request's cached latents on this rank up-projected once per layer), the others absorbed, each set merged
-        over the group by LSE."""
+        """The context rows' attention [c, H_o, v], [c, H_o] from q_context [c, Hq, dk]: the long chunks' rows in
+        the expanded form, the others absorbed (merged over the group by LSE, then through the value map).
+
+        Where the rank computes its group's queries (replicated, or no DCP), a long chunk's rows attend over the
+        request's cached latents on this rank, up-projected for the group's heads, and are merged over the group
+        apart. In the head-split layout the group instead all-gathers the request's latents, and each rank
+        attends with its own heads' queries over all of them: no merge, and no up-projection weights beyond its
+        own heads'."""
+        state = self.parallel
         c = meta.context_rows
         in_long = torch.zeros(c, dtype=torch.bool)
         for group in long:
             in_long[group.start:group.end] = True
-        absorbed_rows = (~in_long).nonzero().squeeze(1).to(q_group.device)
-        long_rows = in_long.nonzero().squeeze(1).to(q_group.device)
+        absorbed_rows = (~in_long).nonzero().squeeze(1).to(q_context.device)
+        long_rows = in_long.nonzero().squeeze(1).to(q_context.device)
         out = lse = None
         if absorbed_rows.numel():
+            q_group = q_context
+            if self.heads.gathers_queries:  # the absorbed rows' queries only, in their places (the others stay 0)
+                gathered = dcp_all_gather(q_context[absorbed_rows], state).permute(1, 0, 2, 3).flatten(1, 2)
+                q_group = gathered.new_zeros(c, *gathered.shape[1:])
+                q_group[absorbed_rows] = gathered  # [c, H/A, dk]
             # the long chunks' rows see no token in the absorbed call (the kernel skips them; the gather backend's
             # groups leave them out), and their rows stay out of its merge
             row_lens = meta.row_lens.clone()
@@ -192,39 +202,63 @@ class Attention:
                                row_lens=row_lens)
             packed = self._attend_context(q_group, cache, absorbed)[absorbed_rows]  # [a, H/A, c + 1]
             o, l = self._merge_over_group(packed, whole_heads=True)
-            o = value_map(o.to(q_group.dtype)).float()  # [a, H_o, v]
+            o = value_map(o.to(q_context.dtype)).float()  # [a, H_o, v]
             out = o.new_zeros(c, *o.shape[1:])
             lse = l.new_full((c, l.shape[1]), float("-inf"))
             out[absorbed_rows], lse[absorbed_rows] = o, l
         parts = []
         for group in long:
-            queries = expanded.queries(slice(group.start, group.end))  # [R, H/A, n + r]
+            queries = expanded.queries(slice(group.start, group.end))  # [R, Hq, n + r]
             local = int(group.local_lens[0])  # this rank's cached tokens of the request
-            if local == 0:  # a DCP rank holding none of them yet
-                o, l = empty_packed(queries.shape[0], queries.shape[1], expanded.value_dim, queries.device)
+            if self.heads.gathers_queries:
+                latents = self._group_latents(cache, group, local, queries.dtype)  # the whole request's
+                parts.append(packed_of(*self._expanded_attention(queries, latents.shape[0], lambda first, n: (
+                    latents[first:first + n]), cache.block_size, expanded, meta)))
+            elif local == 0:  # a DCP rank holding none of them yet
+                parts.append(packed_of(*empty_packed(queries.shape[0], queries.shape[1], expanded.value_dim,
+                                                     queries.device)))
             else:
-                o, l = self._expanded_over_cache(queries, cache, meta, expanded, group, local)
-            parts.append(packed_of(o, l))
-        o, l = self._merge_over_group(torch.cat(parts))  # [e, H_o, v], [e, H_o]
+                parts.append(packed_of(*self._expanded_attention(
+                    queries, local, lambda first, n: _local_latents(cache, group, first, n), cache.block_size,
+                    expanded, meta)))
+        packed = torch.cat(parts)  # [e, Hq, v + 1]
+        if self.heads.gathers_queries:  # each rank's own heads over every token: nothing to merge
+            o, l = packed[..., :-1], packed[..., -1]
+        else:
+            o, l = self._merge_over_group(packed)  # [e, H_o, v], [e, H_o]
         if out is None:
             out = o.new_zeros(c, *o.shape[1:])
             lse = l.new_full((c, l.shape[1]), float("-inf"))
         out[long_rows], lse[long_rows] = o, l
         return out, lse
 
-    def _expanded_over_cache(self, queries, cache: KVCacheLayer, meta: AttentionMetadata, expanded: ExpandedContext,
-                             group, local: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A long chunk's rows [R, H/A, n + r] over the request's `local` cached latents on this rank, expanded: in
-        pieces of whole blocks whose keys and values take at most EXPANDED_PIECE_BYTES, merged by LSE."""
-        b = cache.block_size
+    def _group_latents(self, cache: KVCacheLayer, group, local: int, dtype: torch.dtype) -> torch.Tensor:
+        """[L, c + r]: every cached latent of a long chunk's request, this rank's `local` and the group's others
+        (two all-gathers: the counts, then the latents padded to the longest share). Attention does not depend
+        on the order of its keys (their positions are in them), so the shares are joined rank by rank."""
+        state = self.parallel
+        counts = dcp_all_gather(torch.tensor([float(local)]), state)[:, 0].long().tolist()
+        longest = max(counts)
+        if longest == 0:
+            return torch.empty(0, cache.key.shape[-1], dtype=dtype, device=cache.key.device)
+        mine = torch.zeros(longest, cache.key.shape[-1], dtype=dtype, device=cache.key.device)
+        if local:
+            mine[:local] = _local_latents(cache, group, 0, local)
+        shares = dcp_all_gather(mine, state)  # [N, longest, c + r]
+        return torch.cat([shares[r, :n] for r, n in enumerate(counts) if n])
+
+    def _expanded_attention(self, queries, total: int, latents_of, block_size: int, expanded: ExpandedContext,
+                            meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [R, Hq, n + r] over `total` cached latents (`latents_of(first, n)` -> [n, c + r]), expanded in pieces
+        of whole blocks whose keys and values take at most EXPANDED_PIECE_BYTES, merged by LSE: o [R, Hq, v], lse
+        [R, Hq]; no latent: o = 0, lse = -inf."""
+        if total == 0:
+            return empty_packed(queries.shape[0], queries.shape[1], expanded.value_dim, queries.device)
         per_token = queries.shape[1] * (queries.shape[-1] + expanded.value_dim) * queries.element_size()
-        piece = max(b, EXPANDED_PIECE_BYTES // per_token // b * b)
+        piece = max(block_size, EXPANDED_PIECE_BYTES // per_token // block_size * block_size)
         outs, lses = [], []
-        for first in range(0, local, piece):
-            n = min(piece, local - first)
-            blocks = group.context_blocks[:1, first // b: -(-(first + n) // b)]  # [1, nb]
-            latents = cache.gather(blocks, group.buffers)[0][0, :n, 0]  # [n, c + r], the model's dtype
-            keys, values = expanded.keys_values(latents.to(queries.dtype))
+        for first in range(0, total, piece):
+            keys, values = expanded.keys_values(latents_of(first, min(piece, total - first)).to(queries.dtype))
             o, l = meta.backend.attend_keys(queries, keys, values, self.scale)
             outs.append(o)
             lses.append(l)
@@ -305,6 +339,15 @@ class Attention:
             times.add("merge", start)
             times.merges[scheme] += 1
         return merged
+
+
+def _local_latents(cache: KVCacheLayer, group, first: int, n: int) -> torch.Tensor:
+    """[n, c + r]: this rank's cached latents first..first + n of a chunk group's request, in the compute dtype (its
+    blocks copied into the group's buffers, which the step's layers reuse)."""
+    b = cache.block_size
+    blocks = group.context_blocks[:1, first // b: -(-(first + n) // b)]  # [1, nb]
+    start = first % b
+    return cache.gather(blocks, group.buffers)[0][0, start:start + n, 0]
 
 
 def merge_scheme(backend: str, output_bytes: int, fused_max_bytes: int, a2a_max_bytes: int,
