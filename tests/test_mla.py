@@ -314,9 +314,20 @@ def test_default_demo_is_a_small_deepseek_v3_moe():
 # continues with 28 rows after 2 cached tokens (ranks that hold none of them: the rank's part is empty) and the 50-token
 # one with 39 rows after 11, next to a first chunk and decodes.
 EXPANDED_PROMPT_LENGTHS = [38, 30, 50]
+
+
+def _triton_unavailable() -> str | None:
+    from kvshard.attention import triton_paged
+
+    return triton_paged.available()
+
+
 EXPANDED_RUNS = [
     ("v3-moe", Layout(1, 1), {}),
     ("v3-moe", Layout(1, 1), {"attention_backend": "gather"}),  # PyTorch's kernels, not the paged one
+    # the GPU's backend, under Triton's interpreter here (tests/conftest.py turns it on where no GPU is found)
+    pytest.param("v3-moe", Layout(1, 1), {"attention_backend": "triton"},
+                 marks=pytest.mark.skipif(_triton_unavailable() is not None, reason=str(_triton_unavailable()))),
     ("v3-moe", Layout(4, 2, 1, "replicated"), {}),
     ("v3-dense", Layout(4, 4, BLOCK_SIZE, "replicated"), {}),
     # head-split: the group all-gathers the request's latents; each rank attends with its own heads, nothing merged
@@ -357,8 +368,12 @@ def _expanded_run(checkpoint, monkeypatch, name: str, layout: Layout, min_rows: 
     return got, taken
 
 
-@pytest.mark.parametrize("name, layout, extra", EXPANDED_RUNS,
-                         ids=[f"{n}-{l}" + "".join(f"-{v}" for v in e.values()) for n, l, e in EXPANDED_RUNS])
+def _run_id(run) -> str:
+    name, layout, extra = run.values if hasattr(run, "values") else run
+    return f"{name}-{layout}" + "".join(f"-{v}" for v in extra.values())
+
+
+@pytest.mark.parametrize("name, layout, extra", EXPANDED_RUNS, ids=[_run_id(r) for r in EXPANDED_RUNS])
 def test_long_chunks_read_cached_latents_expanded_and_match_transformers(checkpoint, hf_reference, monkeypatch,
                                                                         name, layout, extra):
     got, taken = _expanded_run(checkpoint, monkeypatch, name, layout, 17, **extra)
