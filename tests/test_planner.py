@@ -156,9 +156,9 @@ def test_replicated_projections_cost_n_times_the_query_side_weights() -> None:
         expected = (weights.total / 16 + q_bytes * (1 / a - 1 / 16)
                     + kv_bytes * (max(8 / a, 1) / 8 - 1 / 16))
         assert replicated == pytest.approx(expected), dcp
-    # MLA: q_b_proj and W_UK, N times (Kimi K2.6 keeps attention in bf16).
+    # MLA: q_b_proj, W_UK and W_UV, N times (Kimi K2.6 keeps attention in bf16).
     k26 = load_model("kimi-k2.6")
-    per_layer = 1536 * 64 * 192 + 512 * 64 * 128
+    per_layer = 1536 * 64 * 192 + 512 * 64 * 128 + 512 * 64 * 128
     extra = (weight_bytes_per_gpu(k26, weight_bytes(k26), layout(8, 8, REPLICATED))
              - weight_bytes_per_gpu(k26, weight_bytes(k26), layout(8, 8, HEAD_SPLIT)))
     assert extra == pytest.approx(61 * per_layer * 2 * (1 - 1 / 8))

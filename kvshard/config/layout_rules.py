@@ -13,7 +13,7 @@ KV along the sequence. Two ways to lay out a group:
   all-gather per layer). Needs T to divide the query heads and, for GQA, the ranks of a group to
   hold the same KV head already: A a multiple of the KV heads (N divides T / kv_heads, which, given
   the rule below, is N <= T / kv_heads).
-- replicated: every rank of a group computes its group's Q (and GQA K/V, MLA W_UK): N times those
+- replicated: every rank of a group computes its group's Q (and GQA K/V, MLA W_UK and W_UV): N times those
   projection weights per rank, one collective fewer per layer. Needs only A to divide the query
   heads and to divide, or be a multiple of, the KV heads.
 

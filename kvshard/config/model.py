@@ -76,13 +76,16 @@ class ModelConfig:
 
     def head_projection_params(self, query_heads: int, kv_heads: int) -> int:
         """Parameters per layer of the projections a rank splits by head: GQA's Q, K and V for
-        `query_heads` and `kv_heads` heads; MLA's Q (or q_b after the shared Q LoRA) and W_UK, which
-        takes the queries into the latent (the latent's own projections are whole on every rank)."""
+        `query_heads` and `kv_heads` heads; MLA's Q (or q_b after the shared Q LoRA), W_UK, which
+        takes the queries into the latent, and W_UV, which a rank keeps for every head whose query it
+        computes (a long chunk's cached context is expanded for them: models/deepseek.py); the latent's
+        own projections are whole on every rank."""
         cfg = self.hf_config
         if not self.is_mla:
             return (query_heads + 2 * kv_heads) * head_dim_of(cfg) * cfg.hidden_size
         q_in = cfg.q_lora_rank or cfg.hidden_size
-        per_head = q_in * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) + cfg.qk_nope_head_dim * cfg.kv_lora_rank
+        per_head = (q_in * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+                    + (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank)
         return query_heads * per_head
 
     def tp_split_sizes(self) -> dict[str, int]:

@@ -53,9 +53,9 @@ class ParamCounts:
     embedding: int
     lm_head: int
     # Attention, split by how a DCP group with replicated projections holds it:
-    # query-side projections (GQA q_proj; MLA q_b_proj or q_proj, and W_UK) and the
+    # query-side projections (GQA q_proj; MLA q_b_proj or q_proj, W_UK and W_UV) and the
     # GQA K/V projections are held per attention-TP shard; the rest (o_proj, MLA
-    # q_a / kv_a / W_UV) stays sharded over all tp ranks.
+    # q_a / kv_a) stays sharded over all tp ranks.
     attention_query: int
     attention_kv: int
     attention_other: int
@@ -140,7 +140,9 @@ class ModelArch:
             w_uk = self.kv_lora_rank * self.num_heads * self.qk_nope_head_dim
             w_uv = self.kv_lora_rank * self.num_heads * self.v_head_dim
             kv_down = h * (self.kv_lora_rank + self.qk_rope_head_dim)
-            query, kv, other = q_up + w_uk, 0, q_down + kv_down + w_uv + self.num_heads * self.v_head_dim * h
+            # W_UV with the query side: a rank keeps it for every head whose query it computes (the engine
+            # expands a long chunk's cached context for them)
+            query, kv, other = q_up + w_uk + w_uv, 0, q_down + kv_down + self.num_heads * self.v_head_dim * h
         else:
             query = h * self.num_heads * self.head_dim
             kv = 2 * h * self.num_kv_heads * self.head_dim
