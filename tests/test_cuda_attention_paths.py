@@ -39,3 +39,16 @@ def test_a_gpu_tensor_with_a_bias_takes_the_tiled_path(monkeypatch):
     kernels.attention_with_lse(torch.empty(1, 2, 4, 16), torch.empty(1, 2, 1, 16), torch.empty(1, 2, 1, 16),
                                torch.zeros(1, 1, 2), 0.25)  # a CPU tensor: the CPU's fused kernel
     assert len(calls) == 1
+
+
+def test_no_bias_and_not_causal_lets_every_query_see_every_key():
+    """`attend_keys`' call (MLA's long chunks over their expanded context): no mask at all, on the CPU's fused
+    kernel (float32) and on the plain path (float64, which it does not take); 64-channel keys, 32-channel values."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(1, 5, 4, 64, generator=g), torch.randn(1, 37, 4, 64, generator=g), \
+        torch.randn(1, 37, 4, 32, generator=g)
+    want_o, want_lse = kernels.reference_attention_with_lse(q, k, v, torch.zeros(1, 1, 37), 0.125)
+    for dtype in (torch.float32, torch.float64):
+        got_o, got_lse = kernels.attention_with_lse(q.to(dtype), k.to(dtype), v.to(dtype), None, 0.125)
+        torch.testing.assert_close(got_o.float(), want_o, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got_lse.float(), want_lse, atol=1e-5, rtol=1e-5)

@@ -30,17 +30,19 @@ def attention_with_lse(
 
     q [g, s, H, dk], k [g, L, Hk, dk], v [g, L, Hk, dv], bias [g, s or 1, L] added to the scores
     (0 where a query may attend, -inf where not), or `causal` (s == L: query i sees keys <= i)
-    with no bias. Query head h reads KV head h // (H / Hk).
+    with no bias, or neither (every query sees every key). Query head h reads KV head h // (H / Hk).
     Returns o [g, s, H, dv], lse [g, s, H], float32; a query with no allowed key gets o = 0,
     lse = -inf.
     """
     if _flash_applies(q, k, v):
         return _flash_attention_with_lse(q, k, v, bias, scale, causal)
-    if causal and bias is None and q.device.type == "cuda" and k.dtype == q.dtype == v.dtype:
-        return _cuda_causal_attention_with_lse(q, k, v, scale)
+    if bias is None and q.device.type == "cuda" and k.dtype == q.dtype == v.dtype:
+        return _cuda_attention_with_lse(q, k, v, scale, causal)
     if causal:
         s = q.shape[1]
         bias = torch.full((s, s), float("-inf"), device=q.device).triu_(1).unsqueeze(0)
+    elif bias is None:
+        bias = torch.zeros(q.shape[0], 1, k.shape[1], device=q.device)
     if q.device.type != "cpu":  # a GPU's cached context with a bias (the gather backend): tile by tile
         return tiled_attention_with_lse(q, k, v, bias, scale)
     return reference_attention_with_lse(q, k, v, bias, scale)
@@ -117,9 +119,10 @@ def _flash_attention_with_lse(q, k, v, bias, scale, causal):
     return out, lse
 
 
-def _cuda_causal_attention_with_lse(q, k, v, scale):
-    """A chunk's causal attention on CUDA with its LSE: flash (bfloat16 / float16) or the
-    memory-efficient kernel (float32), over [g, H, s, d] with the KV heads repeated for GQA."""
+def _cuda_attention_with_lse(q, k, v, scale, causal: bool):
+    """Attention on CUDA with its LSE, causal (a chunk's to itself) or unmasked (rows over keys given whole):
+    flash (bfloat16 / float16) or the memory-efficient kernel (float32), over [g, H, s, d] with the KV heads
+    repeated for GQA."""
     g, s, num_heads, dk = q.shape
     num_kv_heads, dv = k.shape[2], v.shape[-1]
     rep = num_heads // num_kv_heads
@@ -130,10 +133,11 @@ def _cuda_causal_attention_with_lse(q, k, v, scale):
         width = max(dk, dv)
         qh, kh, vh = (torch.nn.functional.pad(x, (0, width - x.shape[-1])) for x in (qh, kh, vh))
     if q.dtype in (torch.bfloat16, torch.float16):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(qh, kh, vh, 0.0, True, False, scale=scale)[:2]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(qh, kh, vh, 0.0, causal, False,
+                                                                      scale=scale)[:2]
     else:
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-            qh, kh, vh, None, True, 0.0, True, scale=scale)[:2]
+            qh, kh, vh, None, True, 0.0, causal, scale=scale)[:2]
     return out[..., :dv].transpose(1, 2).float(), lse[..., :s].transpose(1, 2).float()
 
 
