@@ -351,9 +351,9 @@ def _expanded_run(checkpoint, monkeypatch, name: str, layout: Layout, min_rows: 
     taken = []
     both_forms = backend.Attention._context_in_both_forms
 
-    def counted(self, *args, **kwargs):
-        taken.append(len(args[-1]))
-        return both_forms(self, *args, **kwargs)
+    def counted(self, q_context, cache, meta, value_map, expanded, long, *args, **kwargs):
+        taken.append(len(long))
+        return both_forms(self, q_context, cache, meta, value_map, expanded, long, *args, **kwargs)
 
     monkeypatch.setattr(backend.Attention, "_context_in_both_forms", counted)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=LOGPROB_TOP)

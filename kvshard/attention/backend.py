@@ -135,7 +135,8 @@ class Attention:
             start = time.perf_counter() if times else 0.0
             long = self._expanded_groups(meta, expanded, value_map)
             if long:
-                out, lse = self._context_in_both_forms(q[: meta.context_rows], cache, meta, value_map, expanded, long)
+                out, lse = self._context_in_both_forms(q[: meta.context_rows], cache, meta, value_map, expanded, long,
+                                                       times, start)
             else:
                 q_group = q[: meta.context_rows]  # [c, Hq, dk]
                 if self.heads.gathers_queries:
@@ -171,7 +172,8 @@ class Attention:
                 if g.attends_itself and g.start < meta.context_rows and g.query_len >= expanded.min_rows]
 
     def _context_in_both_forms(self, q_context, cache: KVCacheLayer, meta: AttentionMetadata, value_map,
-                               expanded: ExpandedContext, long: list) -> tuple[torch.Tensor, torch.Tensor]:
+                               expanded: ExpandedContext, long: list, times: DcpTimes | None = None,
+                               start: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
         """The context rows' attention [c, H_o, v], [c, H_o] from q_context [c, Hq, dk]: the long chunks' rows in
         the expanded form, the others absorbed (merged over the group by LSE, then through the value map).
 
@@ -179,7 +181,8 @@ class Attention:
         request's cached latents on this rank, up-projected for the group's heads, and are merged over the group
         apart. In the head-split layout the group instead all-gathers the request's latents, and each rank
         attends with its own heads' queries over all of them: no merge, and no up-projection weights beyond its
-        own heads'."""
+        own heads'. With `times`, as Attention.forward's absorbed path records them (the latents' gathers count as
+        attention)."""
         state = self.parallel
         c = meta.context_rows
         in_long = torch.zeros(c, dtype=torch.bool)
@@ -192,6 +195,7 @@ class Attention:
             q_group = q_context
             if self.heads.gathers_queries:  # the absorbed rows' queries only, in their places (the others stay 0)
                 gathered = dcp_all_gather(q_context[absorbed_rows], state).permute(1, 0, 2, 3).flatten(1, 2)
+                start = times.add("collective", start) if times else start
                 q_group = gathered.new_zeros(c, *gathered.shape[1:])
                 q_group[absorbed_rows] = gathered  # [c, H/A, dk]
             # the long chunks' rows see no token in the absorbed call (the kernel skips them; the gather backend's
@@ -201,7 +205,9 @@ class Attention:
             absorbed = replace(meta, groups=[g for g in meta.groups if not any(g is x for x in long)],
                                row_lens=row_lens)
             packed = self._attend_context(q_group, cache, absorbed)[absorbed_rows]  # [a, H/A, c + 1]
-            o, l = self._merge_over_group(packed, whole_heads=True)
+            start = times.add("attention", start) if times else start
+            o, l = self._merge_over_group(packed, whole_heads=True, times=times, start=start)
+            start = time.perf_counter() if times else start
             o = value_map(o.to(q_context.dtype)).float()  # [a, H_o, v]
             out = o.new_zeros(c, *o.shape[1:])
             lse = l.new_full((c, l.shape[1]), float("-inf"))
@@ -222,10 +228,11 @@ class Attention:
                     queries, local, lambda first, n: _local_latents(cache, group, first, n), cache.block_size,
                     expanded, meta)))
         packed = torch.cat(parts)  # [e, Hq, v + 1]
+        start = times.add("attention", start) if times else start
         if self.heads.gathers_queries:  # each rank's own heads over every token: nothing to merge
             o, l = packed[..., :-1], packed[..., -1]
         else:
-            o, l = self._merge_over_group(packed)  # [e, H_o, v], [e, H_o]
+            o, l = self._merge_over_group(packed, times=times, start=start)  # [e, H_o, v], [e, H_o]
         if out is None:
             out = o.new_zeros(c, *o.shape[1:])
             lse = l.new_full((c, l.shape[1]), float("-inf"))
