@@ -422,3 +422,15 @@ def test_expanded_form_bound_follows_the_models_dims_and_the_environment(monkeyp
     monkeypatch.setenv("KVSHARD_MLA_EXPANDED_MIN_ROWS", "0")
     with pytest.raises(ConfigError, match="KVSHARD_MLA_EXPANDED_MIN_ROWS='0' is not an integer >= 1"):
         bound(512, 128, 128)
+
+
+def test_startup_report_says_how_mla_reads_its_cached_context(monkeypatch):
+    from kvshard.config.report import startup_report
+
+    report = startup_report(EngineArgs("kvshard-demo").create_engine_config())
+    assert "MLA cached context: absorbed for decodes and chunks under 75 rows, expanded" in report
+    monkeypatch.setenv("KVSHARD_MLA_EXPANDED_MIN_ROWS", "200")
+    assert "chunks under 200 rows" in startup_report(EngineArgs("kvshard-demo").create_engine_config())
+    invariant = startup_report(EngineArgs("kvshard-demo", batch_invariant=True).create_engine_config())
+    assert "MLA cached context: absorbed for every row (the batch-invariant mode)" in invariant
+    assert "MLA cached context" not in startup_report(EngineArgs("kvshard-demo-gqa").create_engine_config())

@@ -52,10 +52,18 @@ def startup_report(config: EngineConfig, compile_seconds: float | None = None) -
         + (" (replicated: raise --dcp to shard instead)" if config.kv_copies_per_token > 1 else ""),
         _prefix_caching_report(config),
     ]
+    if config.model.is_mla:
+        lines.append(_mla_context_line(config))
     if config.speculative is not None:
         lines.append(config.speculative.describe())
     lines.append(envs.numerics_report())  # last: which KVSHARD_* settings that change numerics are set
     return "\n".join(lines)
+
+
+def _mla_context_line(config: EngineConfig) -> str:
+    from kvshard.models.deepseek import describe_cached_context
+
+    return describe_cached_context(config.model.hf_config, config.batch_invariant)
 
 
 def _compilation_line(config: EngineConfig, compile_seconds: float | None) -> str:

@@ -112,12 +112,25 @@ class LatentUpProjection(nn.Module):
         in DeepSeek-V3's (16 heads, float32 and bfloat16): the bound is 1.75x the products' break-even (75 rows in
         the demo, 299 in DeepSeek-V3's dims), where either error costs a few percent of the chunk's attention.
         KVSHARD_MLA_EXPANDED_MIN_ROWS overrides."""
-        override = envs.get("KVSHARD_MLA_EXPANDED_MIN_ROWS")
-        if override is not None:
-            return override
-        c, n, v = self.latent_dim, self.nope_dim, self.v_dim
-        saved = 2 * c - n - v
-        return -(-7 * c * (n + v) // (4 * saved)) if saved > 0 else 1 << 40
+        return expanded_min_rows(self.latent_dim, self.nope_dim, self.v_dim)
+
+
+def expanded_min_rows(c: int, n: int, v: int) -> int:
+    """LatentUpProjection.expanded_min_rows for a latent of c channels, n + r-channel keys, v-channel values."""
+    override = envs.get("KVSHARD_MLA_EXPANDED_MIN_ROWS")
+    if override is not None:
+        return override
+    saved = 2 * c - n - v
+    return -(-7 * c * (n + v) // (4 * saved)) if saved > 0 else 1 << 40
+
+
+def describe_cached_context(cfg, batch_invariant: bool) -> str:
+    """One line of the start-up report: how an MLA model's steps read their cached latents."""
+    if batch_invariant:
+        return "MLA cached context: absorbed for every row (the batch-invariant mode)"
+    rows = expanded_min_rows(cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim)
+    return (f"MLA cached context: absorbed for decodes and chunks under {rows:,} rows, expanded (per-head keys and "
+            f"values up-projected from the latents) for longer chunks (KVSHARD_MLA_EXPANDED_MIN_ROWS)")
 
 
 class DeepseekV2MLAAttention(nn.Module):
