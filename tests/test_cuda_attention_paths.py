@@ -1,10 +1,12 @@
 """What attention runs on a GPU where the Triton backend does not (kvshard/attention/kernels.py): the
 gather backend's attention over cached context goes tile by tile over the keys, merged by LSE, never
 holding a long context's whole score matrix. Checked on the CPU: the tiled function against the
-reference, and the routing of a non-CPU tensor to it (on the meta device: shapes only)."""
+reference, and the routing of a non-CPU tensor to it (on the meta device: shapes only). Where a CUDA device is
+present (scripts/device_check.sh), torch's fused kernels without a bias, causal and unmasked, against the reference."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvshard.attention import kernels
@@ -52,3 +54,23 @@ def test_no_bias_and_not_causal_lets_every_query_see_every_key():
         got_o, got_lse = kernels.attention_with_lse(q.to(dtype), k.to(dtype), v.to(dtype), None, 0.125)
         torch.testing.assert_close(got_o.float(), want_o, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got_lse.float(), want_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/device_check.sh runs it there)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_on_cuda_torchs_fused_kernels_match_the_reference(dtype, causal):
+    """No bias: torch's flash (bfloat16) or memory-efficient (float32) kernel, causal (a chunk's attention to itself)
+    or unmasked (`attend_keys`), 8 query heads on 2 KV heads, 192-channel keys and 128-channel values (MLA's)."""
+    g = torch.Generator().manual_seed(2)
+    s = 40
+    q, k, v = torch.randn(1, s, 8, 192, generator=g), torch.randn(1, s, 2, 192, generator=g), \
+        torch.randn(1, s, 2, 128, generator=g)
+    bias = torch.full((s, s), float("-inf")).triu_(1)[None] if causal else torch.zeros(1, 1, s)
+    want_o, want_lse = kernels.reference_attention_with_lse(q.to(dtype).float(), k.to(dtype).float(),
+                                                            v.to(dtype).float(), bias, 0.07)
+    got_o, got_lse = kernels.attention_with_lse(q.to(dtype).cuda(), k.to(dtype).cuda(), v.to(dtype).cuda(), None, 0.07,
+                                                causal=causal)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got_o.cpu(), want_o, atol=tol, rtol=tol)
+    torch.testing.assert_close(got_lse.cpu(), want_lse, atol=tol, rtol=tol)
