@@ -135,6 +135,9 @@ REGISTRY: dict[str, EnvVar] = _declare(
            "an MLA prefill chunk of at least this many rows reads the cached context in the expanded form "
            "(keys and values per head, up-projected from the cached latents) instead of the absorbed one",
            numerics=True, shown_default="1.75 c (n + v) / (2c - n - v) (75 in the MLA demo)"),
+    EnvVar("KVSHARD_MLA_EXPANDED_PIECE_BYTES", POSITIVE_INT, 64 << 20,
+           "an MLA chunk expands its cached latents into per-head keys and values in pieces of at most this many "
+           "bytes, merged by LSE (every rank of a DCP group must have the same)", numerics=True),
     EnvVar("KVSHARD_DECODE_GROUP_SPREAD", NON_NEGATIVE_INT, 1024,
            "decodes attend in groups padded to their longest member, spanning at most this many tokens of "
            "local context; 0 gives each local length a group of its own", numerics=True),

@@ -68,16 +68,15 @@ def layer(args) -> None:
 
     # the engine's own loop over pieces (Attention._expanded_attention), the paged backend's kernel
     form = backend.ExpandedContext(1, v, None, keys_values)
-    layer_ = SimpleNamespace(scale=0.1)
+    piece_bytes = args.piece_bytes or backend.EXPANDED_PIECE_BYTES
+    layer_ = SimpleNamespace(scale=0.1, expanded_piece_bytes=piece_bytes)
     meta = SimpleNamespace(backend=PagedBackend())
-    if args.piece_bytes:
-        backend.EXPANDED_PIECE_BYTES = args.piece_bytes
 
     def expanded(q):
         return backend.Attention._expanded_attention(layer_, q, args.tokens, lambda first, k: latents[first:first + k],
                                                      args.block_size, form, meta)
 
-    piece = max(args.block_size, backend.EXPANDED_PIECE_BYTES // (heads * (n + r + v) * latents.element_size())
+    piece = max(args.block_size, piece_bytes // (heads * (n + r + v) * latents.element_size())
                 // args.block_size * args.block_size)
     print(f"CPU: {torch.backends.cpu.get_cpu_capability()}; {args.dims} dims: {heads} heads, c {c}, r {r}, n {n}, "
           f"v {v}; {args.tokens} cached tokens, {args.dtype}; expanded in pieces of {min(piece, args.tokens)} tokens")
@@ -135,7 +134,7 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=7)
     p.add_argument("--block-size", type=int, default=16, help="the pieces are whole blocks of this many tokens")
     p.add_argument("--piece-bytes", type=int, default=0,
-                   help="the pieces' bound on keys and values (attention/backend.py EXPANDED_PIECE_BYTES; 0: its own)")
+                   help="the pieces' bound on keys and values (KVSHARD_MLA_EXPANDED_PIECE_BYTES; 0: its default)")
     p.set_defaults(run=layer)
     p = sub.add_parser("turn", help="a new turn's prefill over a cached conversation, through an engine")
     p.add_argument("model", nargs="?", default="kvshard-demo")

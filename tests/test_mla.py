@@ -393,13 +393,12 @@ def test_expanded_form_reads_an_fp8_cache_as_the_absorbed_one_does(checkpoint, m
     assert_same_generation(expanded.tokens, expanded.logprobs, absorbed.tokens, absorbed.logprobs, atol=1e-3)
 
 
-def test_expanded_context_in_pieces_of_one_block_matches_transformers(checkpoint, hf_reference, monkeypatch):
-    """A long context expands piece by piece (backend.EXPANDED_PIECE_BYTES), the pieces merged by LSE: here one block
-    each (the engine's only rank runs in this process)."""
-    from kvshard.attention import backend
-
-    monkeypatch.setattr(backend, "EXPANDED_PIECE_BYTES", 1)
-    got, taken = _expanded_run(checkpoint, monkeypatch, "v3-moe", Layout(1, 1), 17)
+@pytest.mark.parametrize("layout", [Layout(1, 1), Layout(4, 2, BLOCK_SIZE, "head-split")], ids=str)
+def test_expanded_context_in_pieces_of_one_block_matches_transformers(checkpoint, hf_reference, monkeypatch, layout):
+    """A long context expands piece by piece (KVSHARD_MLA_EXPANDED_PIECE_BYTES), the pieces merged by LSE: here one
+    block each (head-split: one block of every rank's share, each piece an all-gather of the group)."""
+    layout = replace(layout, env=(("KVSHARD_MLA_EXPANDED_PIECE_BYTES", "1"),))
+    got, taken = _expanded_run(checkpoint, monkeypatch, "v3-moe", layout, 17)
     assert taken
     want_tokens, steps = hf_reference(checkpoint("v3-moe"), _expanded_prompts(), NEW_TOKENS, logprobs=True)
     want_logprobs = [[{i: float(row[i]) for i in range(row.shape[0])} for row in rows] for rows in steps]

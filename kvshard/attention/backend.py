@@ -48,8 +48,8 @@ A2A_MAX_BYTES = envs.env("KVSHARD_A2A_MAX_BYTES").default  # 16 MiB
 AG_RS, AG_RS_FUSED, A2A = "ag_rs", "ag_rs fused", "a2a"  # the merge schemes, named as the planner's
 # MLA's long chunks expand their cached latents into per-head keys and values in pieces of at most this many bytes
 # (DeepSeek-V3's 128 heads in bfloat16: 80 KiB a token, some 800 tokens a piece), merged by LSE: a long context's
-# whole expansion would take gigabytes.
-EXPANDED_PIECE_BYTES = 64 << 20
+# whole expansion would take gigabytes. KVSHARD_MLA_EXPANDED_PIECE_BYTES overrides (the same on every rank).
+EXPANDED_PIECE_BYTES = envs.env("KVSHARD_MLA_EXPANDED_PIECE_BYTES").default  # 64 MiB
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,7 @@ class Attention:
         self.scale = scale
         self.parallel = parallel
         self.fused_merge_max_bytes = fused_merge_max_bytes_from_env()
+        self.expanded_piece_bytes = envs.get("KVSHARD_MLA_EXPANDED_PIECE_BYTES")
         self.a2a_max_bytes = envs.get("KVSHARD_A2A_MAX_BYTES")
         # where the output heads sit among the group's heads and among the computed queries
         self._output_in_group = _relative(heads.output, heads.group)
@@ -216,10 +217,8 @@ class Attention:
         for group in long:
             queries = expanded.queries(slice(group.start, group.end))  # [R, Hq, n + r]
             local = int(group.local_lens[0])  # this rank's cached tokens of the request
-            if self.heads.gathers_queries:
-                latents = self._group_latents(cache, group, local, queries.dtype)  # the whole request's
-                parts.append(packed_of(*self._expanded_attention(queries, latents.shape[0], lambda first, n: (
-                    latents[first:first + n]), cache.block_size, expanded, meta)))
+            if self.heads.gathers_queries:  # the whole request's latents, gathered piece by piece
+                parts.append(packed_of(*self._expanded_over_group(queries, cache, group, local, expanded, meta)))
             elif local == 0:  # a DCP rank holding none of them yet
                 parts.append(packed_of(*empty_packed(queries.shape[0], queries.shape[1], expanded.value_dim,
                                                      queries.device)))
@@ -239,30 +238,48 @@ class Attention:
         out[long_rows], lse[long_rows] = o, l
         return out, lse
 
-    def _group_latents(self, cache: KVCacheLayer, group, local: int, dtype: torch.dtype) -> torch.Tensor:
-        """[L, c + r]: every cached latent of a long chunk's request, this rank's `local` and the group's others
-        (two all-gathers: the counts, then the latents padded to the longest share). Attention does not depend
-        on the order of its keys (their positions are in them), so the shares are joined rank by rank."""
+    def _expanded_over_group(self, queries, cache: KVCacheLayer, group, local: int, expanded: ExpandedContext,
+                             meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head-split: rows [R, H_o, n + r] with this rank's own heads over every cached latent of the request, the
+        group's shares all-gathered piece by piece (first the counts, then each piece of every rank's share, padded
+        to the longest), each piece expanded and attended, the pieces merged by LSE. A piece's keys and values for
+        the whole group take at most KVSHARD_MLA_EXPANDED_PIECE_BYTES (the same on every rank: the pieces are
+        collectives). Attention does not depend on the order of its keys (their positions are in them), so the
+        shares are joined rank by rank."""
         state = self.parallel
         counts = dcp_all_gather(torch.tensor([float(local)]), state)[:, 0].long().tolist()
         longest = max(counts)
         if longest == 0:
-            return torch.empty(0, cache.key.shape[-1], dtype=dtype, device=cache.key.device)
-        mine = torch.zeros(longest, cache.key.shape[-1], dtype=dtype, device=cache.key.device)
-        if local:
-            mine[:local] = _local_latents(cache, group, 0, local)
-        shares = dcp_all_gather(mine, state)  # [N, longest, c + r]
-        return torch.cat([shares[r, :n] for r, n in enumerate(counts) if n])
+            return empty_packed(queries.shape[0], queries.shape[1], expanded.value_dim, queries.device)
+        b, width = cache.block_size, cache.key.shape[-1]
+        per_token = queries.shape[1] * (queries.shape[-1] + expanded.value_dim) * queries.element_size()
+        piece = max(b, self.expanded_piece_bytes // (per_token * len(counts)) // b * b)  # of each rank's share
+        outs, lses = [], []
+        for first in range(0, longest, piece):
+            n = min(piece, longest - first)
+            mine = torch.zeros(n, width, dtype=queries.dtype, device=cache.key.device)
+            have = min(n, max(0, local - first))
+            if have:
+                mine[:have] = _local_latents(cache, group, first, have)
+            shares = dcp_all_gather(mine, state)  # [N, n, c + r]
+            latents = torch.cat([shares[r, :min(n, c - first)] for r, c in enumerate(counts) if c > first])
+            keys, values = expanded.keys_values(latents)
+            o, l = meta.backend.attend_keys(queries, keys, values, self.scale)
+            outs.append(o)
+            lses.append(l)
+        if len(outs) == 1:
+            return outs[0], lses[0]
+        return merge_attention_states(torch.stack(outs), torch.stack(lses))
 
     def _expanded_attention(self, queries, total: int, latents_of, block_size: int, expanded: ExpandedContext,
                             meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [R, Hq, n + r] over `total` cached latents (`latents_of(first, n)` -> [n, c + r]), expanded in pieces
-        of whole blocks whose keys and values take at most EXPANDED_PIECE_BYTES, merged by LSE: o [R, Hq, v], lse
-        [R, Hq]; no latent: o = 0, lse = -inf."""
+        of whole blocks whose keys and values take at most KVSHARD_MLA_EXPANDED_PIECE_BYTES, merged by LSE:
+        o [R, Hq, v], lse [R, Hq]; no latent: o = 0, lse = -inf."""
         if total == 0:
             return empty_packed(queries.shape[0], queries.shape[1], expanded.value_dim, queries.device)
         per_token = queries.shape[1] * (queries.shape[-1] + expanded.value_dim) * queries.element_size()
-        piece = max(block_size, EXPANDED_PIECE_BYTES // per_token // block_size * block_size)
+        piece = max(block_size, self.expanded_piece_bytes // per_token // block_size * block_size)
         outs, lses = [], []
         for first in range(0, total, piece):
             keys, values = expanded.keys_values(latents_of(first, min(piece, total - first)).to(queries.dtype))
