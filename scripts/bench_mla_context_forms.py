@@ -72,12 +72,13 @@ def layer(args) -> None:
     layer_ = SimpleNamespace(scale=0.1, expanded_piece_bytes=piece_bytes)
     meta = SimpleNamespace(backend=PagedBackend())
 
-    def expanded(q):
-        return backend.Attention._expanded_attention(layer_, q, args.tokens, lambda first, k: latents[first:first + k],
-                                                     args.block_size, form, meta)
-
     piece = max(args.block_size, piece_bytes // (heads * (n + r + v) * latents.element_size())
                 // args.block_size * args.block_size)
+
+    def expanded(q):
+        pieces = (latents[first:first + piece] for first in range(0, args.tokens, piece))
+        return backend.Attention._expanded_attention(layer_, q, pieces, form, meta)
+
     print(f"CPU: {torch.backends.cpu.get_cpu_capability()}; {args.dims} dims: {heads} heads, c {c}, r {r}, n {n}, "
           f"v {v}; {args.tokens} cached tokens, {args.dtype}; expanded in pieces of {min(piece, args.tokens)} tokens")
     print("threads  rows  absorbed ms  expanded ms  absorbed / expanded")

@@ -216,16 +216,14 @@ class Attention:
         parts = []
         for group in long:
             queries = expanded.queries(slice(group.start, group.end))  # [R, Hq, n + r]
-            local = int(group.local_lens[0])  # this rank's cached tokens of the request
+            local = int(group.local_lens[0])  # this rank's cached tokens of the request (0 on a rank holding none)
             if self.heads.gathers_queries:  # the whole request's latents, gathered piece by piece
-                parts.append(packed_of(*self._expanded_over_group(queries, cache, group, local, expanded, meta)))
-            elif local == 0:  # a DCP rank holding none of them yet
-                parts.append(packed_of(*empty_packed(queries.shape[0], queries.shape[1], expanded.value_dim,
-                                                     queries.device)))
+                pieces = self._group_pieces(queries, cache, group, local, expanded)
             else:
-                parts.append(packed_of(*self._expanded_attention(
-                    queries, local, lambda first, n: _local_latents(cache, group, first, n), cache.block_size,
-                    expanded, meta)))
+                piece = self._piece_tokens(queries, expanded, cache.block_size, 1)
+                pieces = (_local_latents(cache, group, first, min(piece, local - first))
+                          for first in range(0, local, piece))
+            parts.append(packed_of(*self._expanded_attention(queries, pieces, expanded, meta)))
         packed = torch.cat(parts)  # [e, Hq, v + 1]
         start = times.add("attention", start) if times else start
         if self.heads.gathers_queries:  # each rank's own heads over every token: nothing to merge
@@ -238,23 +236,21 @@ class Attention:
         out[long_rows], lse[long_rows] = o, l
         return out, lse
 
-    def _expanded_over_group(self, queries, cache: KVCacheLayer, group, local: int, expanded: ExpandedContext,
-                             meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Head-split: rows [R, H_o, n + r] with this rank's own heads over every cached latent of the request, the
-        group's shares all-gathered piece by piece (first the counts, then each piece of every rank's share, padded
-        to the longest), each piece expanded and attended, the pieces merged by LSE. A piece's keys and values for
-        the whole group take at most KVSHARD_MLA_EXPANDED_PIECE_BYTES (the same on every rank: the pieces are
-        collectives). Attention does not depend on the order of its keys (their positions are in them), so the
-        shares are joined rank by rank."""
+    def _piece_tokens(self, queries, expanded: ExpandedContext, block_size: int, ranks: int) -> int:
+        """Tokens of each rank's share a piece takes: whole blocks, the keys and values of `ranks` such shares
+        within KVSHARD_MLA_EXPANDED_PIECE_BYTES (the same on every rank: in head-split the pieces are collectives)."""
+        per_token = queries.shape[1] * (queries.shape[-1] + expanded.value_dim) * queries.element_size()
+        return max(block_size, self.expanded_piece_bytes // (per_token * ranks) // block_size * block_size)
+
+    def _group_pieces(self, queries, cache: KVCacheLayer, group, local: int, expanded: ExpandedContext):
+        """Head-split: every cached latent of the request, the group's shares all-gathered piece by piece (first
+        the counts, then each piece of every rank's share, padded to the longest): [n, c + r] a piece. Attention
+        does not depend on the order of its keys (their positions are in them), so the shares are joined rank by
+        rank."""
         state = self.parallel
         counts = dcp_all_gather(torch.tensor([float(local)]), state)[:, 0].long().tolist()
-        longest = max(counts)
-        if longest == 0:
-            return empty_packed(queries.shape[0], queries.shape[1], expanded.value_dim, queries.device)
-        b, width = cache.block_size, cache.key.shape[-1]
-        per_token = queries.shape[1] * (queries.shape[-1] + expanded.value_dim) * queries.element_size()
-        piece = max(b, self.expanded_piece_bytes // (per_token * len(counts)) // b * b)  # of each rank's share
-        outs, lses = [], []
+        longest, width = max(counts), cache.key.shape[-1]
+        piece = self._piece_tokens(queries, expanded, cache.block_size, len(counts))
         for first in range(0, longest, piece):
             n = min(piece, longest - first)
             mine = torch.zeros(n, width, dtype=queries.dtype, device=cache.key.device)
@@ -262,30 +258,20 @@ class Attention:
             if have:
                 mine[:have] = _local_latents(cache, group, first, have)
             shares = dcp_all_gather(mine, state)  # [N, n, c + r]
-            latents = torch.cat([shares[r, :min(n, c - first)] for r, c in enumerate(counts) if c > first])
-            keys, values = expanded.keys_values(latents)
-            o, l = meta.backend.attend_keys(queries, keys, values, self.scale)
-            outs.append(o)
-            lses.append(l)
-        if len(outs) == 1:
-            return outs[0], lses[0]
-        return merge_attention_states(torch.stack(outs), torch.stack(lses))
+            yield torch.cat([shares[r, :min(n, count - first)] for r, count in enumerate(counts) if count > first])
 
-    def _expanded_attention(self, queries, total: int, latents_of, block_size: int, expanded: ExpandedContext,
+    def _expanded_attention(self, queries, pieces, expanded: ExpandedContext,
                             meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows [R, Hq, n + r] over `total` cached latents (`latents_of(first, n)` -> [n, c + r]), expanded in pieces
-        of whole blocks whose keys and values take at most KVSHARD_MLA_EXPANDED_PIECE_BYTES, merged by LSE:
-        o [R, Hq, v], lse [R, Hq]; no latent: o = 0, lse = -inf."""
-        if total == 0:
-            return empty_packed(queries.shape[0], queries.shape[1], expanded.value_dim, queries.device)
-        per_token = queries.shape[1] * (queries.shape[-1] + expanded.value_dim) * queries.element_size()
-        piece = max(block_size, self.expanded_piece_bytes // per_token // block_size * block_size)
+        """Rows [R, Hq, n + r] over cached latents given in pieces ([n, c + r] each), each piece up-projected and
+        attended, the pieces merged by LSE: o [R, Hq, v], lse [R, Hq]; no latent: o = 0, lse = -inf."""
         outs, lses = [], []
-        for first in range(0, total, piece):
-            keys, values = expanded.keys_values(latents_of(first, min(piece, total - first)).to(queries.dtype))
+        for latents in pieces:
+            keys, values = expanded.keys_values(latents.to(queries.dtype))
             o, l = meta.backend.attend_keys(queries, keys, values, self.scale)
             outs.append(o)
             lses.append(l)
+        if not outs:
+            return empty_packed(queries.shape[0], queries.shape[1], expanded.value_dim, queries.device)
         if len(outs) == 1:
             return outs[0], lses[0]
         return merge_attention_states(torch.stack(outs), torch.stack(lses))

@@ -241,20 +241,22 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     kernel reads a request's speculative verification rows. No padding of V to K's width (PyTorch's flash kernel
     needs one head size: MLA's chunks, 64-channel keys and 32-channel values in the demo, paid a third more).
     o [t, H, dv] and lse [t, H], float32 (views of one [t, H, dv + 1], `packed_of`)."""
-    t = q.shape[0]
-    k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))  # the kernel reads rows of channels
-    return paged_attention(q, k, v, torch.zeros(1, 1, dtype=torch.int32), torch.zeros(t, dtype=torch.int32),
-                           torch.arange(1, t + 1, dtype=torch.int32), max(t, 1), scale, use_kernel=True)
+    return _one_block(q, k, v, scale, torch.arange(1, q.shape[0] + 1, dtype=torch.int32))
 
 
 def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Every row of q [t, H, dk] over all of k [L, Hk, dk] and v [L, Hk, dv] (one request's keys, no mask), through
     the kernel, which reads them where they lie as one block of L slots: o [t, H, dv] and lse [t, H], float32 (views
     of one [t, H, dv + 1], `packed_of`). MLA's cached context in the expanded form (attention/backend.py)."""
-    t, n = q.shape[0], k.shape[0]
+    return _one_block(q, k, v, scale, torch.full((q.shape[0],), k.shape[0], dtype=torch.int32))
+
+
+def _one_block(q, k, v, scale: float, row_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel over one request's k and v read as a single block of their L slots, row r seeing the first
+    row_lens[r] of them."""
     k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))  # the kernel reads rows of channels
-    return paged_attention(q, k, v, torch.zeros(1, 1, dtype=torch.int32), torch.zeros(t, dtype=torch.int32),
-                           torch.full((t,), n, dtype=torch.int32), max(n, 1), scale, use_kernel=True)
+    return paged_attention(q, k, v, torch.zeros(1, 1, dtype=torch.int32), torch.zeros(q.shape[0], dtype=torch.int32),
+                           row_lens, max(k.shape[0], 1), scale, use_kernel=True)
 
 
 def gather_attention(q, key_cache, value_cache, block_tables, row_seq, row_lens, block_size: int, scale: float,
