@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from kvshard.layers import fused
+
 
 class RotaryEmbedding:
     def __init__(self, hf_config, rotary_dim: int) -> None:
@@ -41,6 +43,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     cos, sin: [t, d/2] from RotaryEmbedding.cos_sin. The reference's x * cat(cos, cos) + cat(-x2, x1) *
     cat(sin, sin), half by half: x1 * c - x2 * s and x2 * c + x1 * s give the same bits without building
     the rotated copy."""
+    ops = fused.ops_for(x)
+    if (ops is not None and x.dim() == 3 and x.stride(-1) == 1 and cos.dtype == sin.dtype == torch.float32
+            and cos.shape == sin.shape == (x.shape[0], x.shape[-1] // 2) and cos.is_contiguous()
+            and sin.is_contiguous()):
+        return ops.rotary(x, cos, sin, interleaved)
+    return apply_rotary_eager(x, cos, sin, interleaved)
+
+
+def apply_rotary_eager(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       interleaved: bool = False) -> torch.Tensor:
+    """apply_rotary in PyTorch's operators (the fused operator's oracle)."""
     if interleaved:
         x = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
     xf = x.float()

@@ -1361,9 +1361,237 @@ int64_t parallel_threads(int64_t n) {
   return std::unique(ids.begin(), ids.end()) - ids.begin();
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// The model step's elementwise operators, fused (layers/norm.py, layers/activation.py, layers/rotary.py): each
+// reads its input once and writes its output once, where PyTorch's eager operators make a pass and a dispatch for
+// every multiply, conversion and reduction. The arithmetic is theirs: float32, rounded to the tensor's dtype
+// where they round (a bfloat16 model's RMSNorm rounds x * rstd before the weight's product). Rows go to the
+// threads in blocks of at least kElementwiseGrain elements, so a decode step's few rows stay on one thread.
+
+constexpr int64_t kElementwiseGrain = 1 << 15;
+
+template <typename T>
+inline T from_float(float x) {
+  return static_cast<T>(x);
+}
+
+// the sum of squares of n floats: 16 lanes of partial sums, then the lanes and the tail
+inline float sum_of_squares(const float* x, int64_t n) {
+  v16 acc = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const v16 v = load16(x + i);
+    acc += v * v;
+  }
+  float ss = 0.0f;
+  for (int k = 0; k < 16; ++k) ss += acc[k];
+  for (; i < n; ++i) ss += x[i] * x[i];
+  return ss;
+}
+
+template <typename T>
+void rms_norm_rows(const T* x, int64_t x_row, const T* w, T* out, int64_t rows, int64_t d, float eps) {
+  const int64_t grain = std::max<int64_t>(1, kElementwiseGrain / std::max<int64_t>(d, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(d), wf(d);
+    for (int64_t i = 0; i < d; ++i) wf[i] = static_cast<float>(w[i]);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * x_row;
+      T* o = out + r * d;
+      for (int64_t i = 0; i < d; ++i) xf[i] = static_cast<float>(xr[i]);
+      const float rstd = 1.0f / std::sqrt(sum_of_squares(xf.data(), d) / static_cast<float>(d) + eps);
+      for (int64_t i = 0; i < d; ++i) {
+        o[i] = from_float<T>(wf[i] * static_cast<float>(from_float<T>(xf[i] * rstd)));
+      }
+    }
+  });
+}
+
+// x [..., d] (rows of stride x.stride(-2), channels contiguous), weight [d] -> weight * (x * rsqrt(mean(x^2) + eps))
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "rms_norm: CPU tensors");
+  TORCH_CHECK(x.dim() >= 1 && x.stride(-1) == 1, "rms_norm: channels must be contiguous");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1) && weight.is_contiguous() &&
+                  weight.scalar_type() == x.scalar_type(),
+              "rms_norm: a contiguous weight of the input's size and dtype");
+  const int64_t d = x.size(-1);
+  const at::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, d});
+  TORCH_CHECK(x2.stride(-1) == 1, "rms_norm: channels must be contiguous");
+  const int64_t rows = x2.size(0);
+  auto out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  const float e = static_cast<float>(eps);
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      rms_norm_rows(x2.data_ptr<float>(), x2.stride(0), weight.data_ptr<float>(), out.data_ptr<float>(), rows, d, e);
+      break;
+    case at::kBFloat16:
+      rms_norm_rows(x2.data_ptr<c10::BFloat16>(), x2.stride(0), weight.data_ptr<c10::BFloat16>(),
+                    out.data_ptr<c10::BFloat16>(), rows, d, e);
+      break;
+    default: TORCH_CHECK(false, "rms_norm: unsupported dtype ", x.scalar_type());
+  }
+  return out;
+}
+
+// silu(g) = g * sigmoid(g), sigmoid from exp(-|g|) (exp_nonpositive's polynomial, 16 lanes in GCC's vector
+// extensions): never overflows
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+inline v16 silu16(v16 g) {
+  const v16 zero = {}, one = zero + 1.0f;
+  const v16 a = g < zero ? -g : g;
+  v16 x = -a;
+  x = x < zero - 87.0f ? zero - 87.0f : x;
+  const v16 y = x * 1.4426950408889634f + 0.5f;
+  v16i n = __builtin_convertvector(y, v16i);  // toward zero; one less where that rounded up (floor)
+  n += (v16i)(__builtin_convertvector(n, v16) > y);
+  const v16 nf = __builtin_convertvector(n, v16);
+  const v16 r = x - nf * 0.693145751953125f - nf * 1.428606765330187e-06f;
+  v16 p = zero + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const v16i bits = (n + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  const v16 e = -a < zero - 87.0f ? zero : p * scale;  // past float32's range: sigmoid(-|g|) is 0, as PyTorch's
+  return g * ((g < zero ? e : one) / (one + e));
+}
+
+inline float silu(float g) {
+  const float e = g < -87.0f || g > 87.0f ? 0.0f : exp_nonpositive(-std::fabs(g));
+  return g * ((g >= 0.0f ? 1.0f : e) / (1.0f + e));
+}
+
+inline void silu_row(float* g, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) store16(g + i, silu16(load16(g + i)));
+  for (; i < n; ++i) g[i] = silu(g[i]);
+}
+
+template <typename T>
+void silu_and_mul_rows(const T* x, int64_t x_row, T* out, int64_t rows, int64_t half) {
+  const int64_t grain = std::max<int64_t>(1, kElementwiseGrain / std::max<int64_t>(half, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> gf(half);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = x + r * x_row;
+      const T* u = g + half;
+      T* o = out + r * half;
+      for (int64_t i = 0; i < half; ++i) gf[i] = static_cast<float>(g[i]);
+      silu_row(gf.data(), half);
+      // the activation rounded to the dtype before the product, as two eager operators round
+      for (int64_t i = 0; i < half; ++i) {
+        o[i] = from_float<T>(static_cast<float>(from_float<T>(gf[i])) * static_cast<float>(u[i]));
+      }
+    }
+  });
+}
+
+// gate_up [..., 2I] -> [..., I]: silu(gate) * up
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu(), "silu_and_mul: a CPU tensor");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "silu_and_mul: an even last dimension");
+  const int64_t half = x.size(-1) / 2;
+  const at::Tensor x2 = (x.dim() == 2 ? x : x.reshape({-1, 2 * half}));
+  const at::Tensor xc = x2.stride(-1) == 1 ? x2 : x2.contiguous();
+  auto sizes = x.sizes().vec();
+  sizes.back() = half;
+  auto out = at::empty(sizes, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t rows = xc.size(0);
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      silu_and_mul_rows(xc.data_ptr<float>(), xc.stride(0), out.data_ptr<float>(), rows, half);
+      break;
+    case at::kBFloat16:
+      silu_and_mul_rows(xc.data_ptr<c10::BFloat16>(), xc.stride(0), out.data_ptr<c10::BFloat16>(), rows, half);
+      break;
+    default: TORCH_CHECK(false, "silu_and_mul: unsupported dtype ", x.scalar_type());
+  }
+  return out;
+}
+
+// One token's heads. Products rounded one by one and then added, as the eager operators do: no fused multiply-add
+// (a function of its own, kept out of line: inlined into at::parallel_for's threaded region, it lost the attribute).
+template <typename T>
+__attribute__((noinline, optimize("fp-contract=off"))) void rotary_token(const T* x, int64_t x_head, const float* c,
+                                                                          const float* s, T* out, int64_t h,
+                                                                          int64_t d, bool interleaved, float* x1,
+                                                                          float* x2) {
+  const int64_t half = d / 2;
+  for (int64_t j = 0; j < h; ++j) {
+    const T* xr = x + j * x_head;
+    T* o = out + j * d;
+    if (interleaved) {  // pairs (0, 1), (2, 3), ...: the even channels are the first half, the odd the second
+      for (int64_t k = 0; k < half; ++k) {
+        x1[k] = static_cast<float>(xr[2 * k]);
+        x2[k] = static_cast<float>(xr[2 * k + 1]);
+      }
+    } else {
+      for (int64_t k = 0; k < half; ++k) {
+        x1[k] = static_cast<float>(xr[k]);
+        x2[k] = static_cast<float>(xr[half + k]);
+      }
+    }
+    for (int64_t k = 0; k < half; ++k) {
+      const float a = x1[k] * c[k], b = x2[k] * s[k];
+      o[k] = from_float<T>(a - b);
+    }
+    for (int64_t k = 0; k < half; ++k) {
+      const float a = x2[k] * c[k], b = x1[k] * s[k];
+      o[half + k] = from_float<T>(a + b);
+    }
+  }
+}
+
+template <typename T>
+void rotary_rows(const T* x, int64_t x_tok, int64_t x_head, const float* cos, const float* sin, T* out, int64_t t,
+                 int64_t h, int64_t d, bool interleaved) {
+  const int64_t half = d / 2;
+  const int64_t grain = std::max<int64_t>(1, kElementwiseGrain / std::max<int64_t>(h * d, 1));
+  at::parallel_for(0, t, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> x1(half), x2(half);
+    for (int64_t i = begin; i < end; ++i) {
+      rotary_token(x + i * x_tok, x_head, cos + i * half, sin + i * half, out + i * h * d, h, d, interleaved,
+                   x1.data(), x2.data());
+    }
+  });
+}
+
+// x [t, h, d] (channels contiguous, any token and head strides), cos / sin [t, d / 2] float32 -> x rotated,
+// contiguous, in the rotated half-by-half order (interleaved pairs come out as the reference's permuted order)
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved) {
+  TORCH_CHECK(x.device().is_cpu(), "rotary: CPU tensors");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "rotary: x [t, h, d], d even, contiguous");
+  const int64_t t = x.size(0), h = x.size(1), d = x.size(2);
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.dim() == 2 && sin.dim() == 2 && cos.size(0) == t && sin.size(0) == t &&
+                  cos.size(1) == d / 2 && sin.size(1) == d / 2,
+              "rotary: cos / sin contiguous float32 [t, d / 2]");
+  auto out = at::empty({t, h, d}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      rotary_rows(x.data_ptr<float>(), x.stride(0), x.stride(1), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                  out.data_ptr<float>(), t, h, d, interleaved);
+      break;
+    case at::kBFloat16:
+      rotary_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), x.stride(1), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                  out.data_ptr<c10::BFloat16>(), t, h, d, interleaved);
+      break;
+    default: TORCH_CHECK(false, "rotary: unsupported dtype ", x.scalar_type());
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("parallel_threads", &parallel_threads, "Threads at::parallel_for runs n items on");
   m.def("paged_attention", &paged_attention, "Paged attention with LSE over kvshard's KV cache (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm with float32 statistics, fused (CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up, fused (CPU)");
+  m.def("rotary", &rotary, "Rotary embedding of [t, h, d] by [t, d / 2] angles, fused (CPU)");
 #if defined(KVSHARD_TILED)
   m.attr("tiled") = true;
 #else

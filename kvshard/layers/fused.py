@@ -1,0 +1,44 @@
+"""The model step's elementwise operators fused on CPU: RMSNorm, SiLU-and-multiply and the rotary
+embedding, each one C++ call of kvshard's kernel extension (attention/csrc/paged_attention.cpp)
+instead of PyTorch's eager chain of a multiply, a conversion or a reduction per operator.
+
+A decode step of a small model is mostly such dispatches: the GQA demo's bfloat16 step at 8 requests
+spent some 0.6 ms of its 3.2 ms in them (BENCHMARKS.md section 22). The arithmetic is the eager
+operators' own (float32, rounded to the tensor's dtype where they round); only a float32 sum of
+squares adds up in another order. The eager forms in norm.py, activation.py and rotary.py stay: they
+run on other devices and dtypes, inside a compiled graph (inductor fuses them itself), where the
+extension cannot be built, and with KVSHARD_FUSED_ELEMENTWISE=0; the tests compare the two.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvshard import envs
+
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
+_ops = None  # the extension, False once it is known to be off or unavailable; None until first asked
+
+
+def cpu_ops():
+    """The extension's module where fused operators are on (KVSHARD_FUSED_ELEMENTWISE, a built kernel), else None."""
+    global _ops
+    if _ops is None:
+        from kvshard.attention import paged
+
+        _ops = (envs.get("KVSHARD_FUSED_ELEMENTWISE") and paged.load_extension()) or False
+    return _ops or None
+
+
+def reset() -> None:
+    """Ask again at the next call (after the environment changed: tests)."""
+    global _ops
+    _ops = None
+
+
+def ops_for(x: torch.Tensor):
+    """The extension where `x` can take a fused operator (a CPU float32 / bfloat16 tensor outside a compiled
+    graph), else None."""
+    if x.device.type != "cpu" or x.dtype not in FUSED_DTYPES or torch.compiler.is_compiling():
+        return None
+    return cpu_ops()

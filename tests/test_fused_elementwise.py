@@ -1,0 +1,152 @@
+"""The fused CPU operators (kvshard/layers/fused.py: RMSNorm, SiLU-and-multiply, rotary embedding) against
+their eager PyTorch forms and a float64 reference: odd widths (the 16-lane loops' tails), strided inputs, 3-D
+inputs, arguments that overflow a naive exp, and rows computed alone against rows computed in a batch.
+The models' exactness suites run with them on (the default); these tests pin each operator."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from kvshard.attention import paged
+from kvshard.layers import fused
+from kvshard.layers.activation import silu_and_mul, silu_and_mul_eager
+from kvshard.layers.norm import RMSNorm
+from kvshard.layers.rotary import apply_rotary, apply_rotary_eager
+
+NO_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is None
+pytestmark = pytest.mark.skipif(NO_COMPILER, reason="no C++ compiler found to build kvshard's kernel extension")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture
+def ops(monkeypatch):
+    monkeypatch.delenv("KVSHARD_FUSED_ELEMENTWISE", raising=False)
+    fused.reset()
+    module = fused.cpu_ops()
+    assert module is not None, "the kernel extension did not build (see the warning logged)"
+    yield module
+    fused.reset()
+
+
+def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many representable values of the dtype lie between a and b (same sign), elementwise."""
+    view = torch.int16 if a.dtype == torch.bfloat16 else torch.int32
+    return (a.view(view).to(torch.int64) - b.view(view).to(torch.int64)).abs()
+
+
+def _assert_roundings_apart(got: torch.Tensor, want: torch.Tensor) -> None:
+    """float32: a few roundings apart; bfloat16: at most one representable value apart."""
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    else:
+        assert _ulps_apart(got, want).max() <= 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 256), (37, 576), (3, 5, 50), (2000, 64)])
+def test_rms_norm_matches_the_eager_form(ops, dtype, shape):
+    torch.manual_seed(0)
+    d = shape[-1]
+    norm = RMSNorm(d, 1e-5, dtype)
+    norm.weight.data = (torch.randn(d) * 0.5 + 1).to(dtype)
+    x = (torch.randn(*shape) * 3).to(dtype)
+    got, want = ops.rms_norm(x, norm.weight, norm.eps), norm.eager(x)
+    assert got.shape == want.shape and got.dtype == dtype
+    # the only difference: the float32 sum of squares adds up in another order (rstd a rounding or two apart)
+    _assert_roundings_apart(got, want)
+    x64 = x.double()
+    exact = norm.weight.double() * x64 / (x64.pow(2).mean(-1, keepdim=True) + norm.eps).sqrt()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), exact, rtol=tol, atol=tol)
+    # the layer takes the fused path
+    assert torch.equal(norm(x), got)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_reads_strided_rows_and_does_not_depend_on_the_batch(ops, dtype):
+    torch.manual_seed(1)
+    norm = RMSNorm(72, 1e-6, dtype)
+    norm.weight.data = torch.randn(72).to(dtype)
+    wide = torch.randn(300, 200).to(dtype)
+    x = wide[:, 10:82]  # rows 200 apart, channels contiguous
+    got = ops.rms_norm(x, norm.weight, norm.eps)
+    _assert_roundings_apart(got, norm.eager(x.contiguous()))
+    alone = torch.cat([ops.rms_norm(x[i:i + 1], norm.weight, norm.eps) for i in range(x.shape[0])])
+    assert torch.equal(got, alone)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 2 * 768), (9, 2 * 37), (4, 3, 2 * 64)])
+def test_silu_and_mul_matches_the_eager_form(ops, dtype, shape):
+    torch.manual_seed(2)
+    x = (torch.randn(*shape) * 6).to(dtype)
+    x.view(-1)[:8] = torch.tensor([0.0, -0.0, -90.0, 90.0, -1000.0, 1000.0, -87.5, 1e-30]).to(dtype)
+    got, want = ops.silu_and_mul(x), silu_and_mul_eager(x)
+    assert got.shape == want.shape and got.dtype == dtype
+    assert torch.isfinite(got).all()
+    assert (got.view(-1)[[2, 4]] == 0).all() and (want.view(-1)[[2, 4]] == 0).all()  # silu(-90), silu(-1000)
+    x64 = x.double()
+    gate, up = x64.chunk(2, dim=-1)
+    exact = gate * torch.sigmoid(gate) * up
+    if dtype == torch.float32:  # another exp polynomial than PyTorch's: a few float32 roundings apart
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-30)
+        torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-30)
+    else:  # rounded to bfloat16 twice, as the eager operators round; past -87 both give 0 where the exact is < 1e-36
+        apart = _ulps_apart(got, want)[(want.abs() > 1e-30) | (got.abs() > 1e-30)]
+        assert apart.max() <= 1 and (apart > 0).float().mean() < 0.01
+        torch.testing.assert_close(got.double(), exact, rtol=2e-2, atol=1e-30)
+    assert torch.equal(silu_and_mul(x), got)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("heads,d", [(8, 32), (9, 64), (1, 20), (3, 2)])
+def test_rotary_gives_the_eager_bits(ops, dtype, interleaved, heads, d):
+    torch.manual_seed(3)
+    t = 23
+    qkv = (torch.randn(t, (heads + 2) * d) * 2).to(dtype)
+    x = qkv[:, :heads * d].view(t, heads, d)  # a view of a fused projection: token stride (heads + 2) * d
+    angles = torch.randn(t, d // 2) * 5
+    cos, sin = angles.cos(), angles.sin()
+    got, want = ops.rotary(x, cos, sin, interleaved), apply_rotary_eager(x, cos, sin, interleaved)
+    assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous()
+    # the same products, rounded one by one (no fused multiply-add), on one thread or two
+    assert torch.equal(got, want)
+    assert torch.equal(apply_rotary(x, cos, sin, interleaved), got)
+
+
+def test_rotary_many_tokens_on_every_thread(ops):
+    """Enough tokens that the threads share them: each thread's products are rounded as the eager ones."""
+    torch.manual_seed(4)
+    x = torch.randn(4000, 8, 64)
+    angles = torch.randn(4000, 32)
+    cos, sin = angles.cos(), angles.sin()
+    assert torch.equal(ops.rotary(x, cos, sin, False), apply_rotary_eager(x, cos, sin))
+
+
+def test_what_takes_the_fused_path(ops, monkeypatch):
+    x32, x16 = torch.randn(4, 64), torch.randn(4, 64).half()
+    assert fused.ops_for(x32) is ops and fused.ops_for(x32.bfloat16()) is ops
+    assert fused.ops_for(x16) is None  # float16: PyTorch's operators
+    calls = []
+    monkeypatch.setattr(fused, "ops_for", lambda x: calls.append(x) or None)
+    norm = RMSNorm(64, 1e-5, torch.float32)
+    assert torch.equal(norm(x32), norm.eager(x32))  # no extension: the eager form
+    assert calls
+
+
+def test_the_switch_turns_them_off(monkeypatch):
+    monkeypatch.setenv("KVSHARD_FUSED_ELEMENTWISE", "0")
+    fused.reset()
+    try:
+        assert fused.cpu_ops() is None and fused.ops_for(torch.randn(2, 8)) is None
+        assert paged.load_extension() is not None  # the extension itself stays built
+        x = torch.randn(5, 2 * 40)
+        assert torch.equal(silu_and_mul(x), silu_and_mul_eager(x))
+    finally:
+        fused.reset()
