@@ -1,0 +1,83 @@
+"""The fused CPU elementwise operators (kvshard/layers/fused.py) against their eager PyTorch forms.
+
+For each operator, dtype and row count: the median time of the fused call and of the eager form, in turn, at a
+model's widths (the demo models': hidden 256, MLP 768, 8 query heads and 1 KV head of 32 channels; SmolLM2's:
+576, 1,536, 9 and 3 of 64). Rows: a decode step's few requests and a prefill chunk's tokens.
+
+    PYTHONPATH=$PWD .venv/bin/python scripts/bench_fused_elementwise.py [--widths smollm2] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from kvshard.engine.process_setup import keep_freed_memory
+from kvshard.layers import fused
+from kvshard.layers.activation import silu_and_mul_eager
+from kvshard.layers.norm import RMSNorm
+from kvshard.layers.rotary import apply_rotary_eager
+
+WIDTHS = {  # hidden, MLP, query heads, KV heads, head size
+    "demo": (256, 768, 8, 1, 32),
+    "smollm2": (576, 1536, 9, 3, 64),
+}
+
+
+def median_us(fn, repeat: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--widths", choices=sorted(WIDTHS), default="demo")
+    parser.add_argument("--rows", type=int, nargs="+", default=[8, 32, 2048])
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--repeat", type=int, default=200)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    keep_freed_memory()  # as every rank does: a prefill's outputs reuse memory instead of faulting in fresh pages
+    ops = fused.cpu_ops()
+    if ops is None:
+        raise SystemExit("the fused operators are off or the kernel extension did not build")
+    hidden, mlp, heads, kv_heads, d = WIDTHS[args.widths]
+    print(f"widths {args.widths}: hidden {hidden}, MLP {mlp}, {heads} + {kv_heads} heads of {d}; "
+          f"{torch.get_num_threads()} thread(s); median us, fused / eager")
+    print("| dtype | rows | RMSNorm | SiLU-and-multiply | rotary (q and k) |")
+    print("|---|---|---|---|---|")
+    torch.manual_seed(0)
+    for dtype in fused.FUSED_DTYPES:
+        norm = RMSNorm(hidden, 1e-5, dtype)
+        for t in args.rows:
+            x = torch.randn(t, hidden).to(dtype)
+            gate_up = torch.randn(t, 2 * mlp).to(dtype)
+            qkv = torch.randn(t, (heads + 2 * kv_heads) * d).to(dtype)
+            q = qkv[:, :heads * d].view(t, heads, d)
+            k = qkv[:, heads * d:(heads + kv_heads) * d].view(t, kv_heads, d)
+            angles = torch.randn(t, d // 2)
+            cos, sin = angles.cos(), angles.sin()
+            cells = []
+            for fast, slow in (
+                (lambda: ops.rms_norm(x, norm.weight, norm.eps), lambda: norm.eager(x)),
+                (lambda: ops.silu_and_mul(gate_up), lambda: silu_and_mul_eager(gate_up)),
+                (lambda: (ops.rotary(q, cos, sin, False), ops.rotary(k, cos, sin, False)),
+                 lambda: (apply_rotary_eager(q, cos, sin), apply_rotary_eager(k, cos, sin))),
+            ):
+                a, b = median_us(fast, args.repeat), median_us(slow, args.repeat)
+                cells.append(f"{a:.1f} / {b:.1f} ({b / a:.1f}x)")
+            print(f"| {str(dtype).removeprefix('torch.')} | {t} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
