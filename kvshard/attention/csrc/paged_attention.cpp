@@ -39,18 +39,24 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kMaxVectors = 64;  // query vectors (rows x heads) per item
 
-// exp(x) for finite x <= 0, in a form the compiler vectorises (no libm call): 2^n * p(r)
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float n = std::floor(x * 1.4426950408889634f + 0.5f);
-  const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-  float p = 1.0f / 720.0f;
+// exp(r) for |r| <= ln(2) / 2: its Taylor polynomial to r^6, on a float or on a vector of them
+template <typename T>
+inline T exp_polynomial(T r) {
+  T p = T{} + 1.0f / 720.0f;
   p = p * r + 1.0f / 120.0f;
   p = p * r + 1.0f / 24.0f;
   p = p * r + 1.0f / 6.0f;
   p = p * r + 0.5f;
   p = p * r + 1.0f;
-  p = p * r + 1.0f;
+  return p * r + 1.0f;
+}
+
+// exp(x) for finite x <= 0, in a form the compiler vectorises (no libm call): 2^n * p(r)
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = std::floor(x * 1.4426950408889634f + 0.5f);
+  const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+  const float p = exp_polynomial(r);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
@@ -1447,13 +1453,7 @@ inline v16 silu16(v16 g) {
   n += (v16i)(__builtin_convertvector(n, v16) > y);
   const v16 nf = __builtin_convertvector(n, v16);
   const v16 r = x - nf * 0.693145751953125f - nf * 1.428606765330187e-06f;
-  v16 p = zero + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
+  const v16 p = exp_polynomial(r);
   const v16i bits = (n + 127) << 23;
   v16 scale;
   std::memcpy(&scale, &bits, sizeof(scale));
