@@ -150,3 +150,17 @@ def test_the_switch_turns_them_off(monkeypatch):
         assert torch.equal(silu_and_mul(x), silu_and_mul_eager(x))
     finally:
         fused.reset()
+
+
+def test_the_start_up_report_names_them(ops, monkeypatch):
+    from kvshard.engine.arg_utils import EngineArgs
+
+    config = EngineArgs(model="kvshard-demo-gqa", dtype="bfloat16").create_engine_config()
+    assert "elementwise operators: fused C++ RMSNorm" in config.layout_report()
+    assert "(fused on a CPU only)" in fused.describe(config, "cuda")
+    half = EngineArgs(model="kvshard-demo-gqa", dtype="float16").create_engine_config()
+    assert "(fused for float32 and bfloat16 only)" in fused.describe(half, "cpu")
+    compiled = EngineArgs(model="kvshard-demo-gqa", compilation_config=3).create_engine_config()
+    assert "inductor's, fused in the compiled model step" in fused.describe(compiled, "cpu")
+    monkeypatch.setenv("KVSHARD_FUSED_ELEMENTWISE", "0")
+    assert "(KVSHARD_FUSED_ELEMENTWISE=0)" in fused.describe(config, "cpu")

@@ -39,6 +39,7 @@ def startup_report(config: EngineConfig, compile_seconds: float | None = None) -
         _attention_backend_line(config.attention_backend),
         _decode_graphs_line(config),
         _compilation_line(config, compile_seconds),
+        _elementwise_line(config),
         f"KV cache dtype: {str(config.kv_cache_dtype).removeprefix('torch.')}; "
         f"KV bytes per token per rank: {config.kv_bytes_per_token_per_rank:,.1f} "
         f"({config.kv_bytes_per_slot:,} per slot, {config.model.num_layers} layers, "
@@ -70,6 +71,12 @@ def _compilation_line(config: EngineConfig, compile_seconds: float | None) -> st
     from kvshard.compilation import describe_compilation
 
     return describe_compilation(config, compile_seconds)
+
+
+def _elementwise_line(config: EngineConfig) -> str:
+    from kvshard.layers.fused import describe
+
+    return describe(config)
 
 
 def _decode_graphs_line(config: EngineConfig) -> str:

@@ -42,3 +42,25 @@ def ops_for(x: torch.Tensor):
     if x.device.type != "cpu" or x.dtype not in FUSED_DTYPES or torch.compiler.is_compiling():
         return None
     return cpu_ops()
+
+
+def describe(config, device_type: str | None = None) -> str:
+    """The start-up report's line: which elementwise operators the model step runs."""
+    from kvshard.attention import paged
+    from kvshard.compilation import compile_unavailable
+
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    eager = "elementwise operators: PyTorch's eager RMSNorm, SiLU-and-multiply and rotary embedding"
+    if device_type != "cpu":
+        return f"{eager} (fused on a CPU only)"
+    if config.model.dtype not in FUSED_DTYPES:
+        return f"{eager} (fused for float32 and bfloat16 only)"
+    if not envs.get("KVSHARD_FUSED_ELEMENTWISE"):
+        return f"{eager} (KVSHARD_FUSED_ELEMENTWISE=0)"
+    if paged.load_extension() is None:
+        return f"{eager} (the kernel extension is unavailable: {paged.unavailable_reason()})"
+    if compile_unavailable(config, device_type) is None:
+        return "elementwise operators: inductor's, fused in the compiled model step"
+    return ("elementwise operators: fused C++ RMSNorm, SiLU-and-multiply and rotary embedding "
+            "(KVSHARD_FUSED_ELEMENTWISE=0 keeps PyTorch's eager ones)")
