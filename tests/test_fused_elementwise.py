@@ -129,6 +129,15 @@ def test_rotary_many_tokens_on_every_thread(ops):
     assert torch.equal(ops.rotary(x, cos, sin, False), apply_rotary_eager(x, cos, sin))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_step_with_no_rows(ops, dtype):
+    norm = RMSNorm(64, 1e-5, dtype)
+    assert ops.rms_norm(torch.empty(0, 64, dtype=dtype), norm.weight, 1e-5).shape == (0, 64)
+    assert ops.silu_and_mul(torch.empty(0, 2 * 48, dtype=dtype)).shape == (0, 48)
+    empty = torch.empty(0, 16)
+    assert ops.rotary(torch.empty(0, 4, 32, dtype=dtype), empty, empty, False).shape == (0, 4, 32)
+
+
 def test_what_takes_the_fused_path(ops, monkeypatch):
     x32, x16 = torch.randn(4, 64), torch.randn(4, 64).half()
     assert fused.ops_for(x32) is ops and fused.ops_for(x32.bfloat16()) is ops

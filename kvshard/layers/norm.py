@@ -16,7 +16,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = fused.ops_for(x)
-        if ops is not None and self.weight.dtype == x.dtype and x.stride(-1) == 1:
+        if ops is not None and self.weight.dtype == x.dtype and x.stride(-1) == 1 and self.weight.is_contiguous():
             return ops.rms_norm(x, self.weight, self.eps)
         return self.eager(x)
 
