@@ -5,13 +5,21 @@ model's widths (the demo models': hidden 256, MLP 768, 8 query heads and 1 KV he
 576, 1,536, 9 and 3 of 64). Rows: a decode step's few requests and a prefill chunk's tokens.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/bench_fused_elementwise.py [--widths smollm2] [--threads 1]
+
+An AVX2 stand-in on an AVX-512 machine: the extension built for -march=haswell in a temporary folder, PyTorch's
+operators held to AVX2:
+
+    ATEN_CPU_CAPABILITY=avx2 PYTHONPATH=$PWD .venv/bin/python scripts/bench_fused_elementwise.py --march haswell
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -38,22 +46,38 @@ def median_us(fn, repeat: int) -> float:
     return statistics.median(times) * 1e6
 
 
+def build_for(march: str):
+    """The kernel extension built for `-march=MARCH` in a temporary folder (not the engines' cache)."""
+    from torch.utils.cpp_extension import load
+
+    from kvshard.attention import paged
+
+    folder = Path(tempfile.mkdtemp(prefix="kvshard-fused-bench-"))
+    source = folder / paged._SOURCE.name
+    shutil.copyfile(paged._SOURCE, source)
+    return load(name=f"kvshard_fused_bench_{march.replace('-', '_')}", sources=[str(source)],
+                extra_cflags=paged._FLAGS + [f"-march={march}"], extra_ldflags=paged._LDFLAGS,
+                build_directory=str(folder), verbose=False)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--widths", choices=sorted(WIDTHS), default="demo")
     parser.add_argument("--rows", type=int, nargs="+", default=[8, 32, 2048])
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--repeat", type=int, default=200)
+    parser.add_argument("--march", default=None, help="build the extension for this -march (see above)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     keep_freed_memory()  # as every rank does: a prefill's outputs reuse memory instead of faulting in fresh pages
-    ops = fused.cpu_ops()
+    ops = build_for(args.march) if args.march else fused.cpu_ops()
     if ops is None:
         raise SystemExit("the fused operators are off or the kernel extension did not build")
     hidden, mlp, heads, kv_heads, d = WIDTHS[args.widths]
     print(f"widths {args.widths}: hidden {hidden}, MLP {mlp}, {heads} + {kv_heads} heads of {d}; "
-          f"{torch.get_num_threads()} thread(s); median us, fused / eager")
+          f"{torch.get_num_threads()} thread(s); the extension's AVX-512 path: {bool(ops.tiled)}; "
+          f"PyTorch's CPU capability: {torch.backends.cpu.get_cpu_capability()}; median us, fused / eager")
     print("| dtype | rows | RMSNorm | SiLU-and-multiply | rotary (q and k) |")
     print("|---|---|---|---|---|")
     torch.manual_seed(0)

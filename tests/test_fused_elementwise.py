@@ -142,11 +142,35 @@ def test_what_takes_the_fused_path(ops, monkeypatch):
     x32, x16 = torch.randn(4, 64), torch.randn(4, 64).half()
     assert fused.ops_for(x32) is ops and fused.ops_for(x32.bfloat16()) is ops
     assert fused.ops_for(x16) is None  # float16: PyTorch's operators
+    if ops.tiled:
+        assert fused.ops_for(x32, avx512=True) is ops
     calls = []
-    monkeypatch.setattr(fused, "ops_for", lambda x: calls.append(x) or None)
+    monkeypatch.setattr(fused, "ops_for", lambda x, avx512=False: calls.append(x) or None)
     norm = RMSNorm(64, 1e-5, torch.float32)
     assert torch.equal(norm(x32), norm.eager(x32))  # no extension: the eager form
     assert calls
+
+
+def test_a_build_without_avx512_fuses_the_rotary_embedding_alone(ops, monkeypatch):
+    """Built for AVX2, the fused RMSNorm and SiLU ran slower than PyTorch's (BENCHMARKS.md section 22)."""
+
+    class Avx2Build:
+        tiled = False
+        rotary = staticmethod(ops.rotary)
+
+    monkeypatch.setattr(fused, "_ops", Avx2Build())
+    x = torch.randn(6, 4, 32)
+    angles = torch.randn(6, 16)
+    assert fused.ops_for(x) is not None and fused.ops_for(x, avx512=True) is None
+    norm = RMSNorm(32, 1e-5, torch.float32)
+    assert torch.equal(norm(x), norm.eager(x))  # the eager form, without an rms_norm on the stub
+    assert torch.equal(silu_and_mul(x), silu_and_mul_eager(x))
+    assert torch.equal(apply_rotary(x, angles.cos(), angles.sin()), ops.rotary(x, angles.cos(), angles.sin(), False))
+    from kvshard.engine.arg_utils import EngineArgs
+
+    monkeypatch.setattr(paged, "load_extension", lambda: Avx2Build())
+    config = EngineArgs(model="kvshard-demo-gqa", dtype="bfloat16").create_engine_config()
+    assert "fused C++ rotary embedding; PyTorch's eager RMSNorm" in fused.describe(config, "cpu")
 
 
 def test_the_switch_turns_them_off(monkeypatch):

@@ -8,7 +8,7 @@ from kvshard.layers import fused
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[..., 2*I] -> [..., I]: silu(gate) * up."""
-    ops = fused.ops_for(gate_up)
+    ops = fused.ops_for(gate_up, avx512=True)
     if ops is not None:
         return ops.silu_and_mul(gate_up)
     return silu_and_mul_eager(gate_up)

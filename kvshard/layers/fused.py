@@ -36,12 +36,17 @@ def reset() -> None:
     _ops = None
 
 
-def ops_for(x: torch.Tensor):
+def ops_for(x: torch.Tensor, avx512: bool = False):
     """The extension where `x` can take a fused operator (a CPU float32 / bfloat16 tensor outside a compiled
-    graph), else None."""
+    graph), else None. `avx512`: only where the extension is built with AVX-512 (its `tiled` path): RMSNorm and
+    SiLU-and-multiply built for AVX2 ran 0.4-0.8x and 0.1-0.3x PyTorch's AVX2 operators at a prefill's rows
+    (BENCHMARKS.md section 22), where the rotary embedding still ran 3-15x faster."""
     if x.device.type != "cpu" or x.dtype not in FUSED_DTYPES or torch.compiler.is_compiling():
         return None
-    return cpu_ops()
+    ops = cpu_ops()
+    if ops is None or (avx512 and not ops.tiled):
+        return None
+    return ops
 
 
 def describe(config, device_type: str | None = None) -> str:
@@ -62,5 +67,8 @@ def describe(config, device_type: str | None = None) -> str:
         return f"{eager} (the kernel extension is unavailable: {paged.unavailable_reason()})"
     if compile_unavailable(config, device_type) is None:
         return "elementwise operators: inductor's, fused in the compiled model step"
+    if not paged.load_extension().tiled:
+        return ("elementwise operators: fused C++ rotary embedding; PyTorch's eager RMSNorm and SiLU-and-multiply "
+                "(fused on AVX-512 CPUs only; KVSHARD_FUSED_ELEMENTWISE=0 keeps all three eager)")
     return ("elementwise operators: fused C++ RMSNorm, SiLU-and-multiply and rotary embedding "
             "(KVSHARD_FUSED_ELEMENTWISE=0 keeps PyTorch's eager ones)")

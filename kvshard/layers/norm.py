@@ -15,7 +15,7 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = copy_whole
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = fused.ops_for(x)
+        ops = fused.ops_for(x, avx512=True)
         if ops is not None and self.weight.dtype == x.dtype and x.stride(-1) == 1 and self.weight.is_contiguous():
             return ops.rms_norm(x, self.weight, self.eps)
         return self.eager(x)
