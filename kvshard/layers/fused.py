@@ -7,7 +7,8 @@ spent some 0.6 ms of its 3.2 ms in them (BENCHMARKS.md section 22). The arithmet
 operators' own (float32, rounded to the tensor's dtype where they round); only a float32 sum of
 squares adds up in another order. The eager forms in norm.py, activation.py and rotary.py stay: they
 run on other devices and dtypes, inside a compiled graph (inductor fuses them itself), where the
-extension cannot be built, and with KVSHARD_FUSED_ELEMENTWISE=0; the tests compare the two.
+extension cannot be built, for RMSNorm and SiLU where it is built without AVX-512 (there they were
+slower than PyTorch's), and with KVSHARD_FUSED_ELEMENTWISE=0; the tests compare the two.
 """
 
 from __future__ import annotations
