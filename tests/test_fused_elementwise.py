@@ -63,8 +63,8 @@ def test_rms_norm_matches_the_eager_form(ops, dtype, shape):
     exact = norm.weight.double() * x64 / (x64.pow(2).mean(-1, keepdim=True) + norm.eps).sqrt()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.double(), exact, rtol=tol, atol=tol)
-    # the layer takes the fused path
-    assert torch.equal(norm(x), got)
+    # the layer takes the fused path where the extension has its AVX-512 path, else the eager form
+    assert torch.equal(norm(x), got if ops.tiled else want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -100,7 +100,7 @@ def test_silu_and_mul_matches_the_eager_form(ops, dtype, shape):
         apart = _ulps_apart(got, want)[(want.abs() > 1e-30) | (got.abs() > 1e-30)]
         assert apart.max() <= 1 and (apart > 0).float().mean() < 0.01
         torch.testing.assert_close(got.double(), exact, rtol=2e-2, atol=1e-30)
-    assert torch.equal(silu_and_mul(x), got)
+    assert torch.equal(silu_and_mul(x), got if ops.tiled else want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -189,7 +189,8 @@ def test_the_start_up_report_names_them(ops, monkeypatch):
     from kvshard.engine.arg_utils import EngineArgs
 
     config = EngineArgs(model="kvshard-demo-gqa", dtype="bfloat16").create_engine_config()
-    assert "elementwise operators: fused C++ RMSNorm" in config.layout_report()
+    assert ("elementwise operators: fused C++ RMSNorm" if ops.tiled else
+            "elementwise operators: fused C++ rotary embedding; PyTorch's eager RMSNorm") in config.layout_report()
     assert "(fused on a CPU only)" in fused.describe(config, "cuda")
     half = EngineArgs(model="kvshard-demo-gqa", dtype="float16").create_engine_config()
     assert "(fused for float32 and bfloat16 only)" in fused.describe(half, "cpu")
