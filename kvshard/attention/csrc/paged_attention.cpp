@@ -39,24 +39,18 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kMaxVectors = 64;  // query vectors (rows x heads) per item
 
-// exp(r) for |r| <= ln(2) / 2: its Taylor polynomial to r^6, on a float or on a vector of them
-template <typename T>
-inline T exp_polynomial(T r) {
-  T p = T{} + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  return p * r + 1.0f;
-}
-
 // exp(x) for finite x <= 0, in a form the compiler vectorises (no libm call): 2^n * p(r)
 inline float exp_nonpositive(float x) {
   x = x < -87.0f ? -87.0f : x;
   const float n = std::floor(x * 1.4426950408889634f + 0.5f);
   const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-  const float p = exp_polynomial(r);
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
@@ -1376,11 +1370,6 @@ int64_t parallel_threads(int64_t n) {
 
 constexpr int64_t kElementwiseGrain = 1 << 15;
 
-template <typename T>
-inline T from_float(float x) {
-  return static_cast<T>(x);
-}
-
 // the sum of squares of n floats: 16 lanes of partial sums, then the lanes and the tail
 inline float sum_of_squares(const float* x, int64_t n) {
   v16 acc = {};
@@ -1407,7 +1396,7 @@ void rms_norm_rows(const T* x, int64_t x_row, const T* w, T* out, int64_t rows, 
       for (int64_t i = 0; i < d; ++i) xf[i] = static_cast<float>(xr[i]);
       const float rstd = 1.0f / std::sqrt(sum_of_squares(xf.data(), d) / static_cast<float>(d) + eps);
       for (int64_t i = 0; i < d; ++i) {
-        o[i] = from_float<T>(wf[i] * static_cast<float>(from_float<T>(xf[i] * rstd)));
+        o[i] = static_cast<T>(wf[i] * static_cast<float>(static_cast<T>(xf[i] * rstd)));
       }
     }
   });
@@ -1439,36 +1428,29 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
-// silu(g) = g * sigmoid(g), sigmoid from exp(-|g|) (exp_nonpositive's polynomial, 16 lanes in GCC's vector
-// extensions): never overflows
-typedef int32_t v16i __attribute__((vector_size(64)));
-
-inline v16 silu16(v16 g) {
-  const v16 zero = {}, one = zero + 1.0f;
-  const v16 a = g < zero ? -g : g;
-  v16 x = -a;
-  x = x < zero - 87.0f ? zero - 87.0f : x;
-  const v16 y = x * 1.4426950408889634f + 0.5f;
-  v16i n = __builtin_convertvector(y, v16i);  // toward zero; one less where that rounded up (floor)
-  n += (v16i)(__builtin_convertvector(n, v16) > y);
-  const v16 nf = __builtin_convertvector(n, v16);
-  const v16 r = x - nf * 0.693145751953125f - nf * 1.428606765330187e-06f;
-  const v16 p = exp_polynomial(r);
-  const v16i bits = (n + 127) << 23;
-  v16 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  const v16 e = -a < zero - 87.0f ? zero : p * scale;  // past float32's range: sigmoid(-|g|) is 0, as PyTorch's
-  return g * ((g < zero ? e : one) / (one + e));
-}
-
+// silu(g) = g * sigmoid(g), sigmoid from exp(-|g|) (the kernel's exp): never overflows; below -87 (past float32's
+// range) sigmoid(-|g|) is 0, as PyTorch's
 inline float silu(float g) {
   const float e = g < -87.0f || g > 87.0f ? 0.0f : exp_nonpositive(-std::fabs(g));
   return g * ((g >= 0.0f ? 1.0f : e) / (1.0f + e));
 }
 
+#if defined(KVSHARD_TILED)
+inline __m512 silu16(__m512 g) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 x = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g));
+  const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), tiled::exp16(x));
+  const __m512 numerator = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), one, e);
+  return _mm512_mul_ps(g, _mm512_div_ps(numerator, _mm512_add_ps(one, e)));
+}
+#endif
+
+// (the layers fuse SiLU only where the AVX-512 path is built: layers/fused.py)
 inline void silu_row(float* g, int64_t n) {
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) store16(g + i, silu16(load16(g + i)));
+#if defined(KVSHARD_TILED)
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(g + i, silu16(_mm512_loadu_ps(g + i)));
+#endif
   for (; i < n; ++i) g[i] = silu(g[i]);
 }
 
@@ -1485,7 +1467,7 @@ void silu_and_mul_rows(const T* x, int64_t x_row, T* out, int64_t rows, int64_t 
       silu_row(gf.data(), half);
       // the activation rounded to the dtype before the product, as two eager operators round
       for (int64_t i = 0; i < half; ++i) {
-        o[i] = from_float<T>(static_cast<float>(from_float<T>(gf[i])) * static_cast<float>(u[i]));
+        o[i] = static_cast<T>(static_cast<float>(static_cast<T>(gf[i])) * static_cast<float>(u[i]));
       }
     }
   });
@@ -1538,11 +1520,11 @@ __attribute__((noinline, optimize("fp-contract=off"))) void rotary_token(const T
     }
     for (int64_t k = 0; k < half; ++k) {
       const float a = x1[k] * c[k], b = x2[k] * s[k];
-      o[k] = from_float<T>(a - b);
+      o[k] = static_cast<T>(a - b);
     }
     for (int64_t k = 0; k < half; ++k) {
       const float a = x2[k] * c[k], b = x1[k] * s[k];
-      o[half + k] = from_float<T>(a + b);
+      o[half + k] = static_cast<T>(a + b);
     }
   }
 }
