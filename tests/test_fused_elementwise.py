@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from kvshard.attention import paged
+from kvshard.attention import fused_ops, paged
 from kvshard.layers import fused
 from kvshard.layers.activation import silu_and_mul, silu_and_mul_eager
 from kvshard.layers.norm import RMSNorm
@@ -158,7 +158,7 @@ def test_a_build_without_avx512_fuses_the_rotary_embedding_alone(ops, monkeypatc
         tiled = False
         rotary = staticmethod(ops.rotary)
 
-    monkeypatch.setattr(fused, "_ops", Avx2Build())
+    monkeypatch.setattr(fused_ops, "_ops", Avx2Build())
     x = torch.randn(6, 4, 32)
     angles = torch.randn(6, 16)
     assert fused.ops_for(x) is not None and fused.ops_for(x, avx512=True) is None
@@ -170,7 +170,7 @@ def test_a_build_without_avx512_fuses_the_rotary_embedding_alone(ops, monkeypatc
 
     monkeypatch.setattr(paged, "load_extension", lambda: Avx2Build())
     config = EngineArgs(model="kvshard-demo-gqa", dtype="bfloat16").create_engine_config()
-    assert "fused C++ rotary embedding; PyTorch's eager RMSNorm" in fused.describe(config, "cpu")
+    assert "fused C++ rotary embedding and LSE merge; PyTorch's eager RMSNorm" in fused.describe(config, "cpu")
 
 
 def test_the_switch_turns_them_off(monkeypatch):
@@ -190,7 +190,8 @@ def test_the_start_up_report_names_them(ops, monkeypatch):
 
     config = EngineArgs(model="kvshard-demo-gqa", dtype="bfloat16").create_engine_config()
     assert ("elementwise operators: fused C++ RMSNorm" if ops.tiled else
-            "elementwise operators: fused C++ rotary embedding; PyTorch's eager RMSNorm") in config.layout_report()
+            "elementwise operators: fused C++ rotary embedding and LSE merge; PyTorch's eager RMSNorm"
+            ) in config.layout_report()
     assert "(fused on a CPU only)" in fused.describe(config, "cuda")
     half = EngineArgs(model="kvshard-demo-gqa", dtype="float16").create_engine_config()
     assert "(fused for float32 and bfloat16 only)" in fused.describe(half, "cpu")

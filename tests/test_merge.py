@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import shutil
 
 import pytest
 import torch
@@ -191,3 +193,118 @@ def test_fused_merge_threshold_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("KVSHARD_FUSED_MERGE_MAX_BYTES", "256KiB")
     with pytest.raises(ValueError, match="KVSHARD_FUSED_MERGE_MAX_BYTES='256KiB' is not a non-negative integer"):
         fused_merge_max_bytes_from_env()
+
+
+# --- the merge as one C++ operator of the kernel extension (attention/fused_ops.py's merge_states) ------------
+
+_NO_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is None
+needs_extension = pytest.mark.skipif(_NO_COMPILER, reason="no C++ compiler found to build kvshard's kernel extension")
+
+
+@pytest.fixture
+def fused_ops(monkeypatch):
+    from kvshard.attention import fused_ops as fused
+
+    monkeypatch.delenv("KVSHARD_FUSED_ELEMENTWISE", raising=False)
+    fused.reset()
+    module = fused.cpu_ops()
+    assert module is not None, "the kernel extension did not build (see the warning logged)"
+    yield module
+    fused.reset()
+
+
+def _parts(seed: int, parts: int, t: int, heads: int, dv: int) -> torch.Tensor:
+    """[S, t, H, dv + 1] packed partial attentions, some parts and some whole rows empty (lse -inf, o 0)."""
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randn(parts, t, heads, dv + 1, generator=g)
+    packed[..., -1] *= 4
+    empty = torch.rand(parts, t, heads, generator=g) < 0.25
+    empty[:, : min(t, 2), 0] = True  # every part of these rows saw no key
+    packed[..., :-1][empty] = 0.0
+    packed[..., -1][empty] = float("-inf")
+    return packed
+
+
+def _float64_merge(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = packed[..., :-1].double(), packed[..., -1].double()
+    total = torch.logsumexp(lse, dim=0)
+    weights = torch.where(torch.isneginf(lse), 0.0, (lse - total.nan_to_num(neginf=0.0)).exp())
+    return (out * weights.unsqueeze(-1)).sum(0), total
+
+
+@needs_extension
+@pytest.mark.parametrize("parts,t,heads,dv", [(1, 3, 2, 8), (2, 32, 4, 128), (2, 5, 3, 17), (3, 7, 1, 1),
+                                              (4, 300, 8, 32)])
+def test_the_merge_operator_matches_the_eager_merge_and_a_float64_one(fused_ops, parts, t, heads, dv):
+    from kvshard.attention.fused_ops import merge_states
+
+    packed = _parts(parts * 100 + dv, parts, t, heads, dv)
+    got_out, got_lse = merge_states(packed[..., :-1], packed[..., -1])  # stacked, as a collective's buffer
+    want_out, want_lse = merge_attention_states(packed[..., :-1], packed[..., -1])
+    assert got_out.shape == want_out.shape and got_lse.shape == want_lse.shape
+    # the eager operators' arithmetic; exp and log a rounding apart from PyTorch's vectorised ones at most
+    torch.testing.assert_close(got_out, want_out, rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(got_lse, want_lse, rtol=2e-6, atol=1e-6)
+    ref_out, ref_lse = _float64_merge(packed)
+    torch.testing.assert_close(got_out.double(), ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+    # a row whose every part is empty: o = 0, lse = -inf, no NaN anywhere
+    assert torch.equal(got_out[0, 0], torch.zeros(dv)) and torch.isneginf(got_lse[0, 0])
+    assert not got_out.isnan().any() and not got_lse.isnan().any()
+    # one part comes back as it was
+    if parts == 1:
+        assert torch.equal(got_out, packed[0, ..., :-1]) and torch.equal(got_lse, packed[0, ..., -1])
+
+
+@needs_extension
+def test_the_merge_operator_reads_strided_parts_given_one_by_one(fused_ops):
+    """The context and chunk attentions of a prefill step (separate tensors, views of their packed [o | lse]) and
+    a head slice of an all-gathered buffer: no stack or contiguous copy first."""
+    from kvshard.attention.fused_ops import merge_states
+
+    packed = _parts(7, 2, 6, 8, 33)
+    heads = slice(2, 6)  # this rank's output heads among the group's
+    a, b = packed[0][:, heads], packed[1][:, heads]
+    assert not a[..., :-1].is_contiguous()
+    got_out, got_lse = merge_states([a[..., :-1], b[..., :-1]], [a[..., -1], b[..., -1]])
+    want_out, want_lse = merge_attention_states(packed[:, :, heads, :-1].contiguous(), packed[:, :, heads, -1].contiguous())
+    torch.testing.assert_close(got_out, want_out, rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(got_lse, want_lse, rtol=2e-6, atol=1e-6)
+    stacked_out, stacked_lse = merge_states(packed[:, :, heads, :-1], packed[:, :, heads, -1])
+    assert torch.equal(stacked_out, got_out) and torch.equal(stacked_lse, got_lse)
+
+
+@needs_extension
+def test_the_merge_operator_does_not_depend_on_the_batch(fused_ops):
+    from kvshard.attention.fused_ops import merge_states
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        packed = _parts(9, 2, 600, 8, 64)  # enough rows for both threads
+        batch_out, batch_lse = merge_states(packed[..., :-1], packed[..., -1])
+    finally:
+        torch.set_num_threads(threads)
+    for row in (0, 5, 599):
+        one_out, one_lse = merge_states(packed[:, row:row + 1, :, :-1], packed[:, row:row + 1, :, -1])
+        assert torch.equal(one_out[0], batch_out[row]) and torch.equal(one_lse[0], batch_lse[row])
+
+
+def test_the_merge_takes_the_eager_operators_where_the_operator_does_not_apply(monkeypatch):
+    from kvshard.attention import fused_ops as fused
+    from kvshard.attention.fused_ops import merge_states
+
+    packed = _parts(11, 2, 4, 2, 8)
+    want_out, want_lse = merge_attention_states(packed[..., :-1], packed[..., -1])
+    monkeypatch.setenv("KVSHARD_FUSED_ELEMENTWISE", "0")
+    fused.reset()
+    try:
+        for outputs, lses in ((packed[..., :-1], packed[..., -1]), (list(packed[..., :-1]), list(packed[..., -1]))):
+            got_out, got_lse = merge_states(outputs, lses)
+            assert torch.equal(got_out, want_out) and torch.equal(got_lse, want_lse)
+    finally:
+        fused.reset()
+    # float64 parts (no operator for them): the eager merge, bit for bit
+    got_out, got_lse = merge_states(packed[..., :-1].double(), packed[..., -1].double())
+    want64 = merge_attention_states(packed[..., :-1].double(), packed[..., -1].double())
+    assert got_out.dtype == torch.float64 and torch.equal(got_out, want64[0]) and torch.equal(got_lse, want64[1])

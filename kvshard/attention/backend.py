@@ -27,7 +27,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvshard.attention.merge import lse_weights, merge_attention_states
+from kvshard.attention.fused_ops import merge_states
+from kvshard.attention.merge import lse_weights
 from kvshard.attention.metadata import AttentionMetadata
 from kvshard.attention.paged import empty_packed, packed_of
 from kvshard.attention.timing import DCP_TIMES, DcpTimes
@@ -156,7 +157,7 @@ class Attention:
             chunk_out, chunk_lse = self._attend_chunks(*chunk, meta)  # [t, H_o, dv], [t, H_o]
             if out is not None:  # rows past the context rows have the chunk's attention alone
                 c = out.shape[0]
-                merged, _ = merge_attention_states(torch.stack([out, chunk_out[:c]]), torch.stack([lse, chunk_lse[:c]]))
+                merged, _ = merge_states([out, chunk_out[:c]], [lse, chunk_lse[:c]])
                 chunk_out[:c] = merged
             out = chunk_out
         if self._whole_heads:
@@ -274,7 +275,7 @@ class Attention:
             return empty_packed(queries.shape[0], queries.shape[1], expanded.value_dim, queries.device)
         if len(outs) == 1:
             return outs[0], lses[0]
-        return merge_attention_states(torch.stack(outs), torch.stack(lses))
+        return merge_states(outs, lses)
 
     def _kv_heads_of(self, query_heads: range) -> slice | torch.Tensor:
         """The KV heads (among heads.kv) the given query heads read: a slice when the kernel's
@@ -344,7 +345,7 @@ class Attention:
                 parts = timed(dcp_all_to_all, [packed[:, heads] for heads in self._output_in_group_of_rank])
             else:
                 parts = timed(dcp_all_gather, packed)[:, :, self._output_in_group]
-            merged = merge_attention_states(parts[..., :-1], parts[..., -1])  # from [N, t, H_o, dv + 1]
+            merged = merge_states(parts[..., :-1], parts[..., -1])  # from [N, t, H_o, dv + 1]
         if times is not None:
             times.add("merge", start)
             times.merges[scheme] += 1

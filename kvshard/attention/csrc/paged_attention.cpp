@@ -1568,12 +1568,98 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
+// One row of S partial attentions merged by their LSE, with attention/merge.py's arithmetic: the LSEs' log-sum-exp
+// taken against their largest (0 where that is infinite, as torch.logsumexp), each part weighted by exp(lse - total)
+// (total 0 where it is not finite: an empty row, every part -inf, gets o = 0 and lse = -inf), the weighted outputs
+// added in part order. Products rounded and then added, as the eager operators do: no fused multiply-add (a function
+// of its own, kept out of line, as rotary_token).
+__attribute__((noinline, optimize("fp-contract=off"))) void merge_row(const float* const* __restrict o,
+                                                                       const float* __restrict l, int64_t parts,
+                                                                       int64_t dv, float* __restrict out,
+                                                                       float* __restrict weights) {
+  float top = kNegInf;
+  for (int64_t s = 0; s < parts; ++s) top = std::max(top, l[s]);
+  if (std::isinf(top)) top = 0.0f;
+  float sum = 0.0f;
+  for (int64_t s = 0; s < parts; ++s) sum += std::exp(l[s] - top);
+  const float total = std::log(sum) + top;
+  const float finite = std::isfinite(total) ? total : 0.0f;
+  for (int64_t s = 0; s < parts; ++s) weights[s] = std::exp(l[s] - finite);
+  const float* __restrict o0 = o[0];
+  const float w0 = weights[0];
+  for (int64_t i = 0; i < dv; ++i) out[i] = o0[i] * w0;
+  for (int64_t s = 1; s < parts; ++s) {
+    const float* __restrict os = o[s];
+    const float w = weights[s];
+    for (int64_t i = 0; i < dv; ++i) out[i] = out[i] + os[i] * w;
+  }
+  out[dv] = total;
+}
+
+// outputs[s] [t, H, dv] (channels contiguous, any row and head strides) and lses[s] [t, H], float32, S >= 1 partial
+// attentions over disjoint keys -> [t, H, dv + 1]: their merge, o and lse side by side (attention/merge.py)
+at::Tensor merge_states(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& lses) {
+  TORCH_CHECK(!outputs.empty() && outputs.size() == lses.size(), "merge_states: as many outputs as LSEs, at least one");
+  const at::Tensor& first = outputs[0];
+  TORCH_CHECK(first.dim() == 3, "merge_states: outputs [t, H, dv]");
+  const int64_t t = first.size(0), h = first.size(1), dv = first.size(2), parts = outputs.size();
+  for (int64_t s = 0; s < parts; ++s) {
+    const at::Tensor& o = outputs[s];
+    const at::Tensor& l = lses[s];
+    TORCH_CHECK(o.device().is_cpu() && l.device().is_cpu(), "merge_states: CPU tensors");
+    TORCH_CHECK(o.scalar_type() == at::kFloat && l.scalar_type() == at::kFloat, "merge_states: float32 parts");
+    TORCH_CHECK(o.dim() == 3 && o.size(0) == t && o.size(1) == h && o.size(2) == dv && (dv <= 1 || o.stride(2) == 1),
+                "merge_states: every output [t, H, dv], channels contiguous");
+    TORCH_CHECK(l.dim() == 2 && l.size(0) == t && l.size(1) == h, "merge_states: every LSE [t, H]");
+  }
+  auto merged = at::empty({t, h, dv + 1}, first.options().memory_format(at::MemoryFormat::Contiguous));
+  std::vector<const float*> o_base(parts), l_base(parts);
+  std::vector<int64_t> o_row(parts), o_head(parts), l_row(parts), l_head(parts);
+  for (int64_t s = 0; s < parts; ++s) {
+    o_base[s] = outputs[s].data_ptr<float>();
+    l_base[s] = lses[s].data_ptr<float>();
+    o_row[s] = outputs[s].stride(0);
+    o_head[s] = outputs[s].stride(1);
+    l_row[s] = lses[s].stride(0);
+    l_head[s] = lses[s].stride(1);
+  }
+  float* out = merged.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, kElementwiseGrain / std::max<int64_t>(parts * (dv + 1), 1));
+  at::parallel_for(0, t * h, grain, [&](int64_t begin, int64_t end) {
+    std::vector<const float*> o(parts);
+    std::vector<float> l(parts), weights(parts);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t i = r / h, j = r % h;
+      for (int64_t s = 0; s < parts; ++s) {
+        o[s] = o_base[s] + i * o_row[s] + j * o_head[s];
+        l[s] = l_base[s][i * l_row[s] + j * l_head[s]];
+      }
+      merge_row(o.data(), l.data(), parts, dv, out + r * (dv + 1), weights.data());
+    }
+  });
+  return merged;
+}
+
+// outputs [S, t, H, dv] and lses [S, t, H] (a collective's buffer: any strides but the channels') -> merge_states
+at::Tensor merge_stacked(const at::Tensor& outputs, const at::Tensor& lses) {
+  TORCH_CHECK(outputs.dim() == 4 && lses.dim() == 3 && outputs.size(0) == lses.size(0),
+              "merge_stacked: outputs [S, t, H, dv] and lses [S, t, H]");
+  std::vector<at::Tensor> o, l;
+  for (int64_t s = 0; s < outputs.size(0); ++s) {
+    o.push_back(outputs.select(0, s));
+    l.push_back(lses.select(0, s));
+  }
+  return merge_states(o, l);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("parallel_threads", &parallel_threads, "Threads at::parallel_for runs n items on");
   m.def("paged_attention", &paged_attention, "Paged attention with LSE over kvshard's KV cache (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm with float32 statistics, fused (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up, fused (CPU)");
   m.def("rotary", &rotary, "Rotary embedding of [t, h, d] by [t, d / 2] angles, fused (CPU)");
+  m.def("merge_states", &merge_states, "Partial attentions merged by their LSE, fused (CPU)");
+  m.def("merge_stacked", &merge_stacked, "merge_states of parts stacked along a first dimension (CPU)");
 #if defined(KVSHARD_TILED)
   m.attr("tiled") = true;
 #else
