@@ -91,6 +91,19 @@ SMOLLM2_SERVE_ARGS = ["smollm2-135m-instruct", "--tensor-parallel-size", "2", "-
                       "--tool-call-parser", "hermes"]
 
 
+@pytest.fixture
+def fused_ops(monkeypatch):
+    """The kernel extension's module with its fused CPU operators on (attention/fused_ops.py), asked afresh."""
+    from kvshard.attention import fused_ops as switch
+
+    monkeypatch.delenv("KVSHARD_FUSED_ELEMENTWISE", raising=False)
+    switch.reset()
+    module = switch.cpu_ops()
+    assert module is not None, "the kernel extension did not build (see the warning logged)"
+    yield module
+    switch.reset()
+
+
 @pytest.fixture(scope="session")
 def conversion_cache(tmp_path_factory) -> Path:
     """A kvshard cache made for this session, where .gguf files are converted: what is tested is always the

@@ -201,18 +201,6 @@ _NO_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is None
 needs_extension = pytest.mark.skipif(_NO_COMPILER, reason="no C++ compiler found to build kvshard's kernel extension")
 
 
-@pytest.fixture
-def fused_ops(monkeypatch):
-    from kvshard.attention import fused_ops as fused
-
-    monkeypatch.delenv("KVSHARD_FUSED_ELEMENTWISE", raising=False)
-    fused.reset()
-    module = fused.cpu_ops()
-    assert module is not None, "the kernel extension did not build (see the warning logged)"
-    yield module
-    fused.reset()
-
-
 def _parts(seed: int, parts: int, t: int, heads: int, dv: int) -> torch.Tensor:
     """[S, t, H, dv + 1] packed partial attentions, some parts and some whole rows empty (lse -inf, o 0)."""
     g = torch.Generator().manual_seed(seed)

@@ -631,6 +631,20 @@ struct TileWalk {
   }
 };
 
+// The first two tiles of unit `u` into L2, issued as the unit before it starts: `prefetch_after` reaches a tile two
+// ahead of the one being computed, so without this an item's own first tiles always came from memory
+template <typename CT>
+inline void prefetch_start(const Unit& u, const Shape& sh, const CT* kc, const CT* vc, const int32_t* table) {
+  const TileWalk<CT> tiles{sh, kc, vc, table + u.seq * sh.max_blocks, u.kv_head, u.max_len};
+  for (int64_t tok = 0; tok < std::min<int64_t>(u.max_len, 2 * kLanes);) {
+    int64_t slot, n;
+    tiles.at(tok, slot, n);
+    prefetch_rows(tiles.keys(slot), sh.k_tok, n, sh.dk * static_cast<int64_t>(sizeof(CT)));
+    if (!sh.v_in_k) prefetch_rows(tiles.values(slot), sh.v_tok, n, sh.dv * static_cast<int64_t>(sizeof(CT)));
+    tok += n;
+  }
+}
+
 // row[0, n) *= alpha
 __attribute__((always_inline)) inline void scale_row(float* row, int64_t n, float alpha) {
   const __m512 a = _mm512_set1_ps(alpha);
@@ -1194,6 +1208,9 @@ void launch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
       std::vector<float> scratch;
       for (int64_t k = next.fetch_add(1); k < n; k = next.fetch_add(1)) {
         const Unit& u = units[order[k]];
+#if defined(KVSHARD_TILED)
+        if (!portable && k + 1 < n) tiled::prefetch_start(units[order[k + 1]], sh, kp, vp, tp);
+#endif
         float* o = op + (u.row0 * H + u.head0) * P;
         run(u, 0, u.max_len, o, H * P, P, o + dv, H * P, P, scratch);
       }
