@@ -14,6 +14,10 @@ read per second).
     PYTHONPATH=$PWD .venv/bin/python scripts/bench_paged_attention.py
     PYTHONPATH=$PWD .venv/bin/python scripts/bench_paged_attention.py --shapes gqa8 --batches 8 --contexts 8192
 
+`--cold POOLS` lets each paged-kernel call read another of POOLS batches' blocks, so that its K/V come from
+memory, as an engine's do (a step reads every layer's and every request's cache before a layer's next call);
+without it, a case's blocks stay in the caches from call to call.
+
 `--chunks` times a prefill chunk's causal attention to its own K/V instead (chunks of --contexts tokens): the
 paged backend's kernel call against PyTorch's flash kernel, for the MLA demo's expanded chunk and the GQA shapes.
 
@@ -129,18 +133,22 @@ def copy_bandwidth(gib: float = 0.5, repeat: int = 5) -> float:
     return src.numel() * 4 / seconds
 
 
-def setup(shape: str, dtype: torch.dtype, batch: int, context: int, block_size: int, seed: int = 0, rows: int = 1):
+def setup(shape: str, dtype: torch.dtype, batch: int, context: int, block_size: int, seed: int = 0, rows: int = 1,
+          pools: int = 1):
     """One case: `batch` requests of `context` cached tokens, each with `rows` query rows, row r of a request
     seeing its first context - rows + 1 + r tokens (a decode: one row; speculative verification or the rest of a
-    prompt after a prefix hit: several)."""
+    prompt after a prefix hit: several). With `pools` > 1 the cache holds that many batches' blocks, and each call
+    of the paged kernel reads the next batch's (`next_tables`): cold latents, as in an engine's step, whose other
+    layers and requests have been read since a layer's last call."""
     heads, kv_heads, dk, dv, prefix = SHAPES[shape]
     blocks_per_seq = -(-context // block_size)
-    num_blocks = batch * blocks_per_seq
+    num_blocks = batch * blocks_per_seq * pools
     g = torch.Generator().manual_seed(seed)
     key = torch.randn(num_blocks * block_size, kv_heads, dk, generator=g).to(dtype)
     value = key[..., :dv] if prefix else torch.randn(num_blocks * block_size, kv_heads, dv, generator=g).to(dtype)
     cache = KVCacheLayer(key, value, block_size, dtype)
-    tables = torch.randperm(num_blocks, generator=g).view(batch, blocks_per_seq).to(torch.int32)
+    pool_tables = torch.randperm(num_blocks, generator=g).view(pools, batch, blocks_per_seq).to(torch.int32)
+    tables = pool_tables[0]
     q = torch.randn(batch * rows, heads, dk, generator=g).to(dtype)
     row_seq = torch.arange(batch, dtype=torch.int32).repeat_interleave(rows)
     sees = torch.arange(context - rows + 1, context + 1, dtype=torch.int32)  # row r's visible tokens
@@ -148,14 +156,21 @@ def setup(shape: str, dtype: torch.dtype, batch: int, context: int, block_size: 
     span = torch.arange(blocks_per_seq * block_size)
     bias = torch.zeros(batch, rows, span.numel()).masked_fill_((span[None] >= sees[:, None])[None], float("-inf"))
     stored = kv_heads * (dk if prefix else dk + dv) * key.element_size()
-    return dict(q=q, rows=rows, cache=cache, tables=tables, row_seq=row_seq, row_lens=row_lens, bias=bias,
-                scale=1.0 / math.sqrt(dk), kv_bytes=batch * context * stored)
+    return dict(q=q, rows=rows, cache=cache, tables=tables, pool_tables=pool_tables, calls=0, row_seq=row_seq,
+                row_lens=row_lens, bias=bias, scale=1.0 / math.sqrt(dk), kv_bytes=batch * context * stored)
 
 
-def run_paged(s, portable: bool = False, vector_lanes: bool = True):
+def next_tables(s) -> torch.Tensor:
+    """The block table of the next pool's batch (the same batch every call with one pool)."""
+    s["calls"] += 1
+    return s["pool_tables"][s["calls"] % s["pool_tables"].shape[0]]
+
+
+def run_paged(s, portable: bool = False, vector_lanes: bool = True, tables: torch.Tensor | None = None):
     c = s["cache"]
-    return paged.paged_attention(s["q"], c.key, c.value, s["tables"], s["row_seq"], s["row_lens"], c.block_size,
-                                 s["scale"], use_kernel=True, portable=portable, vector_lanes=vector_lanes)
+    return paged.paged_attention(s["q"], c.key, c.value, next_tables(s) if tables is None else tables, s["row_seq"],
+                                 s["row_lens"], c.block_size, s["scale"], use_kernel=True, portable=portable,
+                                 vector_lanes=vector_lanes)
 
 
 def run_gather_flash(s, buffers):
@@ -184,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
                         "its own position")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--max-kv-gib", type=float, default=2.0)
+    parser.add_argument("--cold", type=int, default=1, metavar="POOLS",
+                        help="hold POOLS batches' blocks and let each paged-kernel call read the next batch's: the "
+                        "latents come from memory, as in an engine's step (the gather and reference paths keep one)")
     parser.add_argument("--max-reference-tokens", type=int, default=64 * 8192)
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--chunks", action="store_true", help="time a prefill chunk's causal attention to itself "
@@ -213,15 +231,16 @@ def main(argv: list[str] | None = None) -> int:
                 for context in args.contexts:
                     heads, kv_heads, dk, dv, prefix = SHAPES[shape]
                     stored = kv_heads * (dk if prefix else dk + dv) * DTYPES[dname].itemsize
-                    if batch * context * stored > args.max_kv_gib * (1 << 30):
+                    if batch * context * stored * args.cold > args.max_kv_gib * (1 << 30):
                         print(f"{shape:5} {dname:5} {batch:5} {context:7} skipped: cache above {args.max_kv_gib} GiB")
                         continue
-                    s = setup(shape, DTYPES[dname], batch, context, args.block_size, rows=args.rows)
+                    s = setup(shape, DTYPES[dname], batch, context, args.block_size, rows=args.rows,
+                              pools=args.cold)
                     buffers = GatherBuffers()  # reused across calls, as the layers of a step do
                     t_paged, t_tokens, t_portable, t_flash = timed_together(
                         [lambda: run_paged(s), lambda: run_paged(s, vector_lanes=False),
                          lambda: run_paged(s, portable=True), lambda: run_gather_flash(s, buffers)], args.repeat)
-                    o_p, _ = run_paged(s)
+                    o_p, _ = run_paged(s, tables=s["tables"])
                     o_f, _ = run_gather_flash(s, buffers)
                     diff = float((o_p - o_f.flatten(0, 1)).abs().max())
                     t_ref = None
