@@ -21,4 +21,3 @@ def merge_attention_states(outputs: torch.Tensor, lses: torch.Tensor) -> tuple[t
     total = torch.logsumexp(lses, dim=0)
     weights = lse_weights(lses, total)
     return (outputs * weights.unsqueeze(-1)).sum(0), total
-
