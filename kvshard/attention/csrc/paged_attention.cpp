@@ -621,13 +621,19 @@ struct TileWalk {
   __attribute__((always_inline)) const CT* values(int64_t slot) const { return vc + slot * sh.v_tok + kv_head * sh.v_head; }
   // the rows of the tile after the next (this one starts at tok0, `count` long) into L2, while this one is computed
   // (blocks lie anywhere: the hardware's prefetchers do not follow a block table). Two tiles ahead into L2 read
-  // 1.6-1.9x faster from memory than one tile ahead into L1, whose few miss buffers 64 prefetched lines overrun
-  __attribute__((always_inline)) void prefetch_after(int64_t tok0, int64_t count) const {
+  // 1.6-1.9x faster from memory than one tile ahead into L1, whose few miss buffers 64 prefetched lines overrun.
+  // `part` of `parts`: that share of the rows, so that the token-lane tiles spread a tile's prefetches over its
+  // phases (key tile, scores, softmax, values) rather than issue them all at once, which left the miss buffers
+  // full and the rest dropped: on cold latents (an engine's step) 1.2-1.3x faster (BENCHMARKS.md section 23)
+  __attribute__((always_inline)) void prefetch_after(int64_t tok0, int64_t count, int part = 0, int parts = 1) const {
     if (tok0 + count + kLanes >= reach) return;
     int64_t slot, n;
     at(tok0 + count + kLanes, slot, n);
-    prefetch_rows(keys(slot), sh.k_tok, n, sh.dk * static_cast<int64_t>(sizeof(CT)));
-    if (!sh.v_in_k) prefetch_rows(values(slot), sh.v_tok, n, sh.dv * static_cast<int64_t>(sizeof(CT)));
+    const int64_t j0 = n * part / parts, j1 = n * (part + 1) / parts;
+    prefetch_rows(keys(slot) + j0 * sh.k_tok, sh.k_tok, j1 - j0, sh.dk * static_cast<int64_t>(sizeof(CT)));
+    if (!sh.v_in_k) {
+      prefetch_rows(values(slot) + j0 * sh.v_tok, sh.v_tok, j1 - j0, sh.dv * static_cast<int64_t>(sizeof(CT)));
+    }
   }
 };
 
@@ -719,13 +725,14 @@ void run_item(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const QT* 
     tiles.at(tok0, slot0, count);
     const CT* kp = tiles.keys(slot0);
     const CT* vp = tiles.values(slot0);
-    tiles.prefetch_after(tok0, count);
+    tiles.prefetch_after(tok0, count, 0, 4);
 #if defined(__AVX512BF16__)
     if constexpr (kPairs) {
       if (pairs) {
         uint32_t* kw = reinterpret_cast<uint32_t*>(kt);
         const uint32_t* qw = reinterpret_cast<const uint32_t*>(qf);
         key_tile_pairs(kp, sh.k_tok, count, dk / 2, kw);
+        tiles.prefetch_after(tok0, count, 1, 4);
         for (int64_t m0 = 0; m0 < M; m0 += kGroup) {
           with_group(std::min<int64_t>(kGroup, M - m0), [&](auto g) {
             scores_pairs<decltype(g)::value>(qw + m0 * dk / 2, dk / 2, kw, sh.scale, s + m0 * kLanes);
@@ -736,11 +743,13 @@ void run_item(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const QT* 
 #endif
     if (!pairs) {
       key_tile<CT>(kp, sh.k_tok, count, dk, kt);
+      tiles.prefetch_after(tok0, count, 1, 4);
       for (int64_t m0 = 0; m0 < M; m0 += kGroup) {
         with_group(std::min<int64_t>(kGroup, M - m0),
                    [&](auto g) { scores<decltype(g)::value>(qf + m0 * dk, dk, kt, s + m0 * kLanes); });
       }
     }
+    tiles.prefetch_after(tok0, count, 2, 4);
     // online softmax per vector over the lanes it sees; the weights replace the scores (0 past what it sees)
     for (int64_t m = 0; m < M; ++m) {
       const int64_t n = std::max<int64_t>(0, std::min<int64_t>(count, bounds[m] - tok0));
@@ -764,6 +773,7 @@ void run_item(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const QT* 
       sum[m] += _mm512_reduce_add_ps(w);
       _mm512_storeu_ps(sm, w);
     }
+    tiles.prefetch_after(tok0, count, 3, 4);
     for (int64_t m0 = 0; m0 < M; m0 += kGroup) {
       with_group(std::min<int64_t>(kGroup, M - m0), [&](auto g) {
         weighted_values<CT, decltype(g)::value>(acc + m0 * dv, dv, s + m0 * kLanes, vp, sh.v_tok, count);
