@@ -623,8 +623,8 @@ struct TileWalk {
   // (blocks lie anywhere: the hardware's prefetchers do not follow a block table). Two tiles ahead into L2 read
   // 1.6-1.9x faster from memory than one tile ahead into L1, whose few miss buffers 64 prefetched lines overrun.
   // `part` of `parts`: that share of the rows, so that the token-lane tiles spread a tile's prefetches over its
-  // phases (key tile, scores, softmax, values) rather than issue them all at once, which left the miss buffers
-  // full and the rest dropped: on cold latents (an engine's step) 1.2-1.3x faster (BENCHMARKS.md section 23)
+  // phases (key tile, scores, softmax, values) rather than issue them all at once: on cold latents (an engine's
+  // step) 1.3x faster (BENCHMARKS.md section 23)
   __attribute__((always_inline)) void prefetch_after(int64_t tok0, int64_t count, int part = 0, int parts = 1) const {
     if (tok0 + count + kLanes >= reach) return;
     int64_t slot, n;
