@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+
+from bench_paged_attention import timed_together  # this folder's: samples of both sides taken in turn
 
 from kvshard.engine.process_setup import keep_freed_memory
 from kvshard.layers import fused
@@ -33,17 +33,6 @@ WIDTHS = {  # hidden, MLP, query heads, KV heads, head size
     "demo": (256, 768, 8, 1, 32),
     "smollm2": (576, 1536, 9, 3, 64),
 }
-
-
-def median_us(fn, repeat: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
 
 
 def build_for(march: str):
@@ -98,7 +87,7 @@ def main() -> None:
                 (lambda: (ops.rotary(q, cos, sin, False), ops.rotary(k, cos, sin, False)),
                  lambda: (apply_rotary_eager(q, cos, sin), apply_rotary_eager(k, cos, sin))),
             ):
-                a, b = median_us(fast, args.repeat), median_us(slow, args.repeat)
+                a, b = (seconds * 1e6 for seconds in timed_together([fast, slow], args.repeat))
                 cells.append(f"{a:.1f} / {b:.1f} ({b / a:.1f}x)")
             print(f"| {str(dtype).removeprefix('torch.')} | {t} | " + " | ".join(cells) + " |", flush=True)
 
