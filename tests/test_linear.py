@@ -97,6 +97,24 @@ def test_batch_invariant_mode_tiles_the_onednn_product(monkeypatch):
     assert torch.equal(together[7:8], alone)  # a row's result whatever the rest of the batch
 
 
+def test_decode_floor_counts_a_tied_lm_head_as_its_whole_matrix():
+    from kvshard.bench.decode_floor import weight_bytes_per_step
+    from kvshard.layers.embedding import VocabParallelEmbedding
+
+    def model(tied: bool) -> torch.nn.Module:
+        root, state = torch.nn.Module(), single_rank_state()
+        root.model = torch.nn.Module()
+        root.model.embed_tokens = VocabParallelEmbedding(50, 64, torch.float32, state)
+        root.lm_head = ParallelLMHead(50, 64, torch.float32, state)
+        if tied:  # as the models tie them: the head's parameter is the embedding's
+            root.lm_head.weight = root.model.embed_tokens.weight
+        return root
+
+    # the lookup reads a row per request; the head's product reads its whole matrix, also where it is the same one
+    assert weight_bytes_per_step(model(tied=False), batch_size=4) == (4 + 50) * 64 * 4
+    assert weight_bytes_per_step(model(tied=True), batch_size=4) == 50 * 64 * 4
+
+
 def test_decode_floor_counts_a_reordered_weight_as_its_bytes():
     from kvshard.bench.decode_floor import weight_bytes_per_step
 

@@ -466,9 +466,10 @@ def _run_throughput(args: argparse.Namespace) -> int:
 # --- decode-floor ---------------------------------------------------------------------------------
 
 def _add_decode_floor(commands) -> None:
-    parser = commands.add_parser("decode-floor", help="a large-batch decode step against its memory-bandwidth floor",
+    parser = commands.add_parser("decode-floor", help="a large-batch decode step against its memory-bandwidth and compute floors",
                                  description="Time decode steps of --batch-size requests of --context-len tokens and "
-                                             "compare them with (weights + live KV bytes) / measured copy bandwidth.")
+                                             "compare them with (weights + live KV bytes) / measured copy bandwidth, "
+                                             "and with the step's multiply-adds / a measured product's rate.")
     EngineArgs.add_cli_args(parser)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--context-len", type=int, default=1024)

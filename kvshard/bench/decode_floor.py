@@ -14,6 +14,8 @@ every request's context on this rank (`kv_bytes_per_token_per_rank` times the
 context tokens). A MoE model is counted with all its experts (a large batch
 routes to nearly all of them). Activations and the new tokens' KV writes are
 left out: small at these sizes, and leaving them out only lowers the floor.
+Likewise the compute floor leaves out everything but the products (norms,
+softmax, the sampler) and counts attention's heads as this rank's share of them.
 
 `--alternate-eager` (one rank, a compiled engine): after the timed steps, `rounds` more blocks of
 `steps` steps each with the compiled model step and with the eager one on the same engine, the same
@@ -54,7 +56,80 @@ def copy_bandwidth(num_bytes: int = 2**30, repeats: int = 10, device: str | torc
     return 2 * source.numel() * source.element_size() / best
 
 
+def matmul_rate(rows: int, dtype: torch.dtype, repeats: int = 10, size: int = 2048,
+                device: str | torch.device = "cpu") -> float:
+    """Multiply-adds per second of the best of `repeats` products [rows, size] x [size, size] in `dtype` on
+    `device` (on a CPU in the dtype its products run in: cpu_product_dtype), on this process's threads."""
+    from kvshard.layers.linear import cpu_product_dtype
+
+    device = torch.device(device)
+    if device.type == "cpu":
+        dtype = cpu_product_dtype(dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    x = torch.randn(rows, size, dtype=dtype, device=device)
+    weight = torch.randn(size, size, dtype=dtype, device=device)
+    torch.nn.functional.linear(x, weight)  # first call: the library's set-up is not arithmetic
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        torch.nn.functional.linear(x, weight)
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return rows * size * size / best
+
+
+def weight_multiply_adds_per_step(model: torch.nn.Module, batch_size: int) -> int:
+    """Multiply-adds of a decode step's products with this rank's weights: each linear layer's weight and the LM
+    head's rows once per request; a MoE layer's routed experts in the share a token's top-k picks of all
+    experts (its router once per request); the token embedding (a lookup) none."""
+    from kvshard.layers.embedding import ParallelLMHead
+    from kvshard.layers.linear import LinearBase
+    from kvshard.layers.moe import FusedMoE, TopKRouter
+    from kvshard.models.deepseek import LatentUpProjection
+
+    total = 0
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            out_features, in_features = module.weight_shape
+            total += out_features * in_features
+        elif isinstance(module, ParallelLMHead):
+            total += module.weight.shape[0] * module.weight.shape[1]
+        elif isinstance(module, LatentUpProjection):  # MLA's absorbed decode: W_UK for every query head it
+            # computes (the query into the latent), W_UV for the heads whose output it keeps (the latent out)
+            total += len(module.q_heads) * module.nope_dim * module.latent_dim
+            total += len(module.own_heads) * module.v_dim * module.latent_dim
+        elif isinstance(module, TopKRouter):
+            total += module.weight.numel()
+        else:
+            router, experts = getattr(module, "gate", None), getattr(module, "experts", None)
+            if isinstance(router, TopKRouter) and isinstance(experts, FusedMoE):
+                expert_weights = experts.w13_weight.numel() + experts.w2_weight.numel()
+                total += expert_weights * router.routing.top_k // router.weight.shape[0]
+    return total * batch_size
+
+
+def attention_multiply_adds_per_step(hf_config, tensor_parallel_size: int, kv_tokens: int) -> int:
+    """Attention's multiply-adds over `kv_tokens` context tokens (all requests') on one rank: per token and query
+    head, its key's channels (scores) and its value's (weighted sum); MLA's decode attends to the latent (its
+    channels plus the rotary ones for the scores, the latent again for the values). A rank computes 1 /
+    tensor_parallel_size of the heads x tokens in every layout: DCP's ranks take all of a group's heads over
+    1 / dcp of the tokens."""
+    heads = hf_config.num_attention_heads
+    if getattr(hf_config, "kv_lora_rank", None):
+        key = hf_config.kv_lora_rank + hf_config.qk_rope_head_dim
+        value = hf_config.kv_lora_rank
+    else:
+        key = value = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return hf_config.num_hidden_layers * kv_tokens * heads * (key + value) // tensor_parallel_size
+
+
 def weight_bytes_per_step(model: torch.nn.Module, batch_size: int) -> int:
+    from kvshard.layers.embedding import ParallelLMHead
+
+    # an LM head whose weight is the token embedding's (tied) reads all of it: not one row per request
+    head_weights = {id(module.weight) for module in model.modules()
+                    if isinstance(module, ParallelLMHead) and getattr(module, "product_weight", None) is None}
     total = 0
     # linear layers on CPU hold their weight as oneDNN's reordered copy, a buffer (layers/linear.py); an LM
     # head with a float32 copy for its product (layers/embedding.py) reads the copy, not its weight
@@ -64,7 +139,7 @@ def weight_bytes_per_step(model: torch.nn.Module, batch_size: int) -> int:
         if name in copied:
             continue
         row_bytes = parameter.shape[-1] * parameter.element_size()
-        if "embed_tokens" in name:  # an embedding lookup reads one row per request
+        if "embed_tokens" in name and id(parameter) not in head_weights:  # a lookup reads one row per request
             total += min(batch_size, parameter.shape[0]) * row_bytes
         else:
             total += parameter.numel() * parameter.element_size()
@@ -93,7 +168,8 @@ def measure_decode_floor(engine_args: EngineArgs, batch_size: int, context_len: 
                          f"{context_len:,} tokens decoding {total_steps} timed steps need about {needed:,}: pass "
                          f"--kv-cache-memory {int(needed * per_token) // 2**20 + 1}MiB or more")
     # the device rank 0 runs on (engine/process_setup.py), measured before any rank starts
-    bandwidth = copy_bandwidth(bandwidth_bytes, device="cuda" if torch.cuda.is_available() else "cpu")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    bandwidth = copy_bandwidth(bandwidth_bytes, device=device)
     with LLM(**asdict(engine_args)) as llm:
         engine, config = llm.engine, llm.config
         runner = engine.runner
@@ -149,6 +225,10 @@ def measure_decode_floor(engine_args: EngineArgs, batch_size: int, context_len: 
         dcp_after = engine.stats().dcp_timing  # gathered every KVSHARD_DCP_TIMING_EVERY steps
         dcp = dcp_after.since(dcp_before) if dcp_after is not None and dcp_after is not dcp_before else None
         weights = weight_bytes_per_step(engine.runner.model, batch_size)
+        weight_macs = weight_multiply_adds_per_step(engine.runner.model, batch_size)
+        # rank 0's threads (this process's, set as the engine started), while every rank waits for a plan
+        product_rate = matmul_rate(batch_size, config.model.dtype, device=device)
+        hf_config, tp = config.model.hf_config, config.parallel.tensor_parallel_size
         compile_s = engine.runner.compile_seconds  # None: the model step ran eagerly
         kv_per_token = config.kv_bytes_per_token_per_rank
         for request_id in generated:
@@ -157,6 +237,8 @@ def measure_decode_floor(engine_args: EngineArgs, batch_size: int, context_len: 
     step_s = sorted(times)[len(times) // 2]
     kv_bytes = kv_per_token * sorted(kv_tokens)[len(kv_tokens) // 2]
     floor_s = (weights + kv_bytes) / bandwidth
+    multiply_adds = weight_macs + attention_multiply_adds_per_step(hf_config, tp, sorted(kv_tokens)[len(kv_tokens) // 2])
+    compute_floor_s = multiply_adds / product_rate
     return {
         "model": engine_args.model,
         "engine_config": {k: v for k, v in asdict(engine_args).items() if v is not None and k != "model"},
@@ -166,6 +248,8 @@ def measure_decode_floor(engine_args: EngineArgs, batch_size: int, context_len: 
         "weight_bytes_per_step": weights, "kv_bytes_per_step": kv_bytes,
         "floor_ms": floor_s * 1e3, "median_step_ms": step_s * 1e3,
         "min_step_ms": min(times) * 1e3, "ratio_to_floor": step_s / floor_s,
+        "multiply_adds_per_step": multiply_adds, "product_rate_gmacs": product_rate / 1e9,
+        "compute_floor_ms": compute_floor_s * 1e3, "ratio_to_compute_floor": step_s / compute_floor_s,
         "decode_tokens_per_s": batch_size / step_s,
         "compile_s": compile_s,
         "alternation_ms": alternation,
@@ -185,6 +269,11 @@ def format_decode_floor(result: dict) -> str:
         f"floor: {result['floor_ms']:.2f} ms per step; measured: {result['median_step_ms']:.2f} ms median "
         f"({result['min_step_ms']:.2f} ms best, {result['threads']} threads) "
         f"-> {result['ratio_to_floor']:.1f}x the floor, {result['decode_tokens_per_s']:.0f} decode tok/s",
+        f"compute floor: {result['compute_floor_ms']:.2f} ms per step ({result['multiply_adds_per_step'] / 1e9:.2f} G "
+        f"multiply-adds at {result['product_rate_gmacs']:.1f} G/s, a [{result['batch_size']}, 2048] x [2048, 2048] "
+        f"product's rate here) -> {result['ratio_to_compute_floor']:.1f}x it; "
+        + ("the arithmetic, not the memory, bounds this step here"
+           if result["compute_floor_ms"] > result["floor_ms"] else "the memory bounds this step"),
         "model step: " + ("eager" if result.get("compile_s") is None
                           else f"compiled (torch.compile, {result['compile_s']:.1f} s at start-up)"),
         *([result["dcp_summary"]] if result.get("dcp_summary") else []),
