@@ -157,6 +157,9 @@ REGISTRY: dict[str, EnvVar] = _declare(
            "the model step's compilation level where `-O` / `--compilation-config` is not given: 0 eager, 3 "
            "torch.compile (CPU only)", numerics=True),
     # --- collectives and failure detection --------------------------------------------------------------
+    EnvVar("KVSHARD_KV_HUGE_PAGES", SWITCH, True,
+           "CPU, Linux: a rank's KV cache is one 2 MiB-aligned buffer advised for transparent huge pages "
+           "(madvise) before its first touch; 0 leaves it on the allocator's pages"),
     EnvVar("KVSHARD_SHM_COLLECTIVES", SWITCH, True,
            "ranks on one x86 machine exchange through shared memory; 0 sends every collective through gloo"),
     EnvVar("KVSHARD_SHM_SLOT_BYTES", POSITIVE_INT, 4 << 20,

@@ -45,7 +45,7 @@ import torch
 
 from kvshard.attention import paged
 from kvshard.attention.kernels import attention_with_lse, reference_attention_with_lse
-from kvshard.kv.cache import GatherBuffers, KVCacheLayer
+from kvshard.kv.cache import GatherBuffers, KVCacheLayer, kv_buffer
 
 # name: (query heads, KV heads, key dim, value dim, value is the key's prefix)
 SHAPES = {
@@ -144,8 +144,13 @@ def setup(shape: str, dtype: torch.dtype, batch: int, context: int, block_size: 
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq * pools
     g = torch.Generator().manual_seed(seed)
-    key = torch.randn(num_blocks * block_size, kv_heads, dk, generator=g).to(dtype)
-    value = key[..., :dv] if prefix else torch.randn(num_blocks * block_size, kv_heads, dv, generator=g).to(dtype)
+    # on the pages an engine's cache gets (kv_buffer: transparent huge pages on a CPU unless
+    # KVSHARD_KV_HUGE_PAGES=0), which decide how fast cold blocks read
+    slots = num_blocks * block_size
+    pool = kv_buffer(slots * kv_heads * (dk if prefix else dk + dv) * dtype.itemsize, torch.device("cpu")).view(dtype)
+    key = pool[:slots * kv_heads * dk].view(slots, kv_heads, dk).copy_(torch.randn(slots, kv_heads, dk, generator=g))
+    value = key[..., :dv] if prefix else pool[slots * kv_heads * dk:].view(slots, kv_heads, dv).copy_(
+        torch.randn(slots, kv_heads, dv, generator=g))
     cache = KVCacheLayer(key, value, block_size, dtype)
     pool_tables = torch.randperm(num_blocks, generator=g).view(pools, batch, blocks_per_seq).to(torch.int32)
     tables = pool_tables[0]
