@@ -11,7 +11,7 @@ sees float8. The scales are 1.0 unless the checkpoint carries them (`k_scale`/`v
 On a CPU under Linux every layer's cache is a view of one buffer, aligned to 2 MiB and
 advised for transparent huge pages before its first touch (`KVSHARD_KV_HUGE_PAGES`):
 the paged kernel reads blocks that lie anywhere in it, and on 4 KiB pages each block's
-pages cost a TLB miss and restart the hardware prefetchers (1.09-1.23x faster cold reads:
+pages cost a TLB miss and restart the hardware prefetchers (1.09-1.28x faster cold reads:
 BENCHMARKS.md section 24).
 """
 
