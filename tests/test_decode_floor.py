@@ -50,7 +50,8 @@ def _llama_multiply_adds(cfg, batch: int, kv_tokens: int) -> int:
     d, h, kv, hd, i = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                        cfg.intermediate_size)
     per_layer = d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * i
-    return batch * (cfg.num_hidden_layers * per_layer + cfg.vocab_size * d) + cfg.num_hidden_layers * kv_tokens * h * 2 * hd
+    attention = cfg.num_hidden_layers * kv_tokens * h * 2 * hd
+    return batch * (cfg.num_hidden_layers * per_layer + cfg.vocab_size * d) + attention
 
 
 def test_the_compute_floor_counts_every_product_and_a_tied_head_whole(checkpoints):

@@ -42,7 +42,8 @@ def test_every_layer_is_a_zeroed_view_of_its_own_part_of_one_buffer(spec, huge, 
         assert (layer.value.data_ptr() == layer.key.data_ptr()) == spec.value_in_key
     # one buffer: the layers lie back to back, and writing one leaves the others as they were
     per_layer = layers[0].key.numel() + (0 if spec.value_in_key else layers[0].value.numel())
-    assert [layer.key.data_ptr() - layers[0].key.data_ptr() for layer in layers] == [i * per_layer * 2 for i in range(3)]
+    offsets = [layer.key.data_ptr() - layers[0].key.data_ptr() for layer in layers]
+    assert offsets == [i * per_layer * 2 for i in range(3)]  # bfloat16: 2 bytes an element
     layers[1].key.fill_(1.0)
     layers[1].value.fill_(2.0)
     assert not layers[0].key.any() and not layers[2].key.any() and not layers[2].value.any()

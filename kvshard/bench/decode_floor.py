@@ -237,7 +237,8 @@ def measure_decode_floor(engine_args: EngineArgs, batch_size: int, context_len: 
     step_s = sorted(times)[len(times) // 2]
     kv_bytes = kv_per_token * sorted(kv_tokens)[len(kv_tokens) // 2]
     floor_s = (weights + kv_bytes) / bandwidth
-    multiply_adds = weight_macs + attention_multiply_adds_per_step(hf_config, tp, sorted(kv_tokens)[len(kv_tokens) // 2])
+    attention_macs = attention_multiply_adds_per_step(hf_config, tp, sorted(kv_tokens)[len(kv_tokens) // 2])
+    multiply_adds = weight_macs + attention_macs
     compute_floor_s = multiply_adds / product_rate
     return {
         "model": engine_args.model,
