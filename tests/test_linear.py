@@ -126,3 +126,28 @@ def test_decode_floor_counts_a_reordered_weight_as_its_bytes():
     # what a step reads: the reordered copy (float32 where the CPU has no bfloat16 arithmetic)
     size = cpu_product_dtype(torch.bfloat16).itemsize
     assert weight_bytes_per_step(model, batch_size=8) == (64 * 96 * 4) + 96 * 32 * size + 32 * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_lm_head_multiplies_by_a_reordered_copy_and_keeps_its_weight(dtype):
+    from kvshard.bench.decode_floor import weight_bytes_per_step
+
+    if ONEDNN_LINEAR is None or dtype not in onednn_dtypes():
+        pytest.skip(f"oneDNN has no packed product for {dtype} on this CPU")
+    torch.manual_seed(0)
+    head = ParallelLMHead(50, 64, dtype, single_rank_state())
+    torch.nn.init.normal_(head.weight)
+    weight = head.weight
+    model = torch.nn.Sequential(head)
+    reorder_linear_weights(model)
+    # the weight stays (a tied embedding reads it); the product reads oneDNN's copy
+    assert head.weight is weight and head.packed_weight.is_mkldnn and head.product_weight is None
+    x = torch.randn(9, 64, dtype=dtype)
+    want = torch.nn.functional.linear(x.float(), weight.float())
+    weight.data.zero_()  # the logits come from the copy alone
+    got = head.logits(x)
+    assert got.dtype == torch.float32 and got.shape == (9, 50)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, atol=tolerance * want.abs().max().item(), rtol=0)
+    # what a step reads: the copy, not the weight
+    assert weight_bytes_per_step(model, batch_size=4) == head.packed_weight.numel() * head.packed_weight.element_size()

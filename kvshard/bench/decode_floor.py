@@ -128,13 +128,13 @@ def weight_bytes_per_step(model: torch.nn.Module, batch_size: int) -> int:
     from kvshard.layers.embedding import ParallelLMHead
 
     # an LM head whose weight is the token embedding's (tied) reads all of it: not one row per request
-    head_weights = {id(module.weight) for module in model.modules()
-                    if isinstance(module, ParallelLMHead) and getattr(module, "product_weight", None) is None}
+    head_weights = {id(module.weight) for module in model.modules() if isinstance(module, ParallelLMHead)
+                    and module.product_weight is None and module.packed_weight is None}
     total = 0
     # linear layers on CPU hold their weight as oneDNN's reordered copy, a buffer (layers/linear.py); an LM
     # head with a float32 copy for its product (layers/embedding.py) reads the copy, not its weight
-    copied = {name.removesuffix("product_weight") + "weight" for name, _ in model.named_buffers()
-              if name.endswith("product_weight")}
+    copied = {name.rsplit(".", 1)[0] + ".weight" for name, buffer in model.named_buffers()
+              if name.endswith((".product_weight", ".packed_weight")) and buffer is not None}
     for name, parameter in [*model.named_parameters(), *model.named_buffers()]:
         if name in copied:
             continue

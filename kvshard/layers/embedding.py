@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvshard.layers.linear import cpu_product_dtype
+from kvshard.layers import linear
+from kvshard.layers.linear import cpu_product_dtype, packed_linear
 from kvshard.parallel import ParallelState, tp_all_reduce, tp_gather_to_driver
 
 
@@ -37,20 +38,30 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, parallel: ParallelState) -> None:
         super().__init__(vocab_size, hidden_size, dtype, parallel)
         self.register_buffer("product_weight", None, persistent=False)
+        self.register_buffer("packed_weight", None, persistent=False)
 
     def keep_product_copy(self) -> bool:
-        """A float32 copy of a half-precision weight for the product, where the CPU has no arithmetic for
-        that precision (layers/linear.py's cpu_product_dtype); the weight itself stays (the embedding may
-        share it). Whether it made one."""
+        """A copy of the weight for the product on a CPU, the weight itself staying (the embedding may share it):
+        oneDNN's reordered copy where oneDNN multiplies the weight's dtype (SmolLM2's head, bfloat16 at 32 rows:
+        5.7 ms against torch's linear's 7.9, the same bits: BENCHMARKS.md section 24), else a float32 copy of a
+        half-precision weight the CPU has no arithmetic for (layers/linear.py's cpu_product_dtype). Whether it
+        made one."""
         weight = self.weight
-        if weight.device.type != "cpu" or cpu_product_dtype(weight.dtype) == weight.dtype:
+        if weight.device.type != "cpu":
+            return False
+        if linear.ONEDNN_LINEAR is not None and weight.dtype in linear.onednn_dtypes():
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), linear.ONEDNN_REORDER_ROWS)
+            return True
+        if cpu_product_dtype(weight.dtype) == weight.dtype:
             return False
         self.product_weight = weight.detach().to(cpu_product_dtype(weight.dtype))
         return True
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[t, D] -> full-vocabulary logits [t, V] in float32 on rank 0, None elsewhere."""
-        if self.product_weight is not None:  # the float32 product, rounded as the half-precision one rounds
+        if self.packed_weight is not None:
+            local = packed_linear(hidden, self.packed_weight).float()
+        elif self.product_weight is not None:  # the float32 product, rounded as the half-precision one rounds
             local = nn.functional.linear(hidden.float(), self.product_weight).to(hidden.dtype).float()
         else:
             local = nn.functional.linear(hidden, self.weight).float()  # [t, V/tp]

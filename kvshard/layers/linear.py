@@ -54,6 +54,19 @@ def copy_whole(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None
     param.data.copy_(loaded)
 
 
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) by oneDNN from its reordered copy of the weight, returned in x's dtype (a half-precision
+    x with a float32 copy, on AVX2: the float32 product, rounded once)."""
+    dtype = x.dtype
+    if packed_weight.dtype != dtype:
+        x, bias = x.float(), None if bias is None else bias.float()
+    if torch.compiler.is_compiling():  # inductor cannot lower it from a runtime weight: an opaque op
+        out = torch.ops.kvshard.onednn_linear(x, packed_weight, bias)
+    else:
+        out = ONEDNN_LINEAR(x, packed_weight, bias, "none", [], "")
+    return out.to(dtype)
+
+
 class LinearBase(nn.Module):
     """What every linear layer below shares: the product x @ weight.T (+ bias), from a weight that
     `reorder_for_onednn` may have replaced by oneDNN's blocked copy of it."""
@@ -64,14 +77,7 @@ class LinearBase(nn.Module):
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed_weight is not None:
-            dtype = x.dtype
-            if self.packed_weight.dtype != dtype:  # a half-precision layer reordered in float32 (AVX2)
-                x, bias = x.float(), None if bias is None else bias.float()
-            if torch.compiler.is_compiling():  # inductor cannot lower it from a runtime weight: an opaque op
-                out = torch.ops.kvshard.onednn_linear(x, self.packed_weight, bias)
-            else:
-                out = ONEDNN_LINEAR(x, self.packed_weight, bias, "none", [], "")
-            return out.to(dtype)
+            return packed_linear(x, self.packed_weight, bias)
         return nn.functional.linear(x, self.weight, bias)
 
     @property
@@ -98,7 +104,7 @@ def reorder_linear_weights(model: nn.Module) -> int:
     keeps torch's linear). Returns the number of layers reordered."""
     if not envs.get("KVSHARD_ONEDNN_LINEAR"):
         return 0
-    for module in model.modules():  # the LM head (not a LinearBase) in float32 where its precision is emulated
+    for module in model.modules():  # the LM head (not a LinearBase): a copy of its own for the product
         if hasattr(module, "keep_product_copy"):
             module.keep_product_copy()
     return sum(module.reorder_for_onednn() for module in model.modules() if isinstance(module, LinearBase))
