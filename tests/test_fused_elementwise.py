@@ -24,7 +24,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.fixture
-def ops(fused_ops):
+def ops(fused_ops):  # this file's name for it: `fused_ops` here is the switch's module
     return fused_ops
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvshard.layers import linear
-from kvshard.layers.linear import cpu_product_dtype, packed_linear
+from kvshard.layers.linear import cpu_product_dtype, onednn_reordered, packed_linear
 from kvshard.parallel import ParallelState, tp_all_reduce, tp_gather_to_driver
 
 
@@ -49,12 +48,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         weight = self.weight
         if weight.device.type != "cpu":
             return False
-        if linear.ONEDNN_LINEAR is not None and weight.dtype in linear.onednn_dtypes():
-            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), linear.ONEDNN_REORDER_ROWS)
-            return True
-        if cpu_product_dtype(weight.dtype) == weight.dtype:
-            return False
-        self.product_weight = weight.detach().to(cpu_product_dtype(weight.dtype))
+        product = cpu_product_dtype(weight.dtype)
+        if product == weight.dtype:
+            self.packed_weight = onednn_reordered(weight)
+            return self.packed_weight is not None
+        self.product_weight = weight.detach().to(product)
         return True
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

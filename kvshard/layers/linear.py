@@ -54,6 +54,18 @@ def copy_whole(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None
     param.data.copy_(loaded)
 
 
+def onednn_reordered(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's reordered copy of a CPU weight in the dtype its products run in (`cpu_product_dtype`: the weight's
+    own, or float32 for a half precision the CPU has no arithmetic for), for `packed_linear`; None where oneDNN
+    cannot take it (no oneDNN, another device, a dtype it has no product for)."""
+    if ONEDNN_LINEAR is None or weight.device.type != "cpu":
+        return None
+    product = cpu_product_dtype(weight.dtype)
+    if product not in onednn_dtypes():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(product), ONEDNN_REORDER_ROWS)
+
+
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) by oneDNN from its reordered copy of the weight, returned in x's dtype (a half-precision
     x with a float32 copy, on AVX2: the float32 product, rounded once)."""
@@ -86,15 +98,11 @@ class LinearBase(nn.Module):
         return (self.weight if self.packed_weight is None else self.packed_weight).shape
 
     def reorder_for_onednn(self) -> bool:
-        """Keep only oneDNN's reordered copy of the weight (a CPU weight of a dtype it takes, or a float32 copy
-        of a half-precision one where the CPU has no arithmetic for it: cpu_product_dtype); whether it did."""
-        weight = self.weight
-        if ONEDNN_LINEAR is None or weight.device.type != "cpu":
+        """Keep only oneDNN's reordered copy of the weight (`onednn_reordered`); whether it did."""
+        packed = onednn_reordered(self.weight)
+        if packed is None:
             return False
-        product = cpu_product_dtype(weight.dtype)
-        if product not in onednn_dtypes():
-            return False
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(product), ONEDNN_REORDER_ROWS)
+        self.packed_weight = packed
         self.weight = None  # the reordered copy replaces it: the weights' memory is not doubled
         return True
 
