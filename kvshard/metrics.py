@@ -112,6 +112,14 @@ class ServerMetrics:
         yield counter("kvshard:prompt_tokens", "Prompt tokens admitted (times n).", stats.prompt_tokens)
         yield counter("kvshard:generation_tokens", "Tokens generated.", stats.generation_tokens)
         yield counter("kvshard:engine_steps", "Engine steps run.", stats.steps)
+        step_seconds = CounterMetricFamily(
+            "kvshard:engine_step_seconds",
+            "Time in engine steps (scheduling, the model, sampling, outputs), by kind: prefill, steps that computed "
+            "prompt tokens (decodes may ride along); decode, steps of decodes and drafts only.",
+            labels=["model_name", "kind"])
+        step_seconds.add_metric([name, "prefill"], stats.prefill_step_seconds)
+        step_seconds.add_metric([name, "decode"], stats.decode_step_seconds)
+        yield step_seconds
         yield counter("kvshard:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       stats.prefix_cache_queries)
         yield counter("kvshard:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)

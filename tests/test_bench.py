@@ -180,6 +180,10 @@ kvshard:generation_tokens_total{model_name="kvshard-demo-mla"} 277.0
 # HELP kvshard:engine_steps_total Engine steps run.
 # TYPE kvshard:engine_steps_total counter
 kvshard:engine_steps_total{model_name="kvshard-demo-mla"} 65.0
+# HELP kvshard:engine_step_seconds_total Time in engine steps, by kind.
+# TYPE kvshard:engine_step_seconds_total counter
+kvshard:engine_step_seconds_total{kind="prefill",model_name="kvshard-demo-mla"} 1.25
+kvshard:engine_step_seconds_total{kind="decode",model_name="kvshard-demo-mla"} 0.5
 """
 
 
@@ -190,6 +194,7 @@ def test_a_kvshard_scrape_gives_the_gauges_the_counters_and_the_layout():
     assert snapshot.kv_usage == pytest.approx(1 / 6)
     assert (snapshot.preemptions, snapshot.prompt_tokens, snapshot.generation_tokens) == (0, 4308, 277)
     assert snapshot.engine_steps == 65
+    assert (snapshot.prefill_step_seconds, snapshot.decode_step_seconds) == (1.25, 0.5)
     assert snapshot.layout["dcp"] == "2" and snapshot.layout["kv_capacity_tokens"] == "3264"
     assert snapshot.num_ranks == 2
 
@@ -232,6 +237,7 @@ def test_a_vllm_scrape_is_read_by_the_same_names():
     assert snapshot.kv_usage == pytest.approx(0.00586, abs=1e-5)
     assert (snapshot.prompt_tokens, snapshot.generation_tokens) == (4804, 650)
     assert snapshot.layout == {} and snapshot.num_ranks is None
+    assert MetricsTrace([snapshot, snapshot]).prefill_step_share is None  # vLLM reports no step time
 
 
 def test_prefix_cache_counters_are_read_by_their_short_names():
@@ -251,6 +257,17 @@ def test_trace_peaks_and_time_weighted_means():
     assert (trace.peak_running, trace.peak_waiting, trace.peak_kv_usage) == (8, 5, 0.9)
     assert trace.mean_running == pytest.approx((2 * 1 + 8 * 3) / 4)
     assert (trace.preemptions, trace.engine_steps) == (3, 150)
+
+
+def test_the_prefill_share_of_step_time_over_a_trace():
+    trace = MetricsTrace([
+        ServerSnapshot(time=0.0, prefill_step_seconds=10.0, decode_step_seconds=4.0),  # an earlier point's
+        ServerSnapshot(time=1.0, prefill_step_seconds=10.5, decode_step_seconds=5.0),
+        ServerSnapshot(time=2.0, prefill_step_seconds=13.0, decode_step_seconds=5.0),
+    ])
+    assert trace.prefill_step_share == pytest.approx(3.0 / 4.0)
+    assert trace.summary()["prefill_step_share"] == pytest.approx(0.75)
+    assert MetricsTrace([ServerSnapshot(), ServerSnapshot(time=1.0)]).prefill_step_share is None  # no step ran
 
 
 def test_summary_of_request_outcomes():
@@ -356,6 +373,7 @@ def test_tiny_dcp_run_of_agentic_sessions_prints_the_table_and_writes_json_and_p
     out = capsys.readouterr().out
     assert code == 0, out
     assert "max concurrency" in out and "TP=2 + DCP=2 vs TP=2: max concurrency" in out
+    assert "prefilling" in out and "step time prefilling" in out
     # both servers up before the first point, then the layouts take turns, the first of a turn alternating
     lines = [line.strip() for line in out.splitlines()]
     started = [i for i, line in enumerate(lines) if line.startswith("== ")]
@@ -379,6 +397,8 @@ def test_tiny_dcp_run_of_agentic_sessions_prints_the_table_and_writes_json_and_p
             assert point["total_output_tokens"] == sum(t.output_len for s in sessions[:num_sessions] for t in s)
             # each point starts from an empty cache: a first turn finds nothing, though it ran at the last point
             assert point["turns"][0]["mean_cached_tokens"] == 0
+            share = point["server"]["prefill_step_share"]  # prompts to prefill and answers to decode: some of each
+            assert share is not None and 0 < share < 1
         assert config["layout"]["tp"] == "2" and config["max_concurrency_reached"] >= 1
         with pytest.raises(httpx.HTTPError):  # stopped
             httpx.get(f"{config['base_url']}/health", timeout=2)

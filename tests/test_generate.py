@@ -110,6 +110,22 @@ def test_outputs_come_back_in_prompt_order_and_blocks_are_freed(llm):
     assert llm.engine.stats().kv_blocks_used == 0
 
 
+def test_step_time_is_counted_by_kind_prefill_or_decode(llm):
+    engine = llm.engine
+    before = engine.stats()
+    engine.add_request("kinds", [7] * 9, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    engine.step()  # the whole prompt
+    after_prompt = engine.stats()
+    assert after_prompt.prefill_step_seconds > before.prefill_step_seconds
+    assert after_prompt.decode_step_seconds == before.decode_step_seconds
+    engine.step()  # a decode
+    after_decode = engine.stats()
+    assert after_decode.prefill_step_seconds == after_prompt.prefill_step_seconds
+    assert after_decode.decode_step_seconds > after_prompt.decode_step_seconds
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 @pytest.mark.parametrize("prompt, params, message", [
     ([], SamplingParams(), "prompt is empty"),
     ([1000], SamplingParams(), r"token ids must be integers in \[0, 128\)"),

@@ -93,6 +93,37 @@ def test_long_prompt_is_chunked_and_decodes_keep_running():
     assert long.num_computed_tokens == 35
 
 
+def test_a_batch_counts_the_prompt_tokens_it_computes_beyond_its_decodes():
+    scheduler = make_scheduler(num_blocks=100, budget=8)
+    short = make_seq(prompt_len=3, max_tokens=50)
+    scheduler.add(short)
+    batch = scheduler.schedule()
+    assert batch.num_prefill_tokens == 2  # a whole prompt: its last token is the one the step samples after
+    scheduler.mark_computed(batch)
+    short.output_token_ids.append(0)
+    assert scheduler.schedule().num_prefill_tokens == 0  # one decode
+    long = make_seq(prompt_len=12, max_tokens=1)
+    scheduler.add(long)
+    batch = scheduler.schedule()  # the decode and a first chunk of 7, which samples nothing
+    assert sorted(batch.query_lens) == [1, 7] and batch.num_prefill_tokens == 7
+    scheduler.mark_computed(batch)
+    short.output_token_ids.append(0)
+    batch = scheduler.schedule()  # the decode and the prompt's last 5 tokens
+    assert sorted(batch.query_lens) == [1, 5] and batch.num_prefill_tokens == 4
+
+
+def test_drafts_verified_with_a_decode_are_no_prefill():
+    scheduler = make_scheduler(num_blocks=100, budget=16)
+    seq = make_seq(prompt_len=3, max_tokens=50)
+    scheduler.add(seq)
+    scheduler.mark_computed(scheduler.schedule())
+    seq.output_token_ids.append(0)
+    seq.num_spec_tokens = 3
+    batch = scheduler.schedule()
+    assert batch.query_lens == [4] and batch.num_drafts == [3]
+    assert batch.num_prefill_tokens == 0
+
+
 def test_out_of_blocks_preempts_the_newest_and_everything_finishes_with_the_same_tokens():
     def outputs(num_blocks: int) -> tuple[list[list[int]], int, int]:
         scheduler = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_seqs=8, budget=32)

@@ -190,6 +190,8 @@ def test_logprobs_of_greedy_tokens_are_the_top_ones(client):
 def test_32_concurrent_streams_equal_one_at_a_time_and_free_all_kv(server, client):
     one_at_a_time = [complete(client, p).choices[0].text for p in PROMPTS]
     steps_before = server.metric("kvshard:engine_steps_total")
+    step_seconds_before = {kind: server.metric("kvshard:engine_step_seconds_total", kind=kind)
+                           for kind in ("prefill", "decode")}
 
     async def stream(aclient, prompt):
         chunks = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=8, stream=True,
@@ -209,6 +211,8 @@ def test_32_concurrent_streams_equal_one_at_a_time_and_free_all_kv(server, clien
     assert all(usage.completion_tokens == 8 for _, usage in results)
     # batched: far fewer steps than the 32 x 8 a one-at-a-time run takes
     assert server.metric("kvshard:engine_steps_total") - steps_before < 32 * 8 / 4
+    for kind in ("prefill", "decode"):  # 32 prompts to prefill, then their decodes
+        assert server.metric("kvshard:engine_step_seconds_total", kind=kind) > step_seconds_before[kind]
     assert server.wait_for_metric("kvshard:kv_cache_usage_perc", lambda v: v == 0) == 0
     assert server.metric("kvshard:num_requests_running") == server.metric("kvshard:num_requests_waiting") == 0
     for dcp_rank in ("0", "1"):

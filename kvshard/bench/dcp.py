@@ -11,7 +11,11 @@ layout, the seed's columns: the maximum concurrency reached, output tok/s per
 rank, KV usage, and what limits it. A point is *KV-limited* when the server
 preempted requests, or requests waited while its KV cache was (nearly) full;
 otherwise the server ran what it could take and compute (the step time) is the
-limit.
+limit. Each point also gives the share of the server's step time that went to
+steps computing prompt tokens (`prefilling`, from kvshard:engine_step_seconds):
+DCP amortises a step's fixed cost over twice the decodes, but divides neither a
+prompt's prefill nor its tokens' work, so a workload whose steps mostly prefill
+gains little from it whatever the extra concurrency.
 """
 
 from __future__ import annotations
@@ -182,6 +186,7 @@ class _Sweep:
             f"waiting peak {s['peak_waiting']:>3}, KV peak {s['peak_kv_usage']:.0%}, "
             f"preemptions {s['preemptions']}, "
             f"cached {format_percent(point['cached_fraction'], 0)} of prompt tokens, "
+            f"step time prefilling {format_percent(s.get('prefill_step_share'), 0)}, "
             f"{point['output_throughput_per_rank']:.1f} out tok/s/rank"
             + (f", {point['failed']} FAILED: {point['errors'][0]}" if point["failed"] else ""))
         if self.concurrencies:
@@ -302,10 +307,10 @@ def format_points_table(result: dict) -> str:
                          format_percent(p["cached_fraction"], 0),
                          f"{p['output_throughput_per_rank']:.1f}", f"{p['median_ttft_ms']:,.0f}",
                          f"{p['median_tpot_ms']:,.0f}", format_number(p.get("mean_step_ms"), 0),
-                         f"{p['duration_s']:.1f}", p["limited_by"]])
+                         format_percent(s.get("prefill_step_share"), 0), f"{p['duration_s']:.1f}", p["limited_by"]])
     return format_table(["configuration", "concurrency", "running peak/mean", "waiting peak", "KV peak",
-                         "preempt", "cached", "out tok/s/rank", "TTFT p50 ms", "TPOT p50 ms", "ms/step", "time s",
-                         "limited by"], rows)
+                         "preempt", "cached", "out tok/s/rank", "TTFT p50 ms", "TPOT p50 ms", "ms/step", "prefilling",
+                         "time s", "limited by"], rows)
 
 
 def _times(value: float | None) -> str:

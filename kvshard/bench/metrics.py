@@ -28,6 +28,8 @@ _FIELDS = {
     "prefix_cache_queries": "prefix_cache_queries",  # prompt tokens looked up
     "prefix_cache_hits": "prefix_cache_hits",  # prompt tokens found
 }
+# kvshard:engine_step_seconds{kind=...}: one field per kind
+_STEP_SECONDS = {"prefill": "prefill_step_seconds", "decode": "decode_step_seconds"}
 _LAYOUT_INFO = "dcp_layout_info"  # kvshard:dcp_layout_info{tp=..., dcp=..., ...} 1 (an Info metric)
 
 
@@ -45,6 +47,8 @@ class ServerSnapshot:
     engine_steps: float = 0.0
     prefix_cache_queries: float = 0.0
     prefix_cache_hits: float = 0.0
+    prefill_step_seconds: float = 0.0  # kvshard only: time in steps that computed prompt tokens
+    decode_step_seconds: float = 0.0  # and in steps of decodes only
     layout: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -63,6 +67,10 @@ def parse_metrics(text: str, at: float = 0.0) -> ServerSnapshot:
         for sample in family.samples:
             if sample.name.split(":")[-1] == _LAYOUT_INFO:
                 layout = dict(sample.labels)
+            if short == "engine_step_seconds" and sample.name.endswith("_total"):
+                kind = _STEP_SECONDS.get(sample.labels.get("kind", ""))
+                if kind is not None:
+                    values[kind] = values.get(kind, 0.0) + sample.value
         target = _FIELDS.get(short)
         if target is None:
             continue
@@ -118,9 +126,19 @@ class MetricsTrace:
 
     def _growth(self, name: str) -> int:
         """How much a counter grew during the trace."""
+        return int(self._float_growth(name))
+
+    def _float_growth(self, name: str) -> float:
         if not self.snapshots:
-            return 0
-        return int(getattr(self.snapshots[-1], name) - getattr(self.snapshots[0], name))
+            return 0.0
+        return getattr(self.snapshots[-1], name) - getattr(self.snapshots[0], name)
+
+    @property
+    def prefill_step_share(self) -> float | None:
+        """The share of the engine's step time that went to steps computing prompt tokens (decodes riding
+        along included); None where the server reports no step time (vLLM, or no step ran)."""
+        prefill, decode = self._float_growth("prefill_step_seconds"), self._float_growth("decode_step_seconds")
+        return prefill / (prefill + decode) if prefill + decode > 0 else None
 
     @property
     def preemptions(self) -> int:
@@ -137,6 +155,9 @@ class MetricsTrace:
             "peak_waiting": self.peak_waiting, "preemptions": self.preemptions, "engine_steps": self.engine_steps,
             "prefix_cache_queries": self._growth("prefix_cache_queries"),
             "prefix_cache_hits": self._growth("prefix_cache_hits"),
+            "prefill_step_seconds": self._float_growth("prefill_step_seconds"),
+            "decode_step_seconds": self._float_growth("decode_step_seconds"),
+            "prefill_step_share": self.prefill_step_share,
             "num_scrapes": len(self.snapshots),
         }
 

@@ -56,6 +56,8 @@ def format_serve_result(result: dict) -> str:
         ("Peak waiting requests", str(server["peak_waiting"])),
         ("Preemptions", str(server["preemptions"])),
     ]
+    if server.get("prefill_step_share") is not None:
+        rows.append(("Step time in steps with prompt tokens", format_percent(server["prefill_step_share"])))
     if server["scrape_failures"]:
         rows.append(("Failed scrapes", str(server["scrape_failures"])))
     rows += [("---Prefix cache (usage.prompt_tokens_details)---", ""),

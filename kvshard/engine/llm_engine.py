@@ -59,6 +59,7 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.steps = 0
+        self.prefill_step_seconds = self.decode_step_seconds = 0.0  # EngineStats
         self.speculative = config.speculative
         self.num_speculative_tokens = self.speculative.num_speculative_tokens if self.speculative else 0
         # drafts for decoding requests (n-gram, a draft model, the MTP module; none without speculation)
@@ -166,6 +167,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return an output for every request that advanced or finished."""
         with self._lock:
+            started = time.perf_counter()
             failed = self._kv_connector_step() if self.kv_connector is not None else []
             if self._compiling:
                 failed += self._start_grammars()
@@ -182,7 +184,13 @@ class LLMEngine:
                                        self.executor.block_tables.changes(batch.seqs))
             logits = self.executor.execute(plan)
             self.steps += 1
-            return failed + self._update_from_output(batch, rows, logits, draft_probs)
+            outputs = self._update_from_output(batch, rows, logits, draft_probs)
+            seconds = time.perf_counter() - started
+            if batch.num_prefill_tokens:
+                self.prefill_step_seconds += seconds
+            else:
+                self.decode_step_seconds += seconds
+            return failed + outputs
 
     def _start_grammars(self) -> list[RequestOutput]:
         """Give the requests whose grammar compiled a matcher per sequence (the scheduler takes them from
@@ -334,6 +342,8 @@ class LLMEngine:
                 prompt_tokens=self.prompt_tokens_total,
                 generation_tokens=self.generation_tokens_total,
                 steps=self.steps,
+                prefill_step_seconds=self.prefill_step_seconds,
+                decode_step_seconds=self.decode_step_seconds,
                 kv_tokens_per_dcp_rank=per_rank,
                 prefix_cache_queries=self.scheduler.prefix_cache_queries,
                 prefix_cache_hits=self.scheduler.prefix_cache_hits,

@@ -66,6 +66,12 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.query_lens)
 
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens the step computes that are not a decode's: prompt chunks and context recomputed after a
+        preemption. A request that reaches its last known token counts that one, with its drafts, as its decode."""
+        return sum(n - d - int(s) for n, d, s in zip(self.query_lens, self.num_drafts, self.sample))
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool, layout: DCPLayout,

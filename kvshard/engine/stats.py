@@ -19,6 +19,10 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
+    # seconds of engine steps (scheduling, the model, sampling, outputs) by kind: steps that computed prompt
+    # tokens (decodes may ride along in them), and steps of decodes (and drafts) only
+    prefill_step_seconds: float = 0.0
+    decode_step_seconds: float = 0.0
     # per DCP rank: tokens of live requests stored there (the engine's own accounting)
     kv_tokens_per_dcp_rank: list[int] = field(default_factory=list)
     # prefix cache: tokens of admitted requests looked up and found; blocks holding a cached prefix (per rank)
