@@ -287,6 +287,24 @@ def test_summary_of_request_outcomes():
     assert result["total_cached_tokens"] is None and result["cached_fraction"] is None  # the server said nothing
 
 
+def test_the_serve_report_gives_the_prefill_share_where_the_server_reports_step_time():
+    from kvshard.bench.report import format_serve_result
+
+    outcomes = [RequestOutcome(input_len=100, success=True, output_len=11, ttft=0.5, latency=1.5, itl=[0.1] * 10)]
+    result = summarize(outcomes, duration=2.0, num_ranks=2)
+    result.update(max_concurrency=1, request_rate="inf")
+    kvshard = MetricsTrace([ServerSnapshot(prefill_step_seconds=1.0, decode_step_seconds=1.0),
+                            ServerSnapshot(time=2.0, prefill_step_seconds=1.3, decode_step_seconds=1.9)])
+    for trace, expected in ((kvshard, "25.0%"), (MetricsTrace([ServerSnapshot(), ServerSnapshot(time=2.0)]), None)):
+        result["server"] = {**trace.summary(), "scrape_failures": 0}
+        line = next((row for row in format_serve_result(result).splitlines()
+                     if row.startswith("Step time in steps with prompt tokens")), None)
+        if expected is None:  # vLLM: no such counter, no such line
+            assert line is None
+        else:
+            assert line is not None and line.split()[-1] == expected
+
+
 def test_summary_gives_cached_tokens_per_turn_of_a_session():
     outcomes = [
         RequestOutcome(input_len=100, success=True, output_len=4, ttft=0.4, latency=1.0, turn=0, cached_tokens=0),
