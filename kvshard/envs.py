@@ -157,9 +157,6 @@ REGISTRY: dict[str, EnvVar] = _declare(
            "the model step's compilation level where `-O` / `--compilation-config` is not given: 0 eager, 3 "
            "torch.compile (CPU only)", numerics=True),
     # --- collectives and failure detection --------------------------------------------------------------
-    EnvVar("KVSHARD_KV_HUGE_PAGES", SWITCH, True,
-           "CPU, Linux: a rank's KV cache is one 2 MiB-aligned buffer advised for transparent huge pages "
-           "(madvise) before its first touch; 0 leaves it on the allocator's pages"),
     EnvVar("KVSHARD_SHM_COLLECTIVES", SWITCH, True,
            "ranks on one x86 machine exchange through shared memory; 0 sends every collective through gloo"),
     EnvVar("KVSHARD_SHM_SLOT_BYTES", POSITIVE_INT, 4 << 20,
@@ -179,6 +176,9 @@ REGISTRY: dict[str, EnvVar] = _declare(
     EnvVar("KVSHARD_KEEP_FREED_MEMORY", SWITCH, True,
            "glibc keeps freed memory for the next step instead of returning it to the kernel; 0 leaves glibc's "
            "default"),
+    EnvVar("KVSHARD_KV_HUGE_PAGES", SWITCH, True,
+           "CPU, Linux: a rank's KV cache is one 2 MiB-aligned buffer advised for transparent huge pages "
+           "(madvise) before its first touch; 0 leaves it on the allocator's pages"),
     EnvVar("KVSHARD_CACHE_DIR", PATH, None,
            "where kvshard keeps the demo models, converted GGUF checkpoints, compiled kernels and the generated "
            "KV-transfer secret", shown_default="~/.cache/kvshard"),
