@@ -270,6 +270,26 @@ def test_the_prefill_share_of_step_time_over_a_trace():
     assert MetricsTrace([ServerSnapshot(), ServerSnapshot(time=1.0)]).prefill_step_share is None  # no step ran
 
 
+def test_output_throughput_while_requests_waited_leaves_the_ramp_down_out():
+    trace = MetricsTrace([
+        ServerSnapshot(time=0.0, waiting=0, generation_tokens=1000),  # an earlier point's tokens
+        ServerSnapshot(time=0.5, waiting=3, generation_tokens=1010),  # the queue fills: not yet counted
+        ServerSnapshot(time=1.5, waiting=4, generation_tokens=1110),  # 100 tokens in 1 s, waiting throughout
+        ServerSnapshot(time=2.5, waiting=1, generation_tokens=1190),  # 80 in 1 s
+        ServerSnapshot(time=3.0, waiting=0, generation_tokens=1230),  # the queue empties on the way: not counted
+        ServerSnapshot(time=5.0, waiting=0, generation_tokens=1260),  # the ramp-down
+    ])
+    assert trace.saturated_generation() == (180.0, 2.0)
+    assert trace.saturated_output_throughput == pytest.approx(90.0)
+    summary = trace.summary()
+    assert summary["saturated_output_throughput"] == pytest.approx(90.0) and summary["saturated_seconds"] == 2.0
+    # under SATURATED_MIN_SECONDS with requests waiting, or never: no figure
+    short = MetricsTrace([ServerSnapshot(time=0.0, waiting=2), ServerSnapshot(time=0.5, waiting=2,
+                                                                                generation_tokens=50)])
+    assert short.saturated_output_throughput is None
+    assert MetricsTrace([ServerSnapshot(), ServerSnapshot(time=9.0, generation_tokens=900)]).saturated_output_throughput is None
+
+
 def test_summary_of_request_outcomes():
     outcomes = [
         RequestOutcome(input_len=100, success=True, output_len=11, ttft=0.5, latency=1.5, itl=[0.1] * 10),
@@ -303,6 +323,63 @@ def test_the_serve_report_gives_the_prefill_share_where_the_server_reports_step_
             assert line is None
         else:
             assert line is not None and line.split()[-1] == expected
+
+
+def test_the_serve_report_gives_the_throughput_while_requests_waited_where_they_did():
+    from kvshard.bench.report import format_serve_result
+
+    outcomes = [RequestOutcome(input_len=100, success=True, output_len=11, ttft=0.5, latency=1.5, itl=[0.1] * 10)]
+    result = summarize(outcomes, duration=4.0, num_ranks=2)
+    result.update(max_concurrency=1, request_rate="inf")
+    waited = MetricsTrace([ServerSnapshot(waiting=2), ServerSnapshot(time=3.0, waiting=1, generation_tokens=75),
+                           ServerSnapshot(time=4.0, generation_tokens=80)])
+    for trace, expected in ((waited, "25.00"), (MetricsTrace([ServerSnapshot(), ServerSnapshot(time=4.0)]), None)):
+        result["server"] = {**trace.summary(), "scrape_failures": 0}
+        line = next((row for row in format_serve_result(result).splitlines()
+                     if row.startswith("Output tok/s while requests waited")), None)
+        if expected is None:
+            assert line is None
+        else:
+            assert line is not None and "(3 s)" in line and line.split()[-1] == expected
+
+
+def test_the_dcp_table_compares_the_layouts_while_requests_waited():
+    from kvshard.bench.dcp import format_dcp_table, summarize_config
+
+    def point(concurrency, rate, waited):
+        return {"concurrency": concurrency, "output_throughput_per_rank": rate,
+                "saturated_output_throughput_per_rank": waited, "limited_by": "KV memory",
+                "server": {"peak_running": concurrency, "mean_running": concurrency / 2, "peak_kv_usage": 1.0,
+                           "peak_waiting": concurrency, "preemptions": 1}}
+
+    def config(label, points):
+        return {"label": label, "layout": {"kv_capacity_tokens": "1000"}, "sweep_end": "", **summarize_config(points)}
+
+    tp = config("TP=2", [point(1, 50.0, None), point(8, 100.0, 110.0), point(16, 90.0, 120.0)])
+    dcp = config("TP=2 + DCP=2", [point(8, 150.0, 190.0), point(16, 160.0, 180.0)])
+    # the best point by each figure, each from its own point
+    assert (tp["best_output_throughput_per_rank"], tp["best_at_concurrency"]) == (100.0, 8)
+    assert (tp["best_saturated_output_throughput_per_rank"], tp["best_saturated_at_concurrency"]) == (120.0, 16)
+    dcp["vs_tp_only"] = {"max_concurrency": 1.0, "max_mean_running": 1.0, "output_throughput_per_rank": 1.6,
+                         "saturated_output_throughput_per_rank": 190.0 / 120.0}
+    table = format_dcp_table({"configs": [tp, dcp]})
+    assert "while requests waited" in table and "120.0 (c=16)" in table and "190.0 (c=8)" in table
+    assert table.splitlines()[-1].endswith("out tok/s per rank 1.60x (while requests waited 1.58x)")
+    none = config("TP=2", [point(1, 50.0, None)])
+    assert none["best_saturated_output_throughput_per_rank"] is None and "n/a" in format_dcp_table({"configs": [none]})
+
+
+def test_a_dcp_point_gives_the_throughput_while_requests_waited_per_rank():
+    from kvshard.bench.dcp import _POINT_FIELDS, point_of
+
+    server = {**MetricsTrace([ServerSnapshot(waiting=4), ServerSnapshot(time=2.0, waiting=2, generation_tokens=300),
+                              ServerSnapshot(time=3.0, generation_tokens=320)]).summary(), "layout": {}}
+    result = {**dict.fromkeys(_POINT_FIELDS, 0), "num_prompts": 8, "duration_s": 3.0, "server": server}
+    point = point_of(result, concurrency=4, num_ranks=2, max_num_seqs=256)
+    assert point["saturated_output_throughput_per_rank"] == pytest.approx(75.0)  # 300 tokens in 2 s, over 2 ranks
+    assert point["mean_step_ms"] is None and point["limited_by"] == "compute"
+    result["server"] = {**MetricsTrace([ServerSnapshot(), ServerSnapshot(time=3.0)]).summary(), "layout": {}}
+    assert point_of(result, 4, 2, 256)["saturated_output_throughput_per_rank"] is None
 
 
 def test_summary_gives_cached_tokens_per_turn_of_a_session():
@@ -391,7 +468,7 @@ def test_tiny_dcp_run_of_agentic_sessions_prints_the_table_and_writes_json_and_p
     out = capsys.readouterr().out
     assert code == 0, out
     assert "max concurrency" in out and "TP=2 + DCP=2 vs TP=2: max concurrency" in out
-    assert "prefilling" in out and "step time prefilling" in out
+    assert "prefilling" in out and "step time prefilling" in out and "while requests waited" in out
     # both servers up before the first point, then the layouts take turns, the first of a turn alternating
     lines = [line.strip() for line in out.splitlines()]
     started = [i for i, line in enumerate(lines) if line.startswith("== ")]

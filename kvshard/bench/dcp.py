@@ -11,7 +11,11 @@ layout, the seed's columns: the maximum concurrency reached, output tok/s per
 rank, KV usage, and what limits it. A point is *KV-limited* when the server
 preempted requests, or requests waited while its KV cache was (nearly) full;
 otherwise the server ran what it could take and compute (the step time) is the
-limit. Each point also gives the share of the server's step time that went to
+limit. Each point also gives its output tok/s per rank while requests waited
+(the server at its capacity, from the /metrics scrapes): a closed-loop point
+ends with its last requests finishing and nothing left to admit, a ramp-down
+that weighs more on the layout holding more requests at once, and this figure
+leaves it out (the headline figure keeps it). Each point also gives the share of the server's step time that went to
 steps computing prompt tokens (`prefilling`, from kvshard:engine_step_seconds):
 DCP amortises a step's fixed cost over twice the decodes, but divides neither a
 prompt's prefill nor its tokens' work, so a workload whose steps mostly prefill
@@ -115,10 +119,23 @@ def limit_of(point: dict, max_num_seqs: int) -> str:
     return "compute"
 
 
+def point_of(result: dict, concurrency: int, num_ranks: int, max_num_seqs: int) -> dict:
+    """A sweep's point from its `bench serve` result: the figures the tables read."""
+    point = {"concurrency": concurrency, "num_prompts": result["num_prompts"], **{k: result[k] for k in _POINT_FIELDS}}
+    steps = point["server"]["engine_steps"]
+    point["mean_step_ms"] = point["duration_s"] * 1000 / steps if steps else None
+    saturated_rate = point["server"].get("saturated_output_throughput")
+    point["saturated_output_throughput_per_rank"] = saturated_rate / num_ranks if saturated_rate else None
+    point["limited_by"] = limit_of(point, max_num_seqs)
+    return point
+
+
 def summarize_config(points: list[dict]) -> dict:
     best = max(points, key=lambda p: p["output_throughput_per_rank"] or 0.0)
     top = points[-1]
     busiest = max(points, key=lambda p: p["server"]["peak_running"])
+    waited = [p for p in points if p.get("saturated_output_throughput_per_rank")]
+    saturated_best = max(waited, key=lambda p: p["saturated_output_throughput_per_rank"]) if waited else None
     return {
         "max_concurrency_reached": busiest["server"]["peak_running"],
         "max_concurrency_at": busiest["concurrency"],
@@ -126,6 +143,10 @@ def summarize_config(points: list[dict]) -> dict:
         "best_output_throughput_per_rank": best["output_throughput_per_rank"],
         "best_at_concurrency": best["concurrency"],
         "kv_usage_at_best": best["server"]["peak_kv_usage"],
+        # the best point's throughput while requests waited (None where no point kept requests waiting long enough)
+        "best_saturated_output_throughput_per_rank":
+            saturated_best["saturated_output_throughput_per_rank"] if saturated_best else None,
+        "best_saturated_at_concurrency": saturated_best["concurrency"] if saturated_best else None,
         "limited_by": top["limited_by"],
         "peak_waiting_at_top": top["server"]["peak_waiting"],
         "preemptions_at_top": top["server"]["preemptions"],
@@ -175,11 +196,7 @@ class _Sweep:
         result = run_serve_benchmark(self.server.base_url, sessions[:wanted], max_concurrency=concurrency,
                                      num_ranks=self.tp, metrics_interval=experiment.metrics_interval,
                                      progress=experiment.progress, label=f"{label} c={concurrency}")
-        point = {"concurrency": concurrency, "num_prompts": result["num_prompts"],
-                 **{k: result[k] for k in _POINT_FIELDS}}
-        steps = point["server"]["engine_steps"]
-        point["mean_step_ms"] = point["duration_s"] * 1000 / steps if steps else None
-        point["limited_by"] = limit_of(point, experiment.max_num_seqs)
+        point = point_of(result, concurrency, self.tp, experiment.max_num_seqs)
         self.points.append(point)
         s = point["server"]
         log(f"   {label} c={concurrency:<4} running peak {s['peak_running']:>3} (mean {s['mean_running']:.1f}), "
@@ -187,7 +204,8 @@ class _Sweep:
             f"preemptions {s['preemptions']}, "
             f"cached {format_percent(point['cached_fraction'], 0)} of prompt tokens, "
             f"step time prefilling {format_percent(s.get('prefill_step_share'), 0)}, "
-            f"{point['output_throughput_per_rank']:.1f} out tok/s/rank"
+            f"{point['output_throughput_per_rank']:.1f} out tok/s/rank "
+            f"({format_number(point['saturated_output_throughput_per_rank'], 1)} while requests waited)"
             + (f", {point['failed']} FAILED: {point['errors'][0]}" if point["failed"] else ""))
         if self.concurrencies:
             return
@@ -247,6 +265,8 @@ def run_dcp_experiment(experiment: DCPExperiment, log=print) -> dict:
             "max_mean_running": _ratio(config["max_mean_running"], baseline["max_mean_running"]),
             "output_throughput_per_rank": _ratio(config["best_output_throughput_per_rank"],
                                                  baseline["best_output_throughput_per_rank"]),
+            "saturated_output_throughput_per_rank": _ratio(config["best_saturated_output_throughput_per_rank"],
+                                                           baseline["best_saturated_output_throughput_per_rank"]),
         }
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -282,18 +302,26 @@ def format_dcp_table(result: dict) -> str:
                      f"{c['max_concurrency_reached']} (c={c.get('max_concurrency_at', '?')})",
                      f"{c['max_mean_running']:.1f}",
                      f"{c['best_output_throughput_per_rank']:.1f} (c={c['best_at_concurrency']})",
-                     f"{c['kv_usage_at_best']:.0%}", limit, c.get("sweep_end", "")])
+                     _saturated_cell(c), f"{c['kv_usage_at_best']:.0%}", limit, c.get("sweep_end", "")])
     lines = [format_table(["configuration", "KV capacity (tokens)", "max concurrency", "mean running",
-                           "out tok/s per rank", "KV usage", "limited by", "sweep"], rows),
+                           "out tok/s per rank", "while requests waited", "KV usage", "limited by", "sweep"], rows),
              "max concurrency: peak of kvshard:num_requests_running over the sweep; mean running: its time "
-             "average at the busiest point; out tok/s per rank: the best point; (c=...): the point each figure "
-             "comes from; limited by: at the last point; sweep: why the sweep stopped there"]
+             "average at the busiest point; out tok/s per rank: the best point; while requests waited: out tok/s "
+             "per rank over the stretches with requests waiting, at the point where it is best (the server at its capacity, "
+             "without the point's ramp-down); (c=...): the point each figure comes from; limited by: at the last "
+             "point; sweep: why the sweep stopped there"]
     for c in result["configs"][1:]:
         ratio = c["vs_tp_only"]
         lines.append(f"{c['label']} vs {result['configs'][0]['label']}: max concurrency "
                      f"{_times(ratio['max_concurrency'])} (mean running {_times(ratio['max_mean_running'])}), "
-                     f"out tok/s per rank {_times(ratio['output_throughput_per_rank'])}")
+                     f"out tok/s per rank {_times(ratio['output_throughput_per_rank'])} "
+                     f"(while requests waited {_times(ratio.get('saturated_output_throughput_per_rank'))})")
     return "\n".join(lines)
+
+
+def _saturated_cell(config: dict) -> str:
+    rate = config.get("best_saturated_output_throughput_per_rank")
+    return "n/a" if rate is None else f"{rate:.1f} (c={config['best_saturated_at_concurrency']})"
 
 
 def format_points_table(result: dict) -> str:
@@ -305,11 +333,12 @@ def format_points_table(result: dict) -> str:
             rows.append([c["label"], str(p["concurrency"]), f"{s['peak_running']} / {s['mean_running']:.1f}",
                          str(s["peak_waiting"]), f"{s['peak_kv_usage']:.0%}", str(s["preemptions"]),
                          format_percent(p["cached_fraction"], 0),
-                         f"{p['output_throughput_per_rank']:.1f}", f"{p['median_ttft_ms']:,.0f}",
+                         f"{p['output_throughput_per_rank']:.1f}",
+                         format_number(p.get("saturated_output_throughput_per_rank"), 1), f"{p['median_ttft_ms']:,.0f}",
                          f"{p['median_tpot_ms']:,.0f}", format_number(p.get("mean_step_ms"), 0),
                          format_percent(s.get("prefill_step_share"), 0), f"{p['duration_s']:.1f}", p["limited_by"]])
     return format_table(["configuration", "concurrency", "running peak/mean", "waiting peak", "KV peak",
-                         "preempt", "cached", "out tok/s/rank", "TTFT p50 ms", "TPOT p50 ms", "ms/step", "prefilling",
+                         "preempt", "cached", "out tok/s/rank", "tok/s/rank while waiting", "TTFT p50 ms", "TPOT p50 ms", "ms/step", "prefilling",
                          "time s", "limited by"], rows)
 
 

@@ -30,6 +30,7 @@ _FIELDS = {
 }
 # kvshard:engine_step_seconds{kind=...}: one field per kind
 _STEP_SECONDS = {"prefill": "prefill_step_seconds", "decode": "decode_step_seconds"}
+SATURATED_MIN_SECONDS = 1.0  # a saturated throughput needs this long with requests waiting, else None
 _LAYOUT_INFO = "dcp_layout_info"  # kvshard:dcp_layout_info{tp=..., dcp=..., ...} 1 (an Info metric)
 
 
@@ -140,6 +141,24 @@ class MetricsTrace:
         prefill, decode = self._float_growth("prefill_step_seconds"), self._float_growth("decode_step_seconds")
         return prefill / (prefill + decode) if prefill + decode > 0 else None
 
+    def saturated_generation(self) -> tuple[float, float]:
+        """Output tokens generated, and the seconds they took, over the scrape intervals that began and ended with
+        a request waiting: the server at its capacity (its batch as large as its KV cache or max-num-seqs lets
+        it be). A closed-loop run ends in a ramp-down, the last requests finishing with nothing left to admit,
+        whose share of the run grows with the batch the server holds; these intervals leave it out."""
+        tokens = seconds = 0.0
+        for a, b in zip(self.snapshots, self.snapshots[1:]):
+            if a.waiting > 0 and b.waiting > 0:
+                tokens += b.generation_tokens - a.generation_tokens
+                seconds += b.time - a.time
+        return tokens, seconds
+
+    @property
+    def saturated_output_throughput(self) -> float | None:
+        """Output tok/s while requests waited (`saturated_generation`); None below SATURATED_MIN_SECONDS of it."""
+        tokens, seconds = self.saturated_generation()
+        return tokens / seconds if seconds >= SATURATED_MIN_SECONDS else None
+
     @property
     def preemptions(self) -> int:
         return self._growth("preemptions")
@@ -158,6 +177,8 @@ class MetricsTrace:
             "prefill_step_seconds": self._float_growth("prefill_step_seconds"),
             "decode_step_seconds": self._float_growth("decode_step_seconds"),
             "prefill_step_share": self.prefill_step_share,
+            "saturated_seconds": self.saturated_generation()[1],
+            "saturated_output_throughput": self.saturated_output_throughput,
             "num_scrapes": len(self.snapshots),
         }
 

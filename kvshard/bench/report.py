@@ -56,6 +56,9 @@ def format_serve_result(result: dict) -> str:
         ("Peak waiting requests", str(server["peak_waiting"])),
         ("Preemptions", str(server["preemptions"])),
     ]
+    if server.get("saturated_output_throughput") is not None:  # the generation counter, in the seconds that waited
+        rows.append((f"Output tok/s while requests waited ({server['saturated_seconds']:.0f} s)",
+                     format_number(server["saturated_output_throughput"])))
     if server.get("prefill_step_share") is not None:
         rows.append(("Step time in steps with prompt tokens", format_percent(server["prefill_step_share"])))
     if server["scrape_failures"]:
