@@ -5,6 +5,11 @@ class ConfigError(ValueError):
     """A configuration the user can fix; the message says how."""
 
 
+class RequestSettingsError(ValueError):
+    """A running request cannot go on because of its own settings (its client can fix them, the server is
+    fine): an API client gets a 400, not a 500."""
+
+
 def json_object_setting(value: str | dict, flag: str, example: str) -> dict:
     """A setting given as a JSON object on the command line (a string) or as a dict in Python."""
     import json

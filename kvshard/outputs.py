@@ -32,3 +32,6 @@ class RequestOutput:
     # why the request ended early (sampling or output processing failed for it); finished is then True
     # and every sequence's finish_reason is "error". The other requests and the engine go on.
     error: str | None = None
+    # the error came from the request's own settings (errors.RequestSettingsError: e.g. min_tokens, bad_words and
+    # a constraint that leave no token): the client can fix it, and an API server answers 400
+    invalid_request: bool = False

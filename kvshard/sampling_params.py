@@ -208,6 +208,12 @@ class SamplingParams:
             if token >= vocab_size:
                 raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {token}")
         self._eos_token_ids = frozenset(eos_token_ids)
+        eos_held = 0 if self.ignore_eos else len(self._eos_token_ids)
+        if self.min_tokens and len(self.stop_token_ids) + eos_held >= vocab_size:  # cheap first: enough of them
+            held = set(self.stop_token_ids) | (set() if self.ignore_eos else self._eos_token_ids)
+            if all(token in held for token in range(vocab_size)):
+                raise ValueError("min_tokens: stop_token_ids (with EOS) cover every token of the vocabulary, so "
+                                 "no token could be generated before min_tokens")
         self._bad_words_token_ids = None
         if self.bad_words:
             if tokenizer is None:

@@ -25,9 +25,10 @@ from transformers import (
 from kvshard import LLM, SamplingParams
 from kvshard.engine.arg_utils import EngineArgs
 from kvshard.engine.llm_engine import LLMEngine
-from kvshard.engine.sampler import _filtered_probs, process_logits, sample, verify_drafts
+from kvshard.engine.sampler import NO_TOKEN_LEFT, _filtered_probs, process_logits, sample, verify_drafts
 from kvshard.engine.sequence import Sequence
 from kvshard.entrypoints.openai_server import OpenAIServer
+from kvshard.errors import RequestSettingsError
 
 MODEL = "kvshard-demo-gqa"
 VOCAB = 64
@@ -140,6 +141,49 @@ def test_verification_rows_see_their_drafts_as_output():
         if row == len(drafts) or token != drafts[row]:
             break
     assert verified == plain and verified != [6, 6, 6, 6]
+
+
+EVERY_TOKEN = [str(t) for t in range(VOCAB)]  # as bad words of one token each: nothing left to say
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_request_whose_settings_leave_no_token_fails_alone_with_a_clear_error(temperature):
+    logits = random_logits(2)
+    stuck = seq(SamplingParams(temperature=temperature, bad_words=EVERY_TOKEN), [3], [4])
+    plain = seq(SamplingParams(temperature=temperature, seed=7), [3], [4])
+    plain.generator = torch.Generator().manual_seed(7)
+    outcomes = sample(logits, [stuck, plain], torch.Generator())
+    assert isinstance(outcomes[0], RequestSettingsError) and str(outcomes[0]) == NO_TOKEN_LEFT
+    plain.generator = torch.Generator().manual_seed(7)
+    assert outcomes[1] == sample(logits[1:], [plain], torch.Generator())[0]  # the other row as if alone
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_drafts_that_lead_to_no_token_are_cut_as_plain_decoding_would_stop(temperature):
+    """Row 2 (after drafts 6, 7) has no token left: the drafts are cut before 7, and 7 can still come as the
+    token after 6 (drawn from row 1, as plain decoding draws it); plain decoding then fails the step after."""
+    dead_end = [f"6.7.{t}" for t in range(VOCAB)]
+    s = seq(SamplingParams(temperature=temperature, bad_words=dead_end), [3], [])
+    logits = torch.zeros(3, VOCAB)
+    logits[0, 6] = logits[1, 7] = 20.0  # greedy (and almost surely sampled): 6, then 7
+    for _ in range(5 if temperature else 1):
+        (verified,) = verify_drafts(logits, [s], [[6, 7]], torch.Generator())
+        assert verified == [6, 7], verified
+    s.output_token_ids = [6, 7]
+    (after,) = sample(logits[2:], [s], torch.Generator())
+    assert isinstance(after, RequestSettingsError)
+
+
+def test_stop_token_ids_that_cover_the_vocabulary_with_min_tokens_are_refused():
+    every = list(range(VOCAB))
+    with pytest.raises(ValueError, match="min_tokens: stop_token_ids .* cover every token"):
+        seq(SamplingParams(min_tokens=2, stop_token_ids=every), [3], [])
+    seq(SamplingParams(stop_token_ids=every), [3], [])  # without min_tokens any of them may end the output
+    # EOS counts unless ignored: the rest of the vocabulary as stop tokens leaves EOS only where it is ignored
+    rest = [t for t in every if t != EOS]
+    with pytest.raises(ValueError, match="cover every token"):
+        seq(SamplingParams(min_tokens=2, stop_token_ids=rest), [3], [])
+    seq(SamplingParams(min_tokens=2, stop_token_ids=rest, ignore_eos=True), [3], [])
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -345,6 +389,26 @@ def test_invalid_sampling_values_get_400_naming_the_field(client, route, field, 
     response = post(client, route, max_tokens=16, **{field: value})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == field, response.text
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_settings_that_leave_no_token_get_a_400_saying_so(client, route, stream, temperature):
+    # the constraint can only end after "yes", and min_tokens holds the end back: no token is left
+    response = post(client, route, max_tokens=8, min_tokens=6, temperature=temperature, stream=stream,
+                    structured_outputs={"choice": ["yes"]})
+    if not stream:
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+    else:  # the stream has begun: the error comes as its last event before [DONE]
+        assert response.status_code == 200, response.text
+        events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and "error" in events[-2], events
+        import json
+        error = json.loads(events[-2])["error"]
+    assert error["type"] == "invalid_request_error" and NO_TOKEN_LEFT in error["message"], error
+    assert post(client, route, max_tokens=2).status_code == 200  # the server serves on
 
 
 @pytest.mark.parametrize("route", ["completions", "chat"])

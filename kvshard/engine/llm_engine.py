@@ -28,6 +28,7 @@ from kvshard.engine.scheduler import ScheduledBatch, Scheduler
 from kvshard.engine.sequence import Sequence
 from kvshard.engine.step_plan import StepPlan, StepRows
 from kvshard.engine.stats import EngineStats
+from kvshard.errors import RequestSettingsError
 from kvshard.kv.block_pool import BlockPool
 from kvshard.outputs import RequestOutput
 from kvshard.sampling_params import SamplingParams, StructuredOutputsParams
@@ -282,6 +283,7 @@ class LLMEngine:
                     self.scheduler.accept_drafts(seq, len(outcome) - 1)
             except Exception as error:  # this request's sampling or post-processing failed: it alone ends
                 request.error = f"generating this request failed: {error}"
+                request.invalid_request = isinstance(error, RequestSettingsError)
                 self._finish_all(request, "error")
         outputs = []
         for request in touched.values():

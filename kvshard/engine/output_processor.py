@@ -26,6 +26,7 @@ class Request:
     seqs: list[Sequence]
     arrival_time: float
     error: str | None = None
+    invalid_request: bool = False  # the error is the request's own settings' (errors.RequestSettingsError)
 
 
 class OutputProcessor:
@@ -82,7 +83,7 @@ class OutputProcessor:
             self.release(request)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished,
                              num_cached_tokens=request.seqs[0].num_cached_tokens, error=request.error,
-                             prompt_logprobs=prompt_logprobs(request))
+                             invalid_request=request.invalid_request, prompt_logprobs=prompt_logprobs(request))
 
     def release(self, request: Request) -> None:
         for seq in request.seqs:

@@ -18,7 +18,11 @@ from __future__ import annotations
 import torch
 
 from kvshard.engine.sequence import Sequence
+from kvshard.errors import RequestSettingsError
 from kvshard.structured.manager import apply_masks
+
+NO_TOKEN_LEFT = ("no token is left to choose from: the request's min_tokens (with stop_token_ids and EOS), "
+                 "bad_words, logit_bias and structured_outputs constraint together exclude every token")
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.Generator) -> list[int | Exception]:
@@ -182,38 +186,64 @@ def _sample_requests(logits: torch.Tensor, seqs: list[Sequence], drafts: list[li
         row_seqs = [seq for seq, request_drafts in zip(seqs, drafts) for _ in range(len(request_drafts) + 1)]
         before = [request_drafts[:j] for request_drafts in drafts for j in range(len(request_drafts) + 1)]
         logits = process_logits(logits, row_seqs, before)
+        drafts = _cut_at_dead_rows(logits, drafts, starts)
     best = logits.argmax(dim=-1).tolist()
     outcomes: list[tuple[list[int], torch.Tensor | None] | Exception] = []
     for i, (seq, request_drafts) in enumerate(zip(seqs, drafts)):
+        if request_drafts is None:
+            outcomes.append(RequestSettingsError(NO_TOKEN_LEFT))
+            continue
         rows = best[starts[i] : starts[i + 1]]
         accepted = 0
         while accepted < len(request_drafts) and request_drafts[accepted] == rows[accepted]:
             accepted += 1
         outcomes.append((request_drafts[:accepted] + [rows[accepted]], None))
-    random = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+    random = [i for i, seq in enumerate(seqs) if not seq.params.greedy and drafts[i] is not None]
     if not random:
         return outcomes
-    row_index = [r for i in random for r in range(starts[i], starts[i + 1])]
+    # a request's rows past a cut (`_cut_at_dead_rows`) are left out
+    row_index = [r for i in random for r in range(starts[i], starts[i] + len(drafts[i]) + 1)]
     try:
         probs = _filtered_probs(logits[row_index], [seqs[i].params for i in random
-                                                    for _ in range(starts[i], starts[i + 1])])  # [r, V]
+                                                    for _ in range(len(drafts[i]) + 1)])  # [r, V]
     except Exception:  # not attributable to one request: each alone says which one fails
         probs = None
     offset = 0
     for i in random:
-        seq, count = seqs[i], starts[i + 1] - starts[i]
+        seq, count = seqs[i], len(drafts[i]) + 1
         try:
             if probs is not None:
                 request_probs = probs[offset : offset + count]
             else:
-                request_probs = _filtered_probs(logits[starts[i] : starts[i + 1]], [seq.params] * count)
-            q = draft_probs[i] if draft_probs is not None else None
+                request_probs = _filtered_probs(logits[starts[i] : starts[i] + count], [seq.params] * count)
+            q = draft_probs[i][: count - 1] if draft_probs is not None and draft_probs[i] is not None else None
             outcomes[i] = (rejection_sample(request_probs, drafts[i], q, seq.generator or default_generator),
                            request_probs)
         except Exception as error:
             outcomes[i] = error
         offset += count
     return outcomes
+
+
+def _cut_at_dead_rows(logits: torch.Tensor, drafts: list[list[int]],
+                      starts: list[int]) -> list[list[int] | None]:
+    """Rows that the processors left no token (every logit -inf; a processor never makes NaN): a request whose
+    first row is one gets None (it fails with RequestSettingsError, whatever its sampling); where row j > 0 is one,
+    accepting the drafts up to it would leave no next token, so its drafts are cut to the first j - 1 and the
+    token after them is drawn from row j - 1, as plain decoding would draw it (which fails the step after, if it
+    takes draft j - 1)."""
+    dead = logits.amax(dim=-1) == float("-inf")
+    if not bool(dead.any()):
+        return drafts
+    dead_rows = dead.tolist()
+    cut: list[list[int] | None] = []
+    for i, request_drafts in enumerate(drafts):
+        first_dead = next((j for j in range(len(request_drafts) + 1) if dead_rows[starts[i] + j]), None)
+        if first_dead is None:
+            cut.append(request_drafts)
+        else:
+            cut.append(None if first_dead == 0 else request_drafts[: first_dead - 1])
+    return cut
 
 
 def rejection_sample(target_probs: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None,

@@ -50,8 +50,11 @@ def _engine_dead(reason: str) -> APIError:
     return APIError(503, f"the engine is dead: {reason}", code="engine_dead", type="server_error")
 
 
-def _request_failed(reason: str) -> APIError:
-    """This request alone failed behind the door; the engine serves on."""
+def _request_failed(reason: str, invalid_request: bool = False) -> APIError:
+    """This request alone failed behind the door; the engine serves on. `invalid_request`: because of its own
+    settings, which its client can fix (a 400)."""
+    if invalid_request:
+        return APIError(400, f"the request failed: {reason}", code="request_failed")
     return APIError(500, f"the request failed: {reason}", code="request_failed", type="server_error")
 
 

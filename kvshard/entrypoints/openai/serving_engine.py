@@ -83,7 +83,7 @@ async def _merged(engine: AsyncLLMEngine, request_id: str, prompts: list[list[in
                 if isinstance(item, Exception):
                     raise item
                 if item.error is not None:
-                    raise _request_failed(item.error)
+                    raise _request_failed(item.error, item.invalid_request)
                 taken[index] = _num_tokens(item)
                 yield index, item
                 if item.finished:
