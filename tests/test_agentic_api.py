@@ -233,6 +233,10 @@ CHAT_REFUSALS = [
     ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools"),  # a tool type other than function
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": [{"role": "tool", "content": "sunny"}]}, "messages.0.tool_call_id"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),  # no schema in either form
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+      "response_format": {"type": "json_object"}}, "response_format"),
 ]
 
 
@@ -276,7 +280,38 @@ RESPONSES_REFUSALS = [
       "tool_choice": {"type": "function", "name": "g"}}, "tool_choice"),
     ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
     ({"input": "hi", "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),  # the chat request's max_completion_tokens
+    ({"input": "hi " * 2000}, "input"),  # too long: the chat request's messages
+    ({"input": ["hi"]}, "input"),  # a bare string among the items
 ]
+
+
+def test_refusals_say_what_is_wrong_in_the_clients_own_terms(app_server):
+    cases = [("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
+              "content parts of type 'input_audio' are not supported"),
+             ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": {"type": "function",
+                                                                        "function": {"name": "get_weather"}},
+                                       "response_format": {"type": "json_object"}},
+              'tool_choice naming function "get_weather"'),
+             ("/v1/chat/completions", {"response_format": {"type": "json_schema"}},
+              "response_format.json_schema = {name, schema, strict}"),
+             ("/v1/responses", {"input": "hi", "max_output_tokens": -1}, "max_output_tokens must be"),
+             ("/v1/responses", {"input": "hi " * 2000}, "input: "),
+             ("/v1/responses", {"input": [{"role": "user", "content": "hi"}, 7]}, "item 1 is a int")]
+
+    async def requests(client):
+        answers = []
+        for route, fields, _ in cases:
+            body = {"model": DEMO, **({"messages": MESSAGES} if "chat" in route else {}), "max_tokens": 4, **fields}
+            answers.append(await client.post(route, json=body))
+        return answers
+
+    for (route, fields, said), answer in zip(cases, call(app_server, requests)):
+        message = answer.json()["error"]["message"]
+        assert answer.status_code == 400 and said in message, (fields, message)
+        assert "Input should be a valid string" not in message and "NamedToolChoice(" not in message, message
+        if route == "/v1/responses":  # the chat request it became is not the client's
+            assert "messages" not in message and "max_tokens" not in message.split(".")[0], message
 
 
 def test_bad_responses_requests_are_400s_naming_the_field(app_server):

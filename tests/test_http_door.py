@@ -239,6 +239,47 @@ def test_a_huge_prompt_is_refused_before_tokenizing_and_health_never_waits(serve
     assert "200,000 token ids" in assert_openai_error(ids, 400, "prompt")["message"]
 
 
+@pytest.mark.parametrize("route, field, body", [
+    ("/v1/chat/completions", "messages", {"messages": [{"role": "user", "content": ""}] * 250_000}),
+    ("/v1/chat/completions", "tools", {"messages": [{"role": "user", "content": "hi"}], "tools": [
+        {"type": "function", "function": {"name": "f"}}] * 150_000}),
+    ("/v1/responses", "input", {"input": [{"role": "user", "content": ""}] * 250_000}),
+    ("/v1/completions", "logit_bias", {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(300_000)}}),
+])
+def test_a_large_body_of_too_many_items_is_refused_before_they_are_validated(server, monkeypatch, route, field, body):
+    """Each message, input item or tool puts at least a token into the prompt, and logit_bias names token ids:
+    more of them than max_model_len (or the vocabulary) is refused from a plain count, before pydantic would
+    hold the event loop validating them one by one (a second for 250,000 empty messages)."""
+    from kvshard.entrypoints.openai import protocol
+
+    validated = []
+    real = protocol.BaseModel.model_validate_json.__func__
+
+    def counting(cls, data, *args, **kwargs):
+        validated.append(cls.__name__)
+        return real(cls, data, *args, **kwargs)
+
+    monkeypatch.setattr(protocol.BaseModel, "model_validate_json", classmethod(counting))
+    payload = protocol.json.dumps({"model": "m", **body}).encode()
+    assert len(payload) > protocol.PRESCAN_BODY_BYTES
+
+    async def requests(client):
+        return await client.post(route, content=payload, headers={**AUTH, "content-type": "application/json"})
+
+    error = assert_openai_error(call(server, requests), 400, field)
+    assert "cannot fit" in error["message"] or "more than the vocabulary" in error["message"], error
+    assert validated == []  # refused from the count: nothing validated
+    # a small body is validated as before (no count), so the counter above does see validation
+    small = protocol.json.dumps({"model": "m", "messages": [{"role": "user", "content": ""}], "max_tokens": 0})
+
+    async def validated_small(client):
+        return await client.post("/v1/chat/completions", content=small.encode(),
+                                 headers={**AUTH, "content-type": "application/json"})
+
+    assert_openai_error(call(server, validated_small), 400, "max_tokens")
+    assert validated == ["ChatCompletionRequest"]
+
+
 def test_tokenizing_runs_off_the_event_loop(engine):
     """A prompt that takes the tokenizer a while (here: a slowed one, 2.5 s) leaves /health answering."""
     slow = make_server(engine)

@@ -17,6 +17,7 @@ blocks freed; so has a streaming client that stops reading, once it falls
 from __future__ import annotations
 
 import asyncio
+import threading
 import json
 import secrets
 import time
@@ -38,6 +39,7 @@ from kvshard.entrypoints.openai.protocol import (DEFAULT_MAX_CHOICES_PER_REQUEST
 from kvshard.entrypoints.openai.serving_chat import ChatServing
 from kvshard.entrypoints.openai.serving_completion import CompletionServing
 from kvshard.entrypoints.openai.serving_engine import ServingBase
+from kvshard.entrypoints.openai.token_bytes import token_bytes
 from kvshard.entrypoints.openai.serving_responses import (DEFAULT_MAX_STORED_RESPONSES, ResponsesServing,
                                                           ResponseStore)
 from kvshard.entrypoints.openai.serving_tokenization import TokenizationServing
@@ -88,6 +90,10 @@ class OpenAIServer(ServingBase, CompletionServing, ChatServing, ResponsesServing
         # that merge characters). Such a prompt is refused before it is tokenized.
         self.max_prompt_chars = 2 * self.max_model_len * _longest_token_chars(self.tokenizer)
         self.vocab_size = engine.config.model.hf_config.vocab_size
+        # the tokens' raw bytes for logprobs (token_bytes.py: up to a second for a large vocabulary), built off the
+        # event loop now rather than on it at the first request that asks for logprobs
+        threading.Thread(target=token_bytes, args=(self.tokenizer, self.vocab_size), name="token-bytes",
+                         daemon=True).start()
         self.max_stream_backlog = max_stream_backlog or _backlog_from_env()
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")

@@ -11,7 +11,7 @@ import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from kvshard.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
@@ -260,6 +260,19 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool message: the call it answers
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        """A part other than text (an image, audio, a file) gets a message that says so, not the union's first
+        member's "should be a valid string"."""
+        if isinstance(value, list):
+            for part in value:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise ValueError(f"content parts of type {kind!r} are not supported: this server takes text "
+                                     "parts only ({\"type\": \"text\", \"text\": ...}) or a string")
+        return value
+
     @property
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -420,6 +433,10 @@ def response_format_constraint(value: dict[str, Any], param: str) -> StructuredO
     if kind == "json_object":
         return _constraint(param, json_object=True)
     if kind == "json_schema":
+        if "json_schema" not in value and "schema" not in value:  # neither the nested form nor the flat one
+            where = f"{param}.json_schema" if param == "response_format" else f"{param}.schema"
+            raise APIError(400, f"{param}: type json_schema needs its schema: {param}.json_schema = {{name, schema, "
+                                f"strict}} (or name and schema beside type)", where)
         spec, where = (value.get("json_schema"), f"{param}.json_schema") if "json_schema" in value else (value, param)
         if not isinstance(spec, dict):
             raise APIError(400, f"{where} must be an object with name, schema and strict", where)
@@ -470,6 +487,17 @@ class ResponsesRequest(BaseModel):
     model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _items_are_objects(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            for index, item in enumerate(value):
+                if not isinstance(item, dict):
+                    raise ValueError(f"item {index} is a {type(item).__name__}: each input item is an object (a "
+                                     "message with role and content, a function_call or a function_call_output); "
+                                     "a lone text goes as input itself, a string")
+        return value
     tools: list[ResponsesFunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ResponsesNamedTool | None = None
     parallel_tool_calls: bool | None = None
@@ -518,7 +546,18 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def _parse(model: type[BaseModel], body: bytes) -> Any:
+# Bodies above this are counted before pydantic validates them: validation holds the GIL (and so the event loop)
+# some 4 us an item, a second for the 250,000 empty messages that fit in a body of DEFAULT_MAX_REQUEST_BODY_BYTES.
+PRESCAN_BODY_BYTES = 1 << 20
+
+
+def _parse(model: type[BaseModel], body: bytes, max_items: dict[str, tuple[int, str]] | None = None) -> Any:
+    """The body validated as `model`; a 400 naming the field otherwise. `max_items`: field -> (the most items its
+    list or object can hold, what it says beyond that), checked first in a body over PRESCAN_BODY_BYTES (a plain
+    `json.loads`, some 0.1 s at the body limit), so that a request of too many items is refused before they are
+    validated one by one."""
+    if max_items and len(body) > PRESCAN_BODY_BYTES:
+        _refuse_too_many_items(body, max_items)
     try:
         return model.model_validate_json(body)
     except ValidationError as error:
@@ -533,4 +572,17 @@ def _parse(model: type[BaseModel], body: bytes) -> Any:
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _refuse_too_many_items(body: bytes, max_items: dict[str, tuple[int, str]]) -> None:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return  # not JSON: pydantic says where
+    if not isinstance(data, dict):
+        return
+    for name, (limit, beyond) in max_items.items():
+        value = data.get(name)
+        if isinstance(value, (list, dict)) and len(value) > limit:
+            raise APIError(400, f"{name}: {len(value):,} {beyond}", name)
 

@@ -78,7 +78,7 @@ class ChatServing:
 
     async def chat_inputs(self, request: Request) -> tuple[ChatCompletionRequest, SamplingParams, list[list[int]]]:
         """A chat request checked as a whole, templated and tokenized (see completion_inputs)."""
-        body = _parse(ChatCompletionRequest, await request.body())
+        body = _parse(ChatCompletionRequest, await request.body(), self._max_items("messages", "tools"))
         self._check_request(body, request)
         params, prompts = await self._chat_prepare(body)
         return body, params, prompts
@@ -97,7 +97,8 @@ class ChatServing:
         from_tools = tool_constraint(body.tools or [], mode, body.named_tool, body.parallel_tool_calls is not False)
         if from_tools is not None:
             if asked is not None:
-                raise APIError(400, f"{field} cannot be combined with tool_choice {body.tool_choice!r}: the tool "
+                chosen = f'naming function "{body.named_tool}"' if body.named_tool else repr(body.tool_choice)
+                raise APIError(400, f"{field} cannot be combined with tool_choice {chosen}: the tool "
                                     "calls are the output", field)
             asked, field = body.with_whitespace_option(from_tools), "tools"
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -130,9 +131,10 @@ class ChatServing:
                       "finish_reason": None} for index in range(params.n)]
             streams: dict[int, ToolCallStream] = {}
             texts: dict[int, str] = {}
+            cursors: dict = {}  # each choice's place in its text, across chunks
 
             def shape(delta) -> dict | None:
-                logprobs = self._chat_logprobs(delta.token_ids, delta.logprobs, top)
+                logprobs = self._chat_logprobs(delta.token_ids, delta.logprobs, top, cursors, delta.index)
                 if parser is None:
                     return {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
                             "logprobs": logprobs, "finish_reason": delta.finish_reason}

@@ -19,7 +19,7 @@ class CompletionServing:
     async def completion_inputs(self, request: Request) -> tuple[CompletionRequest, SamplingParams, list[list[int]]]:
         """A completion request checked as a whole and tokenized: what /v1/completions generates from (and
         what a disaggregated consumer's check route answers for before its producer prefills)."""
-        body = _parse(CompletionRequest, await request.body())
+        body = _parse(CompletionRequest, await request.body(), self._max_items())
         self._check_request(body, request)
         constraint, field = body.constraint()
         params = body.sampling_params(body.max_tokens, body.logprobs, constraint)
@@ -37,9 +37,10 @@ class CompletionServing:
         envelope = {"id": request_id, "object": "text_completion", "created": created, "model": body.model}
 
         if body.stream:
+            cursors: dict = {}  # each choice's place in its text, for text_offset across chunks
             return self._stream(envelope, request_id, prompts, params, body.include_usage, lambda delta: {
                 "index": delta.index, "text": delta.text,
-                "logprobs": self._completion_logprobs(delta.token_ids, delta.logprobs),
+                "logprobs": self._completion_logprobs(delta.token_ids, delta.logprobs, cursors, delta.index),
                 "finish_reason": delta.finish_reason})
 
         outputs = await _unless_disconnected(request, _final_outputs(self.engine, request_id, prompts, params))

@@ -20,6 +20,7 @@ from fastapi.responses import StreamingResponse
 from kvshard.engine.async_engine import AsyncLLMEngine
 from kvshard.engine.llm_engine import EngineDeadError
 from kvshard.entrypoints.openai.protocol import APIError, _engine_dead, _GenerationRequest, _request_failed
+from kvshard.entrypoints.openai.token_bytes import TextCursor, token_bytes
 from kvshard.outputs import RequestOutput
 from kvshard.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -268,6 +269,14 @@ class ServingBase:
                                 f"than {self.max_choices_per_request} per request (--max-choices-per-request)",
                            param)
 
+    def _max_items(self, *rendered: str) -> dict[str, tuple[int, str]]:
+        """What `_parse` counts in a large body: the `rendered` fields' items (messages, input items, tools) each
+        put at least one token into the prompt, and `logit_bias` names distinct token ids of the vocabulary."""
+        fit = (self.max_model_len, f"items cannot fit in this model's maximum context length of {self.max_model_len} "
+                                   "tokens (each takes at least one)")
+        return {**dict.fromkeys(rendered, fit),
+                "logit_bias": (self.vocab_size, f"keys: more than the vocabulary's {self.vocab_size:,} token ids")}
+
     def _check_prompt_length(self, prompt: str | list[int], param: str) -> None:
         """What cannot fit in max_model_len tokens, refused before any tokenizing."""
         if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
@@ -325,37 +334,59 @@ class ServingBase:
         return _CuttableStream(events(), cut)
 
 
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+    def _token_text(self, token_id: int, data: bytes | None = None) -> str:
+        """A token's text: its bytes (`data`: as they stand at that point of the output) decoded, a piece of a
+        multi-byte character read as U+FFFD; a special token's, its own text."""
+        if data is None:
+            data = token_bytes(self.tokenizer, getattr(self, "vocab_size", None)).raw(token_id)
+        return data.decode("utf-8", "replace")
 
-    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None) -> dict | None:
+    def _text_cursor(self, cursors: dict | None, index: int):
+        """The cursor of choice `index` through its output text (`cursors`: a stream's, kept across its chunks;
+        None: a fresh one, for a whole output)."""
+        cursor = cursors.get(index) if cursors is not None else None
+        if cursor is None:
+            cursor = TextCursor(token_bytes(self.tokenizer, getattr(self, "vocab_size", None)))
+            if cursors is not None:
+                cursors[index] = cursor
+        return cursor
+
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None,
+                             cursors: dict | None = None, index: int = 0) -> dict | None:
+        """Completions' logprobs; `text_offset`: each token's character offset in the choice's whole text (a
+        stream's chunks go on from the text before them, as vLLM's), from the tokens' raw bytes: a token that
+        starts inside a character gets that character's offset, a special token (not in the text) where it is."""
         if logprobs is None:
             return None
-        tokens = [self._token_text(t) for t in token_ids]
-        offsets, offset = [], 0
-        for token in tokens:
+        cursor = self._text_cursor(cursors, index)
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        for token_id, entry in zip(token_ids, logprobs):
+            top_logprobs.append({self._token_text(i, cursor.bytes_at(i)): lp for i, lp in entry.items()})
+            offset, data = cursor.advance(token_id)
+            tokens.append(self._token_text(token_id, data))
+            token_logprobs.append(entry[token_id])
             offsets.append(offset)
-            offset += len(token)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [entry[t] for t, entry in zip(token_ids, logprobs)],
-            "top_logprobs": [{self._token_text(i): lp for i, lp in entry.items()} for entry in logprobs],
-            "text_offset": offsets,
-        }
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": offsets}
 
-    def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None, top: int) -> dict | None:
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None, top: int,
+                       cursors: dict | None = None, index: int = 0) -> dict | None:
+        """Chat's logprobs: each token's (and each alternative's) raw `bytes`, so that the content tokens' bytes
+        joined are the content's UTF-8 (a special token's: its text's); `token`, those bytes decoded."""
         if logprobs is None:
             return None
+        cursor = self._text_cursor(cursors, index)
 
-        def item(token_id: int, logprob: float) -> dict:
-            text = self._token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        def item(token_id: int, logprob: float, data: bytes) -> dict:
+            return {"token": self._token_text(token_id, data), "logprob": logprob, "bytes": list(data)}
 
-        return {"content": [
-            {**item(t, entry[t]),
-             "top_logprobs": [item(i, lp) for i, lp in sorted(entry.items(), key=lambda kv: -kv[1])[:top]]}
-            for t, entry in zip(token_ids, logprobs)
-        ]}
+        content = []
+        for token_id, entry in zip(token_ids, logprobs):
+            best = sorted(entry.items(), key=lambda kv: -kv[1])[:top]
+            alternatives = [item(i, lp, cursor.bytes_at(i)) for i, lp in best]
+            _, data = cursor.advance(token_id)
+            content.append({**item(token_id, entry[token_id], data), "top_logprobs": alternatives})
+        return {"content": content}
 
 
     async def _check_constraint(self, constraint: StructuredOutputsParams | None, param: str | None) -> None:

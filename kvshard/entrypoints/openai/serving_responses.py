@@ -112,11 +112,28 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages
 
 
+# the chat request's fields that the Responses request's own stand for (the conversation: instructions, the stored
+# history and input, so a message's index there is not the input item's)
+_RESPONSES_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens"}
+
+
+def _in_responses_names(error: APIError) -> APIError:
+    """An error the chat route found in the chat request that a Responses request became, named as the client
+    wrote it."""
+    head = (error.param or "").split(".")[0]
+    if head not in _RESPONSES_NAMES:
+        return error
+    name = _RESPONSES_NAMES[head]
+    path, colon, rest = error.message.partition(":")
+    message = f"{name}:{rest}" if colon and path.split(".")[0] == head else error.message.replace(head, name, 1)
+    return APIError(error.status, message, name, error.code, error.type)
+
+
 class ResponsesServing:
     """The Responses route (a mixin of OpenAIServer)."""
 
     async def responses(self, request: Request) -> Response:
-        body = _parse(ResponsesRequest, await request.body())
+        body = _parse(ResponsesRequest, await request.body(), self._max_items("input", "tools"))
         if body.model not in self.model_names:
             raise APIError(404, f"The model `{body.model}` does not exist.", "model", "model_not_found")
         body.check_supported()
@@ -146,10 +163,13 @@ class ResponsesServing:
                            ("structured_outputs", body.structured_outputs)):
             if value not in (None, []):
                 chat[key] = value
-        chat_body = _parse(ChatCompletionRequest, json.dumps(chat).encode())
-        chat_body.check_supported()
-        params, prompts = await self._chat_prepare(chat_body, (chat_body.with_whitespace_option(constraint[0]),
-                                                               constraint[1]))
+        try:
+            chat_body = _parse(ChatCompletionRequest, json.dumps(chat).encode())
+            chat_body.check_supported()
+            params, prompts = await self._chat_prepare(chat_body, (chat_body.with_whitespace_option(constraint[0]),
+                                                                   constraint[1]))
+        except APIError as error:
+            raise _in_responses_names(error) from None
         self._check_alive()
         parser, mode, max_calls = self._tool_parser_for(chat_body)
         response_id = f"resp_{uuid.uuid4().hex}"
