@@ -5,6 +5,8 @@ between JSON tokens is bounded to `MAX_WHITESPACE` characters a run (`disable_an
 xgrammar's ", " and ": " separators), so that a small model cannot spend max_tokens on blanks. `json_object`
 is any JSON object; `choice` an EBNF alternation of the literal strings; `grammar` EBNF (GBNF, rule `root`)
 when it holds `::=`, else Lark (rule `start`); `regex` xgrammar's regular expressions (ECMAScript-like).
+A JSON schema that uses a form xgrammar compiles without enforcing it (allOf of several schemas, `not`, a $ref
+outside the schema, ...: kvshard/structured/json_schema.py) is refused before it is compiled.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from kvshard.sampling_params import StructuredOutputsParams
 from kvshard.structured.backend import Backend, Grammar
+from kvshard.structured.json_schema import check_json_schema
 
 MAX_WHITESPACE = 20  # characters of whitespace a JSON output may hold between two of its tokens
 _LOCATION = re.compile(r"^\[[0-9:]+\] [^:\s]+:\d+: ")  # "[00:26:15] cpp/regex_converter.cc:83: " before a message
@@ -39,6 +42,16 @@ def json_schema_grammar(xgr, schema: str, whitespace: dict):
     if _BOUNDED_STRING_CHAR not in text:
         return grammar
     return xgr.Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
+
+
+def _parsed(value):
+    """The schema as Python values; None for text that is not JSON (xgrammar's compiler reports it)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return None
 
 
 class XgrammarGrammar(Grammar):
@@ -80,6 +93,9 @@ class XgrammarBackend(Backend):
         try:
             if kind == "json":
                 schema = value if isinstance(value, str) else json.dumps(value)
+                parsed = _parsed(value)
+                if parsed is not None:
+                    check_json_schema(parsed)  # a form xgrammar would not enforce: a ValueError naming it
                 return self.compiler.compile_grammar(json_schema_grammar(self._xgr, schema, whitespace))
             if kind == "json_object":
                 return self.compiler.compile_json_schema('{"type": "object"}', **whitespace)
