@@ -7,7 +7,9 @@ class ConfigError(ValueError):
 
 class RequestSettingsError(ValueError):
     """A running request cannot go on because of its own settings (its client can fix them, the server is
-    fine): an API client gets a 400, not a 500."""
+    fine): an API client gets a 400, not a 500. Any error that says `invalid_request = True` counts as one."""
+
+    invalid_request = True
 
 
 def json_object_setting(value: str | dict, flag: str, example: str) -> dict:

@@ -28,7 +28,6 @@ from kvshard.engine.scheduler import ScheduledBatch, Scheduler
 from kvshard.engine.sequence import Sequence
 from kvshard.engine.step_plan import StepPlan, StepRows
 from kvshard.engine.stats import EngineStats
-from kvshard.errors import RequestSettingsError
 from kvshard.kv.block_pool import BlockPool
 from kvshard.outputs import RequestOutput
 from kvshard.sampling_params import SamplingParams, StructuredOutputsParams
@@ -283,7 +282,7 @@ class LLMEngine:
                     self.scheduler.accept_drafts(seq, len(outcome) - 1)
             except Exception as error:  # this request's sampling or post-processing failed: it alone ends
                 request.error = f"generating this request failed: {error}"
-                request.invalid_request = isinstance(error, RequestSettingsError)
+                request.invalid_request = bool(getattr(error, "invalid_request", False))  # errors.RequestSettingsError
                 self._finish_all(request, "error")
         outputs = []
         for request in touched.values():
