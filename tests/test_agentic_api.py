@@ -283,6 +283,7 @@ RESPONSES_REFUSALS = [
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),  # the chat request's max_completion_tokens
     ({"input": "hi " * 2000}, "input"),  # too long: the chat request's messages
     ({"input": ["hi"]}, "input"),  # a bare string among the items
+    ({"input": "hi", "truncation": "auto"}, "truncation"),  # no item is ever dropped: not accepted and ignored
 ]
 
 

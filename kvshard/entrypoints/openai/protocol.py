@@ -517,6 +517,10 @@ class ResponsesRequest(BaseModel):
     def check_supported(self) -> None:
         if self.background:
             raise APIError(400, "background is not supported by kvshard; leave it out", "background")
+        if self.truncation == "auto":  # accepted and ignored, the client would believe items were dropped
+            raise APIError(400, 'truncation "auto" is not supported: kvshard drops no input item; leave it out (or '
+                                'send "disabled") and keep the conversation within the model\'s context length',
+                           "truncation")
         if self.structured_outputs is not None and not self.structured_outputs.keys() <= {"disable_any_whitespace"}:
             raise APIError(400, "structured_outputs takes only disable_any_whitespace in the Responses API; give the "
                                 "output's format in text.format", "structured_outputs")
