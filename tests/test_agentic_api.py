@@ -335,9 +335,11 @@ def test_tokenize_and_detokenize(app_server):
                 await client.post("/detokenize", json={"tokens": tokenizer.encode("Hello world",
                                                                                   add_special_tokens=False)}),
                 await client.post("/detokenize", json={"tokens": [10**9]}),
-                await client.post("/tokenize", json={"model": "other", "prompt": "x"}))
+                await client.post("/tokenize", json={"model": "other", "prompt": "x"}),
+                # the messages chat would refuse: a tool answer that names no call
+                await client.post("/tokenize", json={"messages": [{"role": "tool", "content": "sunny"}]}))
 
-    tokens, plain, chat, text, bad, other = call(app_server, requests)
+    tokens, plain, chat, text, bad, other, orphan = call(app_server, requests)
     assert tokens.json()["tokens"] == tokenizer.encode("Hello world")
     assert tokens.json()["count"] == len(tokens.json()["tokens"]) and tokens.json()["max_model_len"] == 256
     assert plain.json()["tokens"] == tokenizer.encode("Hello world", add_special_tokens=False)
@@ -347,6 +349,7 @@ def test_tokenize_and_detokenize(app_server):
     assert text.json() == {"prompt": "Hello world"}
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     assert other.status_code == 404
+    assert orphan.status_code == 400 and orphan.json()["error"]["param"] == "messages.0.tool_call_id"
 
 
 def test_shipped_template_renders_as_smollm2s_own_without_tools(app_server):

@@ -295,6 +295,17 @@ class ChatMessage(BaseModel):
         return message
 
 
+def check_messages(messages: list[ChatMessage]) -> None:
+    """What a conversation's messages must hold together with their roles (chat, and /tokenize's messages)."""
+    for index, message in enumerate(messages):
+        if message.role == "tool" and message.tool_call_id is None:
+            raise APIError(400, f"messages.{index}.tool_call_id: a tool message needs the id of the call it "
+                                "answers", f"messages.{index}.tool_call_id")
+        if message.tool_calls and message.role != "assistant":
+            raise APIError(400, f"messages.{index}.tool_calls: only an assistant message carries tool calls",
+                           f"messages.{index}.tool_calls")
+
+
 def _loads_or_text(text: str) -> Any:
     try:
         value = json.loads(text)
@@ -362,13 +373,7 @@ class ChatCompletionRequest(_GenerationRequest):
             raise APIError(400, f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
                            "top_logprobs")
         check_tools(self.tools, self.tool_choice, "tools", "tool_choice")
-        for index, message in enumerate(self.messages):
-            if message.role == "tool" and message.tool_call_id is None:
-                raise APIError(400, f"messages.{index}.tool_call_id: a tool message needs the id of the call it "
-                                    "answers", f"messages.{index}.tool_call_id")
-            if message.tool_calls and message.role != "assistant":
-                raise APIError(400, f"messages.{index}.tool_calls: only an assistant message carries tool calls",
-                               f"messages.{index}.tool_calls")
+        check_messages(self.messages)
 
     @property
     def named_tool(self) -> str | None:

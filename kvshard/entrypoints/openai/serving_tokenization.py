@@ -7,7 +7,7 @@ import asyncio
 
 from fastapi import Request
 
-from kvshard.entrypoints.openai.protocol import APIError, DetokenizeRequest, TokenizeRequest, _parse
+from kvshard.entrypoints.openai.protocol import APIError, DetokenizeRequest, TokenizeRequest, _parse, check_messages
 
 
 class TokenizationServing:
@@ -20,11 +20,12 @@ class TokenizationServing:
             raise APIError(400, "this model has no tokenizer")
 
     async def tokenize(self, request: Request) -> dict:
-        body = _parse(TokenizeRequest, await request.body())
+        body = _parse(TokenizeRequest, await request.body(), self._max_items("messages", "tools"))
         self._check_tokenizer_request(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give one of prompt and messages", "prompt")
         if body.messages is not None:
+            check_messages(body.messages)  # as chat renders them
             tools = [tool.function.for_template() for tool in body.tools] if body.tools else None
             tokens = await self._render_chat([m.for_template() for m in body.messages], tools,
                                              body.add_generation_prompt)
