@@ -233,6 +233,7 @@ CHAT_REFUSALS = [
     ({"tools": [{"type": "custom", "custom": {"name": "x"}}]}, "tools"),  # a tool type other than function
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": [{"role": "tool", "content": "sunny"}]}, "messages.0.tool_call_id"),
+    ({"messages": [{"role": "user"}]}, "messages.0.content"),  # only an assistant turn may come without content
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),  # no schema in either form
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}},

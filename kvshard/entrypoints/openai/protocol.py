@@ -298,6 +298,9 @@ class ChatMessage(BaseModel):
 def check_messages(messages: list[ChatMessage]) -> None:
     """What a conversation's messages must hold together with their roles (chat, and /tokenize's messages)."""
     for index, message in enumerate(messages):
+        if message.content is None and message.role != "assistant":  # only an assistant turn may be calls alone
+            raise APIError(400, f"messages.{index}.content: a {message.role} message needs content (a string or a "
+                                "list of text parts)", f"messages.{index}.content")
         if message.role == "tool" and message.tool_call_id is None:
             raise APIError(400, f"messages.{index}.tool_call_id: a tool message needs the id of the call it "
                                 "answers", f"messages.{index}.tool_call_id")
