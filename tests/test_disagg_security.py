@@ -94,6 +94,9 @@ def counter(server: Server, name: str, **labels) -> float:
     ({"do_remote_decode": True, "transfer_id": "t"}, True, 400, "kv_transfer_params.do_remote_decode"),
     ({"transfer_id": "t"}, True, 400, "kv_transfer_params"),
     ("t1", True, 400, "kv_transfer_params"),
+    # without the secret, nothing of the fields' shape is told
+    ({}, False, 403, "kv_transfer_params"),
+    ({"remote_host": "10.0.0.1"}, False, 403, "kv_transfer_params"),
 ])
 def test_malformed_transfer_params_are_400s_naming_the_field_and_the_consumer_serves_on(servers, params, with_secret,
                                                                                          status, param):
@@ -234,6 +237,58 @@ def test_a_producer_that_never_answers_delays_only_its_own_request(servers):
     assert finished < waiting["at"]  # and it was over before the waiting request gave up
     assert waiting["answer"].status_code == 500
     assert "cannot be reached" in waiting["answer"].json()["error"]["message"]
+    assert consumer.wait_for_metric(BLOCKS_USED, lambda v: v == 0, timeout=5) == 0
+    assert consumer.http.get("/health").status_code == 200
+
+
+def test_a_one_token_prompt_through_the_proxy_leaves_no_hold(servers):
+    """A consumer loads every prompt token's KV but the last: none of a one-token prompt, so it never pulls. The
+    producer makes no hold of it (before: each held a block until its timeout, and a burst held the pool)."""
+    producer, consumer, proxy = servers
+    made = counter(producer, "kvshard:kv_transfer_holds_made")
+    for prompt in ([5], [5, 6]):
+        answer = proxy.http.post("/v1/completions", json=body(prompt=prompt))
+        assert answer.status_code == 200, answer.text
+    assert counter(producer, "kvshard:kv_transfer_holds_made") == made + 1  # the two-token prompt's alone
+    assert producer.wait_for_metric(BLOCKS_USED, lambda v: v == 0, timeout=1) == 0  # well within HOLD_TIMEOUT_S
+
+
+def test_a_constraint_on_a_remote_prefill_is_refused_naming_the_constraint(servers):
+    producer, consumer, proxy = servers
+    answer = proxy.http.post("/v1/completions", json=body(structured_outputs={"json": {"type": "object"}}))
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "structured_outputs", answer.text
+
+
+def test_a_producer_that_answers_a_byte_at_a_time_fails_the_pull_in_its_timeout(servers):
+    """httpx bounds each read; a pull is bounded as a whole: its request fails after TRANSFER_TIMEOUT_S, its
+    blocks go back, and the consumer serves on."""
+    producer, consumer, proxy = servers
+    stop = threading.Event()
+    with socket.socket() as trickle:
+        trickle.bind(("127.0.0.1", 0))
+        trickle.listen(8)
+
+        def serve() -> None:
+            connection, _ = trickle.accept()
+            with connection:
+                connection.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100000\r\n\r\n")
+                while not stop.wait(0.3):
+                    try:
+                        connection.sendall(b" ")
+                    except OSError:
+                        return
+
+        threading.Thread(target=serve, daemon=True).start()
+        registered = consumer.http.post("/kv_transfer/register", headers=WITH_SECRET, json={
+            "engine_id": "trickle", "url": f"http://127.0.0.1:{trickle.getsockname()[1]}"})
+        assert registered.status_code == 200, registered.text
+        started = time.monotonic()
+        answer = consumer.http.post("/v1/completions", headers=WITH_SECRET, json=body(
+            kv_transfer_params={"do_remote_prefill": True, "transfer_id": "t", "remote_engine_id": "trickle"}))
+        took = time.monotonic() - started
+        stop.set()
+    assert answer.status_code == 500 and "within" in answer.json()["error"]["message"], answer.text
+    assert took < TRANSFER_TIMEOUT_S + 5, took
     assert consumer.wait_for_metric(BLOCKS_USED, lambda v: v == 0, timeout=5) == 0
     assert consumer.http.get("/health").status_code == 200
 

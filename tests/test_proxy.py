@@ -146,3 +146,24 @@ def test_a_consumer_that_forgot_the_producer_is_told_again(backends):
                               "/kv_transfer/check/v1/completions", "/kv_transfer/register",
                               "/kv_transfer/check/v1/completions", "/v1/completions"]
     assert [p for p in producer.paths if p.startswith("/v1")] == ["/v1/completions"] * 2
+
+
+def test_a_frozen_upstream_gets_the_proxys_health_a_502_in_bounded_time(monkeypatch):
+    """A stopped server's port still accepts connections (the kernel answers for it) and never says a word: the
+    proxy's /health, and its quick calls of the transfer routes, give up after their timeout."""
+    import socket
+    import time
+
+    from kvshard.entrypoints import proxy as proxy_module
+
+    monkeypatch.setattr(proxy_module, "HEALTH_TIMEOUT_S", 0.5)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        with TestClient(Proxy([url], [url], secret=SECRET).app) as client:
+            started = time.monotonic()
+            answer = client.get("/health")
+            took = time.monotonic() - started
+    assert answer.status_code == 502 and url in answer.json()["error"]["message"], answer.text
+    assert took < 5, took  # without a bound: for ever

@@ -68,6 +68,28 @@ logger = logging.getLogger("kvshard.disagg")
 FREE_REASONS = ("fetched", "failed", "timeout", "released", "shutdown")
 
 
+
+def _post_within(url: str, timeout: float, **kwargs) -> httpx.Response:
+    """`httpx.post` bounded as a whole: httpx's timeout bounds each read, so a peer that answers a byte at a time
+    would hold a pull (and the blocks reserved for it) for as long as it likes. The call runs in a thread of its
+    own; past `timeout` the pull fails (httpx.TimeoutException) and the thread is left to end with its connection."""
+    done: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            done["answer"] = httpx.post(url, timeout=timeout, **kwargs)
+        except BaseException as error:  # noqa: BLE001 - handed to the caller
+            done["error"] = error
+
+    worker = threading.Thread(target=call, name="kv-pull-request", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise httpx.TimeoutException(f"no whole answer within {timeout:g} s")
+    if "error" in done:
+        raise done["error"]
+    return done["answer"]
+
 class PullRefused(Exception):
     """A consumer asked for KV this producer cannot send (unknown, expired, other model, malformed)."""
 
@@ -253,6 +275,10 @@ class KVConnector(KVConnectorBase):
         params = seq.params.kv_transfer_params or {}
         if not (self.config.is_producer and params.get("do_remote_decode")):
             return False
+        if len(seq.prompt_token_ids) <= 1:
+            # a consumer loads every prompt token's KV but the last (get_num_external_tokens): none of a one-token
+            # prompt, so it never pulls, and a hold would only keep blocks from others until its timeout
+            return False
         transfer_id = str(params.get("transfer_id") or seq.request_id)
         with self._lock:
             if transfer_id in self._holds:
@@ -418,12 +444,12 @@ class KVConnector(KVConnectorBase):
             if self.api_key:
                 headers["authorization"] = f"Bearer {self.api_key}"
             try:
-                answer = httpx.post(f"{url}/kv_transfer/pull", timeout=self.config.transfer_timeout_s,
-                                    headers=headers, json={
-                                        "transfer_id": fetch.transfer_id, "consumer_id": self.config.engine_id,
-                                        "generation": generation, "num_tokens": num_tokens,
-                                        "layout": _layout_json(self.layout), "blocks": fetch.blocks,
-                                        "signature": self.signature})
+                answer = _post_within(f"{url}/kv_transfer/pull", self.config.transfer_timeout_s,
+                                      headers=headers, json={
+                                          "transfer_id": fetch.transfer_id, "consumer_id": self.config.engine_id,
+                                          "generation": generation, "num_tokens": num_tokens,
+                                          "layout": _layout_json(self.layout), "blocks": fetch.blocks,
+                                          "signature": self.signature})
             except httpx.HTTPError as error:
                 raise _FetchFailed(f"the producer at {url} cannot be reached: {error!r}") from None
             if answer.status_code != 200:

@@ -36,9 +36,10 @@ def check_secret(connector: KVConnector, given: str | None, param: str | None = 
 
 def door_check(connector: KVConnector):
     """What `OpenAIServer` runs on a request's `kv_transfer_params` before anything else sees them:
-    their shape (400 naming the field), the secret (403), the role and the producer (400). Returns
-    the checked parameters as a dict."""
+    the secret (403, first: a caller without it learns nothing of the fields), their shape (400 naming
+    the field), the role and the producer (400). Returns the checked parameters as a dict."""
     def check(raw: dict, headers) -> dict:
+        check_secret(connector, headers.get(HEADER), "kv_transfer_params")
         try:
             params = KVTransferParams.model_validate(raw)
         except ValidationError as error:
@@ -46,7 +47,6 @@ def door_check(connector: KVConnector):
             if field == "kv_transfer_params.remote_host" or field == "kv_transfer_params.remote_port":
                 message += ": a consumer pulls only from producers it knows (remote_engine_id)"
             raise APIError(400, message, field) from None
-        check_secret(connector, headers.get(HEADER), "kv_transfer_params")
         if params.do_remote_decode == params.do_remote_prefill:
             raise APIError(400, "kv_transfer_params: set exactly one of do_remote_decode (producer) and "
                                 "do_remote_prefill (consumer)", "kv_transfer_params")

@@ -79,6 +79,13 @@ def parse_body(raw: bytes) -> dict:
     return body
 
 
+# Each answer of an upstream's quick routes (/health; /kv_transfer/info, register, check, release) within this
+# many seconds, else 502 naming it: a frozen server (SIGSTOP: its port still accepts connections) must not hang
+# the proxy's /health or its requests. The prefill and the decode themselves are bounded by their client, who
+# may hang up (a long prompt's prefill takes what it takes).
+HEALTH_TIMEOUT_S = 5.0
+CONTROL_TIMEOUT_S = 30.0
+
 class Proxy:
     """`secret`: the deployment's shared secret (disagg/secret.py); read from the environment or the
     per-user file when not given."""
@@ -129,7 +136,7 @@ class Proxy:
     async def health(self) -> Response:
         for role, url in [("prefill", u) for u in self.prefill] + [("decode", u) for u in self.decode]:
             try:
-                answer = await self.client.get(f"{url}/health")
+                answer = await self.client.get(f"{url}/health", timeout=HEALTH_TIMEOUT_S)
             except httpx.HTTPError as error:
                 return _unreachable(role, url, error).response()
             if answer.status_code != 200:
@@ -226,14 +233,15 @@ class Proxy:
 
     async def _check(self, decode_url: str, path: str, decode: dict, headers: dict) -> httpx.Response:
         try:
-            return await self.client.post(f"{decode_url}/kv_transfer/check{path}", json=decode, headers=headers)
+            return await self.client.post(f"{decode_url}/kv_transfer/check{path}", json=decode, headers=headers,
+                                          timeout=CONTROL_TIMEOUT_S)
         except httpx.HTTPError as error:
             raise _unreachable("decode", decode_url, error) from None
 
     async def _producer_id(self, url: str, headers: dict) -> str | Response:
         if url not in self._engine_ids:
             try:
-                answer = await self.client.get(f"{url}/kv_transfer/info", headers=headers)
+                answer = await self.client.get(f"{url}/kv_transfer/info", headers=headers, timeout=CONTROL_TIMEOUT_S)
             except httpx.HTTPError as error:
                 raise _unreachable("prefill", url, error) from None
             if answer.status_code != 200:
@@ -253,7 +261,7 @@ class Proxy:
             return None
         try:
             answer = await self.client.post(f"{decode_url}/kv_transfer/register", headers=headers,
-                                            json={"engine_id": engine_id, "url": prefill_url})
+                                            json={"engine_id": engine_id, "url": prefill_url}, timeout=CONTROL_TIMEOUT_S)
         except httpx.HTTPError as error:
             raise _unreachable("decode", decode_url, error) from None
         if answer.status_code != 200:
@@ -267,7 +275,7 @@ class Proxy:
         async def release() -> None:
             try:
                 await self.client.post(f"{prefill_url}/kv_transfer/release", json={"transfer_id": transfer_id},
-                                       headers={**_auth(request), HEADER: self.secret}, timeout=10)
+                                       headers={**_auth(request), HEADER: self.secret}, timeout=CONTROL_TIMEOUT_S)
             except httpx.HTTPError as error:
                 logger.warning("releasing %s at %s failed: %s", transfer_id, prefill_url, error)
 

@@ -295,8 +295,9 @@ class ServingBase:
         try:
             return await asyncio.to_thread(lambda: [self.validate_prompt(p, params) for p in prompts])
         except ValueError as error:
-            field = str(error).split()[0]  # the sampling fields checked against the model name themselves
-            raise APIError(400, str(error), field if field in ("logit_bias", "bad_words") else param) from None
+            field = str(error).split()[0].rstrip(":")  # the fields checked against the model (or the KV transfer)
+            named = ("logit_bias", "bad_words", "min_tokens", "structured_outputs")  # name themselves
+            raise APIError(400, str(error), field if field in named else param) from None
 
     def _check_alive(self) -> None:
         if self.engine.refusal is not None:
