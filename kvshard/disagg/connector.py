@@ -275,9 +275,10 @@ class KVConnector(KVConnectorBase):
         params = seq.params.kv_transfer_params or {}
         if not (self.config.is_producer and params.get("do_remote_decode")):
             return False
-        if len(seq.prompt_token_ids) <= 1:
-            # a consumer loads every prompt token's KV but the last (get_num_external_tokens): none of a one-token
-            # prompt, so it never pulls, and a hold would only keep blocks from others until its timeout
+        if seq.num_computed_tokens <= 1:
+            # the prompt's tokens (max_tokens is 1: the sampled one is not computed). A consumer loads every prompt
+            # token's KV but the last (get_num_external_tokens): none of a one-token prompt, so it never pulls, and
+            # a hold would only keep blocks from others until its timeout
             return False
         transfer_id = str(params.get("transfer_id") or seq.request_id)
         with self._lock:
