@@ -119,7 +119,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple, type(None))):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
         self.stop = list(self.stop or [])
+        if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]

@@ -47,6 +47,12 @@ def two_kv_heads(checkpoints):
         ({"kv_cache_memory": "1KiB"}, "fewer than one request of max_model_len"),
         ({"max_model_len": 100000}, "exceeds the model's max_position_embeddings"),
         ({"dtype": "int3"}, "dtype='int3' is not supported"),
+        # a switch or a number given as text reads as neither: "no" would have switched it on
+        ({"enable_prefix_caching": "no"}, "enable_prefix_caching='no' must be True or False"),
+        ({"batch_invariant": "false"}, "batch_invariant='false' must be True or False"),
+        ({"seed": "x"}, "seed='x' must be an integer"),
+        ({"seed": 1.5}, "seed=1.5 must be an integer"),
+        ({"block_size": None}, "block_size needs a value"),
     ],
 )
 def test_bad_configuration_is_rejected_with_what_to_change(one_kv_head, kwargs, message):

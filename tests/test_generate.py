@@ -137,6 +137,28 @@ def test_bad_requests_fail_before_anything_runs(llm, prompt, params, message):
     assert llm.engine.has_unfinished_requests() is False
 
 
+def test_prompts_in_vllms_dict_forms_and_wrong_types(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    plain = llm.generate([PROMPT], greedy, use_tqdm=False)[0]
+    as_dict = llm.generate({"prompt_token_ids": PROMPT}, greedy, use_tqdm=False)[0]
+    assert as_dict.prompt_token_ids == PROMPT and as_dict.outputs[0].token_ids == plain.outputs[0].token_ids
+    for prompts, message in [(None, "prompts must be a string"), (5, "prompts must be a string"),
+                             (b"abc", "prompts must be a string"), ([{"text": "x"}], "a prompt given as a dict"),
+                             ([PROMPT, 3.5], "a prompt must be a string or a list of token ids")]:
+        with pytest.raises(TypeError, match=message):
+            llm.generate(prompts, greedy, use_tqdm=False)
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams"):
+        llm.generate([PROMPT], {"max_tokens": 3}, use_tqdm=False)
+    assert llm.engine.has_unfinished_requests() is False
+
+
+def test_a_closed_llm_says_so(checkpoints):
+    closed = LLM(str(checkpoints("generate-llama", tiny_llama())), block_size=4)
+    closed.close()
+    with pytest.raises(RuntimeError, match="this LLM is closed"):
+        closed.generate([PROMPT], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"temperature": -1}, "temperature must be a finite number >= 0"),
     ({"top_p": 0}, r"top_p must be in \(0, 1\]"),

@@ -21,6 +21,7 @@ from kvshard.sampling_params import INT64_MAX, SamplingParams
     ("max_tokens", 0), ("max_tokens", INT64_MAX + 1), ("n", 0), ("n", True),
     ("logprobs", -1), ("logprobs", 21),
     ("stop", [""]), ("stop", ["x"] * 65), ("stop", ["x" * 1025]), ("stop_token_ids", [-1]),
+    ("stop", 5), ("stop_token_ids", 5),
 ])
 def test_out_of_range_value_is_refused_naming_its_field(field, value):
     with pytest.raises(ValueError) as refused:

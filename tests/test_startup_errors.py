@@ -77,6 +77,22 @@ def test_a_corrupt_tokenizer_names_its_file(no_ranks, capsys, tmp_path, demo_dir
     refused(capsys, [str(model), *SMALL], str(tokenizer))
 
 
+@pytest.mark.parametrize("key", ["", " "])
+def test_an_empty_api_key_is_refused(no_ranks, capsys, key):
+    # it would start a server that refuses every request (no Authorization header can match an empty key)
+    refused(capsys, [MODEL, *SMALL, "--api-key", key], "--api-key")
+
+
+def test_a_kv_cache_beyond_the_hosts_memory_is_a_config_error():
+    from kvshard.errors import ConfigError
+    from kvshard.kv.cache import kv_buffer
+
+    import torch
+    with pytest.raises(ConfigError, match="lower --kv-cache-memory"):
+        kv_buffer(1 << 50, torch.device("cpu"))  # a PiB: never available
+    assert kv_buffer(4096, torch.device("cpu")).numel() == 4096
+
+
 @pytest.mark.parametrize("name", ["", "  "])
 def test_an_empty_served_model_name_is_refused(no_ranks, capsys, name):
     refused(capsys, [MODEL, *SMALL, "--served-model-name", "m", name], "--served-model-name")

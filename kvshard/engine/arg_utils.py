@@ -218,8 +218,15 @@ class EngineArgs:
         self.check_choices()  # again: a field may have been assigned since __init__
         for f in fields(self):
             value = getattr(self, f.name)
+            kind = f.metadata.get("type")
+            if value is None and f.default is not None:  # only the settings whose default is None may be None
+                raise ConfigError(f"{f.name} needs a value (default {f.default!r}), got None")
             if f.metadata["positive"] and value is not None:
                 _check_positive(f.name, value)
+            elif kind is bool and not isinstance(value, bool):  # "no" would read as True
+                raise ConfigError(f"{f.name}={value!r} must be True or False")
+            elif kind is int and value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ConfigError(f"{f.name}={value!r} must be an integer")
         speculative = parse_speculative_config(self.speculative_config)
         model_config = load_model_config(self.model, self.dtype)
         interleave = _resolve_interleave(self.dcp_kv_interleave_size)

@@ -37,6 +37,7 @@ class LLM:
         self.engine = LLMEngine(config)
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
         atexit.register(self._finalizer)
+        self._closed = False
 
     @property
     def config(self) -> EngineConfig:
@@ -51,13 +52,19 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (strings or token-id lists); outputs come back in prompt order."""
+        """Generate for every prompt (strings, token-id lists, or vLLM's `{"prompt": ...}` /
+        `{"prompt_token_ids": ...}`); outputs come back in prompt order."""
+        if self._closed:
+            raise RuntimeError("this LLM is closed (close() or the end of its `with` block): make a new one")
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(p).__name__}")
         for prompt, p in zip(prompts, params):  # every error before anything runs
             p.validate()
             self.engine.validate_prompt(prompt, p)
@@ -84,6 +91,7 @@ class LLM:
         self.engine.reset_prefix_cache()
 
     def close(self) -> None:
+        self._closed = True
         self._finalizer()
 
     def __enter__(self) -> "LLM":
@@ -94,8 +102,28 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, SequenceABC) and prompts and all(isinstance(t, int) for t in prompts):
-        return [list(prompts)]
-    return list(prompts)
+    """One prompt or a list of them: a string, a list of token ids, or vLLM's {"prompt": text} /
+    {"prompt_token_ids": ids}; anything else is a TypeError naming what came."""
+    if isinstance(prompts, (str, dict)):
+        return [_one_prompt(prompts)]
+    if isinstance(prompts, SequenceABC) and not isinstance(prompts, (bytes, bytearray)):
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]
+        return [_one_prompt(p) for p in prompts]
+    raise TypeError(f"prompts must be a string, a list of token ids, or a list of those, got {type(prompts).__name__}")
+
+
+def _one_prompt(prompt) -> Prompt:
+    if isinstance(prompt, dict):
+        keys = set(prompt)
+        if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+            return prompt["prompt"]
+        if keys == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], SequenceABC):
+            return list(prompt["prompt_token_ids"])
+        raise TypeError(f"a prompt given as a dict must be {{'prompt': text}} or {{'prompt_token_ids': ids}}, "
+                        f"got the keys {sorted(map(str, keys))}")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, SequenceABC) and not isinstance(prompt, (bytes, bytearray)):
+        return list(prompt)  # token ids: validate_prompt checks each
+    raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")

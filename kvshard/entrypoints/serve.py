@@ -138,6 +138,9 @@ def run_serve(args: argparse.Namespace) -> int:
     for name in args.served_model_name or []:
         if not name.strip():
             raise ConfigError(f"--served-model-name {name!r}: a model name must not be empty")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ConfigError("--api-key (or $KVSHARD_API_KEY) is empty: no request could match it; give a key, or "
+                          "leave both out for a server without one")
     if args.kv_transfer_config is not None:
         _check_kv_transfer_port(args.kv_transfer_config)  # a bad role, field or port fails before any rank starts
     config = EngineArgs.from_cli_args(args).create_engine_config()

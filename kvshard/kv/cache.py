@@ -240,7 +240,10 @@ def describe_kv_pages(device: torch.device | None = None) -> str:
 def kv_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     """`nbytes` zero bytes [uint8]: where `kv_huge_pages`, fresh anonymous memory aligned to 2 MiB and advised for
     huge pages before anything touches it (a page's size is fixed at its first touch); the memory lives as long as
-    a view of it does."""
+    a view of it does. On a CPU, a cache larger than the memory available is a ConfigError saying so (before: the
+    allocator's error, or under overcommit the kernel's OOM killer as the pages are touched)."""
+    if torch.device(device).type == "cpu":
+        _check_host_memory(nbytes)
     if not kv_huge_pages(device):
         return torch.zeros(nbytes, dtype=torch.uint8, device=device)
     # private anonymous memory: zero pages, none touched yet (a shared mapping's would follow shmem's THP setting)
@@ -251,6 +254,20 @@ def kv_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     if advised:
         room.madvise(mmap.MADV_HUGEPAGE, start, advised)  # advice: the kernel may still give 4 KiB pages
     return whole[start:start + nbytes].zero_()  # every page faulted in now, not in a step
+
+
+def _check_host_memory(nbytes: int) -> None:
+    """Refuse a host KV cache of more bytes than /proc/meminfo's MemAvailable (where it can be read)."""
+    from kvshard.errors import ConfigError
+
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+        available = next(int(line.split()[1]) * 1024 for line in lines if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return
+    if nbytes > available:
+        raise ConfigError(f"the KV cache takes {nbytes / 2**30:,.1f} GiB on this rank but {available / 2**30:,.1f} "
+                          "GiB of memory is available: lower --kv-cache-memory (or --num-kv-blocks)")
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
