@@ -197,6 +197,28 @@ def test_a_tokenizer_xgrammar_cannot_read_falls_back_to_each_tokens_text():
     assert [table.raw(t) for t in (2, 3, 1)] == [b"hello", tokenizer.decode([3]).encode(), b"[SEP]"]
 
 
+def test_the_grammar_backend_and_the_byte_table_build_one_tokenizer_info(monkeypatch):
+    """xgrammar decodes the vocabulary once per tokenizer and stop tokens (a second or so for a large one), for
+    the logprobs' bytes and the structured outputs' masks alike."""
+    import xgrammar
+
+    from kvshard.structured.xgrammar_backend import XgrammarBackend
+
+    built = []
+    real = xgrammar.TokenizerInfo.from_huggingface
+
+    def counting(*args, **kwargs):
+        built.append(kwargs.get("stop_token_ids"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(xgrammar.TokenizerInfo, "from_huggingface", counting)
+    tokenizer = demo_tokenizer()  # a fresh one: nothing cached for it
+    table = TokenBytes(tokenizer, len(tokenizer), [1])
+    backend = XgrammarBackend(tokenizer, len(tokenizer), [1])
+    assert built == [[1]], built
+    assert table.raw(tokenizer.convert_tokens_to_ids("Ġthe")) == b" the" and backend.compiler is not None
+
+
 def test_a_model_without_tokenizer_reads_token_ids():
     serving = ServingBase.__new__(ServingBase)
     serving.tokenizer, serving.vocab_size = None, 100

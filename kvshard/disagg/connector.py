@@ -68,7 +68,6 @@ logger = logging.getLogger("kvshard.disagg")
 FREE_REASONS = ("fetched", "failed", "timeout", "released", "shutdown")
 
 
-
 def _post_within(url: str, timeout: float, **kwargs) -> httpx.Response:
     """`httpx.post` bounded as a whole: httpx's timeout bounds each read, so a peer that answers a byte at a time
     would hold a pull (and the blocks reserved for it) for as long as it likes. The call runs in a thread of its
@@ -89,6 +88,7 @@ def _post_within(url: str, timeout: float, **kwargs) -> httpx.Response:
     if "error" in done:
         raise done["error"]
     return done["answer"]
+
 
 class PullRefused(Exception):
     """A consumer asked for KV this producer cannot send (unknown, expired, other model, malformed)."""

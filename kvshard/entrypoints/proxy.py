@@ -86,6 +86,7 @@ def parse_body(raw: bytes) -> dict:
 HEALTH_TIMEOUT_S = 5.0
 CONTROL_TIMEOUT_S = 30.0
 
+
 class Proxy:
     """`secret`: the deployment's shared secret (disagg/secret.py); read from the environment or the
     per-user file when not given."""

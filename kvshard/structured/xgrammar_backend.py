@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import weakref
 
 import torch
 
@@ -54,6 +56,26 @@ def _parsed(value):
         return None
 
 
+_infos: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {(vocab size, stop ids): info}
+_infos_lock = threading.Lock()
+
+
+def tokenizer_info(tokenizer, vocab_size: int | None, stop_token_ids=None):
+    """xgrammar's `TokenizerInfo` of a tokenizer (its vocabulary decoded to bytes: a second or so for a large one),
+    built once per tokenizer, vocabulary size and stop tokens: the backend's masks and the OpenAI server's logprob
+    bytes (entrypoints/openai/token_bytes.py) share it."""
+    import xgrammar
+
+    stops = tuple(sorted(stop_token_ids or ()))
+    with _infos_lock:
+        known = _infos.setdefault(tokenizer, {})
+        info = known.get((vocab_size, stops))
+        if info is None:
+            info = known[(vocab_size, stops)] = xgrammar.TokenizerInfo.from_huggingface(
+                tokenizer, vocab_size=vocab_size, stop_token_ids=list(stops) or None)
+        return info
+
+
 class XgrammarGrammar(Grammar):
     def __init__(self, matcher) -> None:
         self.matcher = matcher
@@ -80,8 +102,7 @@ class XgrammarBackend(Backend):
         import xgrammar
 
         self._xgr = xgrammar
-        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                       stop_token_ids=sorted(stop_token_ids) or None)
+        info = tokenizer_info(tokenizer, vocab_size, stop_token_ids)
         # kvshard keeps its own cache (StructuredOutputManager, by StructuredOutputsParams.key())
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_enabled=False)
 

@@ -92,8 +92,9 @@ class OpenAIServer(ServingBase, CompletionServing, ChatServing, ResponsesServing
         self.vocab_size = engine.config.model.hf_config.vocab_size
         # the tokens' raw bytes for logprobs (token_bytes.py: up to a second for a large vocabulary), built off the
         # event loop now rather than on it at the first request that asks for logprobs
-        threading.Thread(target=token_bytes, args=(self.tokenizer, self.vocab_size), name="token-bytes",
-                         daemon=True).start()
+        self.stop_token_ids = engine.structured.stop_token_ids  # as the grammar backend's: one TokenizerInfo
+        threading.Thread(target=token_bytes, args=(self.tokenizer, self.vocab_size, self.stop_token_ids),
+                         name="token-bytes", daemon=True).start()
         self.max_stream_backlog = max_stream_backlog or _backlog_from_env()
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")

@@ -339,15 +339,18 @@ class ServingBase:
         """A token's text: its bytes (`data`: as they stand at that point of the output) decoded, a piece of a
         multi-byte character read as U+FFFD; a special token's, its own text."""
         if data is None:
-            data = token_bytes(self.tokenizer, getattr(self, "vocab_size", None)).raw(token_id)
+            data = self._token_bytes().raw(token_id)
         return data.decode("utf-8", "replace")
+
+    def _token_bytes(self):
+        return token_bytes(self.tokenizer, getattr(self, "vocab_size", None), getattr(self, "stop_token_ids", None))
 
     def _text_cursor(self, cursors: dict | None, index: int):
         """The cursor of choice `index` through its output text (`cursors`: a stream's, kept across its chunks;
         None: a fresh one, for a whole output)."""
         cursor = cursors.get(index) if cursors is not None else None
         if cursor is None:
-            cursor = TextCursor(token_bytes(self.tokenizer, getattr(self, "vocab_size", None)))
+            cursor = TextCursor(self._token_bytes())
             if cursors is not None:
                 cursors[index] = cursor
         return cursor

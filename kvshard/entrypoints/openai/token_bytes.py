@@ -31,7 +31,7 @@ _SAMPLE = 512  # tokens whose xgrammar bytes are checked against the tokenizer's
 class TokenBytes:
     """One tokenizer's tokens as bytes (`tokenizer` None: a model without one, whose tokens read as their ids)."""
 
-    def __init__(self, tokenizer, vocab_size: int | None = None) -> None:
+    def __init__(self, tokenizer, vocab_size: int | None = None, stop_token_ids=None) -> None:
         self.tokenizer = tokenizer
         self._backend = getattr(tokenizer, "backend_tokenizer", None)  # what the engine decodes with
         self.special: dict[int, bytes] = {}  # ids the output text skips -> their text's UTF-8
@@ -41,15 +41,17 @@ class TokenBytes:
         self.strips_leading_space = False  # the decoder drops the first space of a text ("▁the" -> "the")
         self._table: list[bytes] | None = None
         if tokenizer is not None:
-            self._table = self._from_xgrammar(vocab_size)
+            self._table = self._from_xgrammar(vocab_size, stop_token_ids)
 
-    def _from_xgrammar(self, vocab_size: int | None) -> list[bytes] | None:
+    def _from_xgrammar(self, vocab_size: int | None, stop_token_ids) -> list[bytes] | None:
         try:
             import xgrammar
 
-            with warnings.catch_warnings():  # "stop_token_ids ... will be automatically detected": unused here
+            from kvshard.structured.xgrammar_backend import tokenizer_info
+
+            with warnings.catch_warnings():  # without stop tokens: "... will be automatically detected"
                 warnings.simplefilter("ignore")
-                info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=vocab_size)
+                info = tokenizer_info(self.tokenizer, vocab_size, stop_token_ids)
             if info.vocab_type == xgrammar.VocabType.RAW and not xgrammar.TokenizerInfo._is_tiktoken_tokenizer(
                     self.tokenizer):
                 raise ValueError("neither a byte-level nor a byte-fallback vocabulary")
@@ -128,12 +130,13 @@ _tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
-def token_bytes(tokenizer, vocab_size: int | None = None) -> TokenBytes:
-    """The tokenizer's `TokenBytes`, built on first use and kept as long as the tokenizer."""
+def token_bytes(tokenizer, vocab_size: int | None = None, stop_token_ids=None) -> TokenBytes:
+    """The tokenizer's `TokenBytes`, built on first use and kept as long as the tokenizer (from the `TokenizerInfo`
+    the grammar backend uses too, given the engine's stop tokens)."""
     if tokenizer is None:
         return TokenBytes(None)
     with _lock:
         table = _tables.get(tokenizer)
         if table is None:
-            table = _tables[tokenizer] = TokenBytes(tokenizer, vocab_size)
+            table = _tables[tokenizer] = TokenBytes(tokenizer, vocab_size, stop_token_ids)
         return table
