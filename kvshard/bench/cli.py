@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import sys
+import tempfile
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
@@ -73,10 +74,10 @@ def _add_workload_args(parser: argparse.ArgumentParser, workload: str, input_len
     group.add_argument("--range-ratio", type=float, default=range_ratio,
                        help=f"random: lengths uniform in [len*(1-r), len*(1+r)] (default {range_ratio})")
     group.add_argument("--context-scale", type=_scale, default=_scale(context_scale),
-                       help=f"agentic: multiply the input lengths, e.g. 1/1024 "
-                            f"(1 = 64K-1M long, 2K-64K short; default {context_scale})")
+                       help=f"agentic, sessions, trace: multiply the input lengths (a trace's block size too), "
+                            f"e.g. 1/1024 (agentic at 1: 64K-1M long, 2K-64K short; default {context_scale})")
     group.add_argument("--output-scale", type=_scale, default=output_scale and _scale(output_scale),
-                       help=f"agentic: multiply the output lengths (median 400 at 1; "
+                       help=f"agentic, sessions, trace: multiply the output lengths (agentic: median 400 at 1; "
                             f"default: {output_scale or '--context-scale'})")
     if sessions:
         group.add_argument("--num-turns", type=int, default=4,
@@ -189,8 +190,19 @@ def _scale(text: str) -> float:
         value = float(numerator) / float(denominator or 1)
     except (ValueError, ZeroDivisionError):
         raise argparse.ArgumentTypeError(f"{text!r} is not a scale factor: use e.g. 0.25 or 1/1024") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: the scale must be positive")
+    if not (value > 0 and math.isfinite(value)):  # nan and inf would reach round() in every length
+        raise argparse.ArgumentTypeError(f"{text!r}: the scale must be a positive number")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (0 would scrape in a busy loop)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive number of seconds")
     return value
 
 
@@ -202,6 +214,25 @@ def _positive_ints(text: str) -> list[int]:
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"{text!r}: give positive integers, e.g. 1,2,4,8")
     return values
+
+
+def _writable_dir(path: Path, flag: str) -> Path:
+    """`path`, created if need be, once a file could be written in it: checked before a run, which must not
+    end, minutes later, with a result it cannot save."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as error:
+        raise ConfigError(f"{flag}: cannot write in {path} ({error.strerror or error})") from None
+    return path
+
+
+def _check_result_file(path: str | None) -> None:
+    if path is None:
+        return
+    if Path(path).is_dir():
+        raise ConfigError(f"--result-file {path} is a directory: give the JSON file's name")
+    _writable_dir(Path(path).resolve().parent, f"--result-file {path}")
 
 
 def _timestamp() -> str:
@@ -229,7 +260,8 @@ def _add_serve(commands) -> None:
     parser.add_argument("--model", default=None, help="served model name (default: the server's first model); "
                                                       "also where the vocabulary size is read when it is local")
     parser.add_argument("--num-prompts", type=int, default=100,
-                        help="requests to send; with --workload sessions, sessions (default %(default)s)")
+                        help="requests to send; with --workload sessions, sessions; with --workload trace, the "
+                             "window's requests (not with --trace-conversations) (default %(default)s)")
     parser.add_argument("--max-concurrency", type=int, default=None,
                         help="requests (sessions) in flight at most (default: no limit)")
     parser.add_argument("--request-rate", type=float, default=math.inf,
@@ -238,7 +270,7 @@ def _add_serve(commands) -> None:
                         help="ranks serving, for tok/s per rank (default: tp from the server's layout info metric)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--metrics-interval", type=float, default=0.25, help="seconds between /metrics scrapes")
+    parser.add_argument("--metrics-interval", type=_seconds, default=0.25, help="seconds between /metrics scrapes")
     parser.add_argument("--result-file", default=None, help="write the result as JSON here")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--extra-body", type=_json_object, default=None,
@@ -258,6 +290,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     from kvshard.bench.serve import served_model_entry, served_model_root
 
+    _check_result_file(args.result_file)
     arrival_times, trace = None, None
     if args.workload == TRACE:
         entry = served_model_entry(args.base_url, args.model, args.api_key)
@@ -324,7 +357,7 @@ def _add_dcp(commands) -> None:
     parser.add_argument("--output-dir", default=None, help="where the JSON, PNG and server logs go "
                                                            "(default bench-results/dcp-TIMESTAMP)")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
-    parser.add_argument("--metrics-interval", type=float, default=0.25, help="seconds between /metrics scrapes")
+    parser.add_argument("--metrics-interval", type=_seconds, default=0.25, help="seconds between /metrics scrapes")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
                         help="start every layout's server at once and run their points in turn, so that a machine "
@@ -365,7 +398,7 @@ def _run_dcp(args: argparse.Namespace) -> int:
     # tp, dcp, KV budget and max-num-seqs are set per layout by the experiment
     flags = replace(engine_args, max_model_len=max_model_len).to_cli_args(
         exclude=("tensor_parallel_size", "decode_context_parallel_size", "kv_cache_memory", "max_num_seqs"))
-    output_dir = Path(args.output_dir or f"bench-results/dcp-{_timestamp()}")
+    output_dir = _writable_dir(Path(args.output_dir or f"bench-results/dcp-{_timestamp()}"), "--output-dir")
     experiment = DCPExperiment(
         model=args.model, tp=args.tensor_parallel_size, dcps=args.dcp, concurrencies=sorted(set(args.concurrency)),
         workload=spec, sessions=sessions, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
@@ -392,10 +425,11 @@ def _run_dcp(args: argparse.Namespace) -> int:
 def _add_throughput(commands) -> None:
     from kvshard.bench.throughput import ENGINES
 
-    parser = commands.add_parser("throughput", help="offline throughput of N random requests (kvshard or vLLM)",
-                                 description="Generate N random token-id requests (seeded lengths, ignore_eos) "
-                                             "with kvshard.LLM, or with vLLM's LLM for --engine vllm, and print "
-                                             "requests/s, output tok/s and total tok/s.")
+    parser = commands.add_parser("throughput", help="offline throughput of N requests (kvshard or vLLM)",
+                                 description="Generate the workload's N requests (token ids, or the repeat "
+                                             "workload's text; ignore_eos) with kvshard.LLM, or with vLLM's LLM "
+                                             "for --engine vllm, and print requests/s, output tok/s and total "
+                                             "tok/s.")
     EngineArgs.add_cli_args(parser)
     parser.add_argument("--engine", choices=ENGINES, default="kvshard")
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -413,8 +447,9 @@ def _add_throughput(commands) -> None:
 def _run_throughput(args: argparse.Namespace) -> int:
     from kvshard.bench.report import write_json
     from kvshard.bench.throughput import format_throughput, run_kvshard, run_vllm, throughput_result
-    if args.repeats < 1:
-        raise ConfigError("--repeats must be at least 1")
+    if args.repeats < 1 or args.num_prompts < 1:
+        raise ConfigError("--repeats and --num-prompts must be at least 1")
+    _check_result_file(args.result_file)
     engine_args = EngineArgs.from_cli_args(args)
     trace = None
     if args.workload == REPEAT:
@@ -485,6 +520,10 @@ def _run_decode_floor(args: argparse.Namespace) -> int:
     from kvshard.bench.decode_floor import format_decode_floor, measure_decode_floor
     from kvshard.bench.report import write_json
 
+    # before the engine starts, which takes a while: none of these can measure anything
+    if min(args.batch_size, args.context_len, args.steps) < 1 or args.alternate_eager < 0:
+        raise ConfigError("--batch-size, --context-len and --steps must be at least 1, --alternate-eager at least 0")
+    _check_result_file(args.result_file)
     engine_args = EngineArgs.from_cli_args(args)
     # the model's window, unless given, is what the requests need (measure_decode_floor sizes it)
     engine_args = replace(engine_args, max_num_seqs=max(engine_args.max_num_seqs, args.batch_size))

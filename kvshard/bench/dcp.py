@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from kvshard.bench.report import format_number, format_percent, format_table
+from kvshard.bench.report import format_number, format_percent, format_table, write_json
 from kvshard.bench.serve import BenchmarkError, request_list_digest, reset_prefix_cache, run_serve_benchmark
 from kvshard.bench.server import ServerProcess
 from kvshard.bench.traces import TraceReplay
@@ -237,27 +237,11 @@ def run_dcp_experiment(experiment: DCPExperiment, log=print) -> dict:
     # with the sessions workload, concurrency and prompts per concurrency count sessions
     sessions = experiment.all_sessions()
     sweeps = [_Sweep(experiment, tp, dcp) for tp, dcp in experiment.layouts()]
-    with _sigterm_as_interrupt():
-        if experiment.interleave:
-            with ExitStack() as servers:
-                for sweep in sweeps:
-                    log(f"== {sweep.label}: kvshard serve {experiment.model} {' '.join(sweep.flags)}")
-                    servers.enter_context(sweep.server)
-                turn = 0
-                while not all(sweep.done for sweep in sweeps):
-                    order = [sweep for sweep in sweeps if not sweep.done]
-                    for sweep in (order if turn % 2 == 0 else order[::-1]):
-                        sweep.run_next(sessions, log)
-                    turn += 1
-                configs = [sweep.summary(log) for sweep in sweeps]
-        else:
-            configs = []
-            for sweep in sweeps:
-                log(f"== {sweep.label}: kvshard serve {experiment.model} {' '.join(sweep.flags)}")
-                with sweep.server:
-                    while not sweep.done:
-                        sweep.run_next(sessions, log)
-                    configs.append(sweep.summary(log))
+    try:
+        configs = _run_sweeps(experiment, sweeps, sessions, log)
+    except BaseException:  # Ctrl-C, a server that died: the servers are stopped by now; the points must outlive them
+        _save_interrupted(experiment, sweeps, log)
+        raise
     baseline = configs[0]
     for config in configs[1:]:
         config["vs_tp_only"] = {
@@ -283,6 +267,50 @@ def run_dcp_experiment(experiment: DCPExperiment, log=print) -> dict:
         "requests_digest": request_list_digest([turn for session in sessions for turn in session]),
         "configs": configs,
     }
+
+
+def _run_sweeps(experiment: DCPExperiment, sweeps: list[_Sweep], sessions: list[list[BenchRequest]],
+                log) -> list[dict]:
+    """Every layout's sweep, interleaved or one after another; each layout's summary."""
+    with _sigterm_as_interrupt():
+        if experiment.interleave:
+            with ExitStack() as servers:
+                for sweep in sweeps:
+                    log(f"== {sweep.label}: kvshard serve {experiment.model} {' '.join(sweep.flags)}")
+                    servers.enter_context(sweep.server)
+                turn = 0
+                while not all(sweep.done for sweep in sweeps):
+                    order = [sweep for sweep in sweeps if not sweep.done]
+                    for sweep in (order if turn % 2 == 0 else order[::-1]):
+                        sweep.run_next(sessions, log)
+                    turn += 1
+                configs = [sweep.summary(log) for sweep in sweeps]
+        else:
+            configs = []
+            for sweep in sweeps:
+                log(f"== {sweep.label}: kvshard serve {experiment.model} {' '.join(sweep.flags)}")
+                with sweep.server:
+                    while not sweep.done:
+                        sweep.run_next(sessions, log)
+                    configs.append(sweep.summary(log))
+    return configs
+
+
+def _save_interrupted(experiment: DCPExperiment, sweeps: list[_Sweep], log) -> None:
+    """The points measured before the experiment stopped early, in dcp-interrupted.json."""
+    measured = [{"label": sweep.label, "tp": sweep.tp, "dcp": sweep.dcp, "points": sweep.points}
+                for sweep in sweeps if sweep.points]
+    if not measured:
+        return
+    path = experiment.output_dir / "dcp-interrupted.json"
+    try:
+        write_json(path, {"interrupted": True, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                          "model": experiment.model, "kv_cache_memory": experiment.kv_cache_memory,
+                          "workload": experiment.workload_description, "configs": measured})
+    except OSError as error:
+        log(f"stopped early: the points measured could not be saved to {path}: {error.strerror or error}")
+        return
+    log(f"stopped early: the {sum(len(c['points']) for c in measured)} points measured so far are in {path}")
 
 
 def _ratio(value: float | None, base: float | None) -> float | None:

@@ -24,6 +24,7 @@ import torch
 
 from kvshard.attention.backends import ReferenceBackend
 from kvshard.attention.metadata import AttentionMetadata
+from kvshard.bench.cli import _positive_ints
 from kvshard.config import SchedulerConfig
 from kvshard.engine.block_tables import BlockTableSender, RankBlockTables
 from kvshard.engine.scheduler import Scheduler
@@ -115,7 +116,8 @@ def measure(num_requests: int, context: int, steps: int, block_size: int = 16, d
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvshard.bench.host_step", description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=64, help="running decode requests (default 64)")
-    parser.add_argument("--contexts", default="1024,32768", help="context lengths in tokens, comma-separated")
+    parser.add_argument("--contexts", type=_positive_ints, default=[1024, 32768],
+                        help="context lengths in tokens, comma-separated (default 1024,32768)")
     parser.add_argument("--steps", type=int, default=50, help="timed decode steps per context (default 50), the contexts taking turns")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dcp", type=int, default=1, help="DCP group size: metadata of rank 0 of the group")
@@ -124,9 +126,11 @@ def main(argv: list[str] | None = None) -> int:
                              "threads only add waits to its small tensor operations)")
     parser.add_argument("--json", action="store_true", help="one JSON object per context")
     args = parser.parse_args(argv)
+    if min(args.requests, args.steps, args.block_size, args.dcp, args.threads) < 1:
+        parser.error("--requests, --steps, --block-size, --dcp and --threads must be at least 1")
     torch.set_num_threads(args.threads)
     # the contexts take turns, a few steps at a time, so that a busy machine's load falls on each alike
-    runs = [_Run(args.requests, int(c), args.block_size, args.dcp, 0) for c in args.contexts.split(",")]
+    runs = [_Run(args.requests, context, args.block_size, args.dcp, 0) for context in args.contexts]
     per_turn = 5
     for _ in range(-(-args.steps // per_turn)):
         for run in runs:

@@ -84,6 +84,17 @@ async def sse_lines(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         yield pending.removesuffix("\r")
 
 
+def _event_error(event: object) -> str | None:
+    """Why a stream event ends its request, or None for a chunk. Servers differ: vLLM and kvshard send
+    {"error": {"message": ...}}, others a bare string."""
+    if not isinstance(event, dict):
+        return f"the server sent an event that is not a JSON object: {json.dumps(event)[:300]}"
+    if "error" not in event:
+        return None
+    error = event["error"]
+    return str(error.get("message", error) if isinstance(error, dict) else error)
+
+
 async def send_request(client: httpx.AsyncClient, url: str, model: str, request: BenchRequest,
                        headers: dict[str, str], extra_body: dict | None = None) -> RequestOutcome:
     outcome = RequestOutcome(request.input_len)
@@ -104,8 +115,9 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, request:
                 if data == "[DONE]":
                     break
                 event = json.loads(data)
-                if "error" in event:
-                    outcome.error = str(event["error"].get("message", event["error"]))
+                problem = _event_error(event)
+                if problem is not None:
+                    outcome.error = problem
                     return outcome
                 now = time.perf_counter()
                 if event.get("choices"):
@@ -115,9 +127,10 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, request:
                         outcome.itl.append(now - last)
                     last = now
                     chunks += 1
-                if event.get("usage"):
-                    usage_tokens = event["usage"]["completion_tokens"]
-                    details = event["usage"].get("prompt_tokens_details") or {}
+                usage = event.get("usage")
+                if isinstance(usage, dict):  # a server that leaves a count out: the chunks count instead
+                    usage_tokens = usage.get("completion_tokens", usage_tokens)
+                    details = usage.get("prompt_tokens_details") or {}
                     outcome.cached_tokens = details.get("cached_tokens")
     except (httpx.HTTPError, json.JSONDecodeError) as error:
         outcome.error = f"{type(error).__name__}: {error}"
@@ -198,9 +211,13 @@ def list_models(base_url: str, api_key: str | None = None) -> list[dict]:
     try:
         response = httpx.get(f"{base_url.rstrip('/')}/v1/models", headers=_auth(api_key), timeout=10.0)
         response.raise_for_status()
-        return response.json()["data"]
-    except (httpx.HTTPError, ValueError, KeyError) as error:
+        models = response.json()["data"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
         raise BenchmarkError(f"cannot list the models of the server at {base_url}: {error}") from None
+    if not isinstance(models, list) or not all(isinstance(m, dict) for m in models):
+        raise BenchmarkError(f"the server at {base_url} answered /v1/models without a list of models: "
+                             f"{response.text[:300]}")
+    return models
 
 
 def served_model_entry(base_url: str, model: str | None, api_key: str | None = None) -> dict:
@@ -217,7 +234,10 @@ def served_model_root(base_url: str, model: str | None, api_key: str | None = No
 def probe(base_url: str, model: str | None, api_key: str | None) -> str:
     """Check the server answers a tiny token-id completion; return the model name to use."""
     if model is None:
-        model = list_models(base_url, api_key)[0]["id"]
+        models = list_models(base_url, api_key)
+        model = models[0].get("id") if models else None
+        if not isinstance(model, str):
+            raise BenchmarkError(f"the server at {base_url} names no model in /v1/models: pass --model")
     try:
         response = httpx.post(f"{base_url}/v1/completions", headers=_auth(api_key), timeout=120.0, json={
             "model": model, "prompt": [1, 2, 3, 4], "max_tokens": 2, "ignore_eos": True, "temperature": 0.0})

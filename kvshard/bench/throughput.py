@@ -1,15 +1,16 @@
 """`kvshard bench throughput`: offline throughput, as nano-vllm's bench.py and `vllm bench throughput`.
 
-N random token-id requests (lengths drawn from the seed), generated in full
-(`ignore_eos`, greedy) by one engine in one `generate` call; the result is
-requests/s, output tok/s and total tok/s. Before the first timed pass an
-untimed warm-up runs the same requests with at most 8 output tokens each (every
-prefill shape and the full decode batch, so neither engine's first repeat pays
-for first-time allocations), and the prefix cache is emptied before every
-timed pass (a repeat must not read the previous pass's prompts from the
-cache; the random prompts share no prefix among themselves). `--engine
-vllm` runs the same request list through vLLM's offline `LLM` instead; vLLM is
-imported only then, so it may live in another virtual environment:
+N requests of the workload (random token ids by default, lengths drawn from
+the seed), generated in full (`ignore_eos`, greedy) by one engine in one
+`generate` call; the result is requests/s, output tok/s and total tok/s.
+Before the first timed pass an untimed warm-up runs the same requests with at
+most 8 output tokens each (every prefill shape and the full decode batch, so
+neither engine's first repeat pays for first-time allocations), and the prefix
+cache is emptied before every timed pass (a repeat must not read the previous
+pass's prompts from the cache; the random prompts share no prefix among
+themselves). `--engine vllm` runs the same request list through vLLM's
+offline `LLM` instead; vLLM is imported only then, so it may live in another
+virtual environment:
 
     PYTHONPATH=/path/to/kvshard /path/to/vllm-venv/bin/python -m kvshard.bench throughput --engine vllm ...
 """
@@ -23,7 +24,7 @@ from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
-from kvshard.bench.serve import request_list_digest
+from kvshard.bench.serve import BenchmarkError, request_list_digest
 from kvshard.bench.workloads import BenchRequest
 
 if TYPE_CHECKING:
@@ -90,8 +91,13 @@ def run_kvshard(engine_args: EngineArgs, requests: list[BenchRequest], repeats: 
 def run_vllm(model_path: str, engine_kwargs: dict, requests: list[BenchRequest], repeats: int = 1,
              progress: bool = True) -> tuple[list[float], int, dict]:
     """The same through vLLM (its prefix cache on or off as kvshard's, emptied before each pass)."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    try:
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+    except ImportError as error:
+        raise BenchmarkError(f"--engine vllm needs vLLM in this Python ({error}): run `PYTHONPATH=/path/to/kvshard "
+                             "python -m kvshard.bench throughput ...` with the Python of vLLM's virtual "
+                             "environment") from None
 
     def params(r: BenchRequest) -> SamplingParams:
         return SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)

@@ -8,9 +8,11 @@ A trace is a JSON-lines file, one request per line:
 `input_length` and `output_length` the prompt and generated tokens, and
 `hash_ids` one id per 512-token block of the prompt. Requests that share a
 leading run of ids share those prompt tokens; that is how a trace records
-multi-turn reuse. Unknown fields are ignored; a line that is not such an object
-fails with its line number. This is the format vLLM's, SGLang's and AIPerf's
-benchmark clients replay (`mooncake_trace`).
+multi-turn reuse. `timestamp` and `hash_ids` may be missing (0 and no ids);
+unknown fields are ignored; blank lines, CRLF line ends and a byte-order mark
+are read; a line that is not such an object fails with its line number. This
+is the format vLLM's, SGLang's and AIPerf's benchmark clients replay
+(`mooncake_trace`).
 
 Replay (`TraceSpec.build`):
 
@@ -21,10 +23,14 @@ Replay (`TraceSpec.build`):
   length (a prompt longer than its blocks is padded with tokens of its own);
 - `context_scale` scales the input lengths and the block size alike
   (`512 x scale`, at least 1 token), so a scaled trace keeps its reuse
-  structure; `output_scale` scales the output lengths;
+  structure; `output_scale` scales the output lengths (an `output_length` of
+  0, a prefill-only request, is sent with 1 output token: the OpenAI API's
+  `max_tokens` must be positive);
 - a prompt that does not fit `max_model_len` with its output is cut, and the
   replay counts how many were;
-- `skip` and `num_requests` choose a window of the file's requests;
+- `skip` and `num_requests` choose a window of the file's requests, in file
+  order; the window's requests (sessions) are then sent in the order of their
+  timestamps, which a file need not be sorted by, from the earliest;
 - `conversations=K` replays K multi-turn conversations instead: a request
   continues the conversation whose latest turn it extends (it starts with
   that turn's ids, or with all of them but the last, partial block, which the
@@ -83,6 +89,12 @@ def _field(obj: dict, name: str, where: str, *, required: bool = True, minimum: 
     return value
 
 
+def _not_a_request(where: str, text: str, why: str) -> TraceError:
+    """A line that holds no request object; a whole file as one JSON array is a common mistake, so say the format."""
+    hint = " (a trace is JSON lines: one request object per line, not a JSON array)" if text.lstrip()[:1] == "[" else ""
+    return TraceError(f"{where}: {why}{hint}")
+
+
 def parse_trace_line(text: str, line: int, path: str | Path = "trace") -> TraceRecord | None:
     """Line `line` (1-based) of a trace; None for a blank line."""
     where = f"{path}:{line}"
@@ -91,9 +103,11 @@ def parse_trace_line(text: str, line: int, path: str | Path = "trace") -> TraceR
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as error:
-        raise TraceError(f"{where}: not JSON ({error.msg} at column {error.colno})") from None
+        raise _not_a_request(where, text, f"not JSON ({error.msg} at column {error.colno})") from None
+    except RecursionError:
+        raise _not_a_request(where, text, "not JSON (nested too deeply)") from None
     if not isinstance(obj, dict):
-        raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        raise _not_a_request(where, text, f"expected a JSON object, got {type(obj).__name__}")
     timestamp = _field(obj, "timestamp", where, required=False)
     input_length = _field(obj, "input_length", where, minimum=1)
     output_length = _field(obj, "output_length", where, minimum=0)
@@ -107,12 +121,16 @@ def read_trace(path: str | Path) -> list[TraceRecord]:
     """Every request of a Mooncake-format file, in file order."""
     path = Path(path)
     try:
-        lines = path.read_text().splitlines()
+        # utf-8-sig: a byte-order mark (some editors write one) is not part of the first request
+        text = path.read_text(encoding="utf-8-sig")
     except OSError as error:
         raise TraceError(f"cannot read the trace {path}: {error.strerror or error}") from None
     except UnicodeDecodeError:
-        raise TraceError(f"{path}: not a text file") from None
-    records = [r for number, text in enumerate(lines, 1) if (r := parse_trace_line(text, number, path))]
+        raise TraceError(f"{path}: not a UTF-8 text file (a compressed trace must be decompressed first)") from None
+    # lines end at line feeds only (reading turned CRLF into LF): str.splitlines would also split at U+2028, U+2029
+    # and U+0085, which JSON allows unescaped inside a string, e.g. of an unknown field
+    lines = text.split("\n")
+    records = [r for number, line in enumerate(lines, 1) if (r := parse_trace_line(line, number, path))]
     if not records:
         raise TraceError(f"{path}: no requests in the trace")
     return records
@@ -126,33 +144,53 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+def _prefix_keys(ids: tuple[int, ...]) -> list[int]:
+    """keys[k - 1] stands for ids[:k]: a running hash, so that looking up every prefix of a request costs
+    O(len(ids)), where hashing a tuple per prefix costs O(len(ids)^2) (seconds per request at 1M tokens)."""
+    keys, key = [], 0
+    for hash_id in ids:
+        key = hash((key, hash_id))
+        keys.append(key)
+    return keys
+
+
 def conversations(records: list[TraceRecord]) -> list[list[TraceRecord]]:
     """Group requests into conversations: a request continues the conversation whose latest turn it
     extends (that turn's ids, or all of them but the last, are a prefix of its own) and whose latest
     turn is shorter; otherwise it starts one. The longest such prefix decides."""
-    tails: dict[tuple[int, ...], int] = {}  # a latest turn's ids (and those less its last) -> conversation
+    # a latest turn's ids (and those less its last), by prefix key -> (the ids, conversation); the ids are kept
+    # to compare, so that two prefixes of one key cannot join a conversation they do not extend
+    tails: dict[int, tuple[tuple[int, ...], int]] = {}
     grouped: list[list[TraceRecord]] = []
     for record in records:
         ids, found = record.hash_ids, None
+        keys = _prefix_keys(ids)
         for k in range(len(ids), 0, -1):
-            index = tails.get(ids[:k])
-            if index is not None and record.input_length > grouped[index][-1].input_length:
-                found = index
+            tail = tails.get(keys[k - 1])
+            if (tail is not None and record.input_length > grouped[tail[1]][-1].input_length
+                    and tail[0] == ids[:k]):
+                found = tail[1]
                 break
         if found is None:
             grouped.append([record])
             found = len(grouped) - 1
         else:
-            previous = grouped[found][-1].hash_ids
-            for key in (previous, previous[:-1]):
-                if tails.get(key) == found:
+            previous = _prefix_keys(grouped[found][-1].hash_ids)
+            for key in previous[-2:]:
+                if tails.get(key, ((), None))[1] == found:
                     del tails[key]
             grouped[found].append(record)
         if ids:
-            tails[ids] = found
+            tails[keys[-1]] = (ids, found)
         if len(ids) > 1:
-            tails[ids[:-1]] = found
+            tails[keys[-2]] = (ids[:-1], found)
     return grouped
+
+
+def _arrival(session: list[TraceRecord]) -> float:
+    """A session's place in the replay: its first turn's timestamp. A file need not be sorted by time (nor is it
+    when requests were logged as they finished), so sessions are sent in this order, from the earliest."""
+    return session[0].timestamp_ms
 
 
 @dataclass
@@ -222,9 +260,9 @@ class TraceSpec:
             if not window:
                 raise TraceError(f"{self.path}: --trace-skip {self.skip} leaves no request "
                                  f"(the trace has {len(records):,})")
-            chosen = [[r] for r in window]
+            chosen = sorted(([r] for r in window), key=_arrival)
         else:
-            multi = [c for c in conversations(window) if len(c) >= 2]
+            multi = sorted((c for c in conversations(window) if len(c) >= 2), key=_arrival)
             if len(multi) < self.conversations:
                 raise TraceError(f"{self.path}: {len(multi)} multi-turn conversations after --trace-skip "
                                  f"{self.skip}, fewer than --trace-conversations {self.conversations}")
@@ -233,7 +271,7 @@ class TraceSpec:
         counts = {"cut_prompts": 0, "cut_outputs": 0}
         sessions = [[self._request(r, blocks, counts) for r in session] for session in chosen]
         start = chosen[0][0].timestamp_ms
-        arrivals = [max(0.0, (s[0].timestamp_ms - start) / 1000) for s in chosen]
+        arrivals = [(s[0].timestamp_ms - start) / 1000 for s in chosen]
         replay = TraceReplay(sessions, arrivals)
         replay.info = {
             "path": str(self.path), "sha256": file_sha256(self.path), "file_requests": len(records),

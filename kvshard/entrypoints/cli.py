@@ -27,9 +27,10 @@ def _run_generate(args: argparse.Namespace) -> int:
     from kvshard import LLM, SamplingParams
 
     prompts = args.prompt or ["Decode context parallelism shards", "The capital of France is", "Hello, world!"]
+    # checked before the engine starts, which takes a while
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     with LLM(**asdict(EngineArgs.from_cli_args(args))) as llm:
         print(llm.config.layout_report(llm.engine.runner.compile_seconds))
-        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
         for output in llm.generate(prompts, params):
             print(f"\n--- {output.prompt!r}\n{output.outputs[0].text!r}  "
                   f"({len(output.outputs[0].token_ids)} tokens, {output.outputs[0].finish_reason})")

@@ -172,11 +172,15 @@ def dtype_bytes(dtype: str) -> float:
     return _DTYPE_BYTES[dtype]
 
 
-def _require(cfg: dict[str, Any], key: str, name: str) -> Any:
-    if cfg.get(key) is None:
+def _require(cfg: dict[str, Any], key: str, name: str) -> int:
+    """A size the model cannot do without: a positive integer (a zero would divide the plan by zero)."""
+    value = cfg.get(key)
+    if value is None:
         raise PlanError(f"model config {name} has no {key!r}: give the config.json of a "
                         "decoder-only LLM (Llama, Qwen3-MoE, DeepSeek-V2/V3, Kimi-K2 family)")
-    return cfg[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanError(f"model config {name}: {key!r} must be a positive integer, got {value!r}")
+    return value
 
 
 def _quantization(quant: dict[str, Any] | None, is_moe: bool) -> Quantization:
@@ -215,10 +219,10 @@ def parse_hf_config(cfg: dict[str, Any], name: str) -> ModelArch:
     planner = cfg.get("planner", {})
     text = cfg.get("text_config") or cfg
     name = planner.get("name", name)
-    layers = int(_require(text, "num_hidden_layers", name))
-    hidden = int(_require(text, "hidden_size", name))
-    heads = int(_require(text, "num_attention_heads", name))
-    vocab = int(_require(text, "vocab_size", name))
+    layers = _require(text, "num_hidden_layers", name)
+    hidden = _require(text, "hidden_size", name)
+    heads = _require(text, "num_attention_heads", name)
+    vocab = _require(text, "vocab_size", name)
     num_experts = int(text.get("n_routed_experts") or text.get("num_experts") or text.get("num_local_experts") or 0)
     num_moe_layers = _moe_layer_count(text, layers) if num_experts else 0
     is_mla = bool(text.get("kv_lora_rank"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -109,7 +110,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _positive(value: float | int | None, flag: str) -> None:
-    if value is not None and value <= 0:
+    if value is not None and not (value > 0 and math.isfinite(value)):
         raise PlanError(f"{flag} must be positive, got {value}")
 
 
@@ -137,8 +138,9 @@ def build_inputs(args: argparse.Namespace) -> PlanInputs:
         raise PlanError("--prefill-tp sets the prefill side of --disaggregate P:D: give --disaggregate too")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise PlanError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
-    if args.reserve_gib < 0 or args.collective_latency_us < 0 or (args.a2a_latency_us or 0) < 0:
-        raise PlanError("--reserve-gib, --collective-latency-us and --a2a-latency-us cannot be negative")
+    if not all(value >= 0 and math.isfinite(value)  # nan passes any comparison but these
+               for value in (args.reserve_gib, args.collective_latency_us, args.a2a_latency_us or 0)):
+        raise PlanError("--reserve-gib, --collective-latency-us and --a2a-latency-us must be numbers of at least 0")
     if args.plot and Path(args.plot).suffix.lower() != ".png":
         raise PlanError(f"--plot {args.plot}: give a file name ending in .png")
     if args.plot and not Path(args.plot).resolve().parent.is_dir():
@@ -148,6 +150,10 @@ def build_inputs(args: argparse.Namespace) -> PlanInputs:
     if args.weights_dtype != "auto":
         arch = dataclasses.replace(arch, quantization=Quantization(dtype=args.weights_dtype, scope="linear"))
     gpu = load_gpu(args.gpu, {name: getattr(args, name) for name in _GPU_FLAGS})
+    usable_gib = gpu.hbm_gib * args.gpu_memory_utilization
+    if args.kv_memory_gib is None and args.reserve_gib >= usable_gib:
+        raise PlanError(f"--reserve-gib {args.reserve_gib:g} leaves nothing of the {usable_gib:.1f} GiB a {gpu.name} "
+                        "gives the engine (HBM x --gpu-memory-utilization): lower it, or give --kv-memory-gib")
     workload = load_workload(args.workload, args.context_len, args.output_len)
     tp = args.tp or _default_tp(args.gpus, gpu.gpus_per_node)
     requested_dcp = _parse_dcp(args.dcp)

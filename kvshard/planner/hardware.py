@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvshard.planner.errors import PlanError
@@ -29,10 +30,12 @@ class GpuSpec:
 
     def __post_init__(self) -> None:
         for field_name in ("hbm_gib", "hbm_tbps", "bf16_tflops", "fp8_tflops", "network_gbps", "pcie_gbps"):
-            if getattr(self, field_name) <= 0:
-                raise PlanError(f"GPU {self.name}: --{field_name.replace('_', '-')} must be positive")
-        if self.nvlink_gbps < 0 or self.gpus_per_node < 1:
-            raise PlanError(f"GPU {self.name}: --nvlink-gbps must be >= 0 and --gpus-per-node >= 1")
+            value = getattr(self, field_name)
+            if not (value > 0 and math.isfinite(value)):  # nan and inf would fill the plan with nan
+                raise PlanError(f"GPU {self.name}: --{field_name.replace('_', '-')} must be positive, got {value}")
+        if not (0 <= self.nvlink_gbps < math.inf) or self.gpus_per_node < 1:
+            raise PlanError(f"GPU {self.name}: --nvlink-gbps must be a number of at least 0 and --gpus-per-node "
+                            "at least 1")
 
     @property
     def has_nvlink(self) -> bool:

@@ -66,7 +66,16 @@ def load_model(spec: str) -> ModelArch:
             cfg = _read_json(path)
         except json.JSONDecodeError as e:
             raise PlanError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from None
-        return parse_hf_config(cfg, path.parent.name if path.name == "config.json" else path.stem)
+        except (OSError, UnicodeDecodeError) as e:
+            raise PlanError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+        if not isinstance(cfg, dict):
+            raise PlanError(f"{path} is not a config.json: it holds a JSON {type(cfg).__name__}, not an object")
+        try:
+            return parse_hf_config(cfg, path.parent.name if path.name == "config.json" else path.stem)
+        except PlanError:
+            raise
+        except (TypeError, ValueError, AttributeError) as e:  # a field of the wrong type, e.g. a string for a size
+            raise PlanError(f"{path}: a field the planner reads has the wrong type ({e})") from None
     key = _preset_key(spec)
     if key is None:
         raise PlanError(f"model {spec!r} is neither an existing config.json (file or directory) "
