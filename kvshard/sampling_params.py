@@ -105,7 +105,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # tokens of the prompt or output: logit / p if positive, else * p
     presence_penalty: float = 0.0  # logit -= presence_penalty for each token the output holds
     frequency_penalty: float = 0.0  # logit -= frequency_penalty * times the output holds the token
-    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
+    min_tokens: int = 0  # EOS, stop_token_ids and stop strings cannot end the output before this many tokens
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     bad_words: list[str] | None = None  # words never generated (tokenized with and without a leading space)
     structured_outputs: StructuredOutputsParams | None = None  # guided decoding: the output obeys this constraint

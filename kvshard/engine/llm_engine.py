@@ -274,12 +274,17 @@ class LLMEngine:
             try:
                 if isinstance(outcome, Exception):
                     raise outcome
+                reason = None
                 for offset, token in enumerate(outcome):
-                    self._append(seq, token, logits, first_rows[i] + offset)
-                    if seq.is_finished:
+                    reason = self._append(seq, token, logits, first_rows[i] + offset)
+                    if reason is not None:
                         break
-                if drafts and not seq.is_finished:
-                    self.scheduler.accept_drafts(seq, len(outcome) - 1)
+                if drafts:
+                    # the drafts appended before the last token were accepted: their K/V count (and their
+                    # full blocks are named for the prefix cache) also when that token ends the sequence
+                    self.scheduler.accept_drafts(seq, offset)
+                if reason is not None:
+                    self.scheduler.finish(seq, reason)
             except Exception as error:  # this request's sampling or post-processing failed: it alone ends
                 request.error = f"generating this request failed: {error}"
                 request.invalid_request = bool(getattr(error, "invalid_request", False))  # errors.RequestSettingsError
@@ -292,8 +297,9 @@ class LLMEngine:
             outputs.append(output)
         return outputs
 
-    def _append(self, seq: Sequence, token: int, logits: torch.Tensor, row: int) -> None:
-        """logits[row] [V]: the row that gave `token` (read only for logprobs)."""
+    def _append(self, seq: Sequence, token: int, logits: torch.Tensor, row: int) -> str | None:
+        """logits[row] [V]: the row that gave `token` (read only for logprobs). Returns why `seq` finishes
+        with this token, or None; the caller finishes it (after counting the drafts the step accepted)."""
         if seq.params.logprobs is not None:
             seq.output_logprobs.append(top_logprobs(logits[row : row + 1], [token], [seq.params.logprobs])[0])
         self.generation_tokens_total += 1
@@ -303,8 +309,7 @@ class LLMEngine:
         reason = self.output_processor.append_token(seq, token)
         if reason is None and seq.grammar is not None and seq.grammar.is_terminated():
             reason = "stop"  # the constraint is complete and took its stop token
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
+        return reason
 
     def _count_drafts(self, num_drafts: int, num_accepted: int) -> None:
         self.spec_num_drafts += 1

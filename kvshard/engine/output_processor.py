@@ -58,11 +58,12 @@ class OutputProcessor:
             return "stop"
         if token in params.stop_token_ids:
             return "stop"
-        cut = min((found for stop in params.stop
-                   if (found := seq.text.find(stop, max(0, previous_len - len(stop) + 1))) != -1), default=-1)
-        if cut != -1:
-            seq.text = seq.text[:cut]
-            return "stop"
+        if _stop_strings_apply(seq):
+            cut = min((found for stop in params.stop
+                       if (found := seq.text.find(stop, max(0, previous_len - len(stop) + 1))) != -1), default=-1)
+            if cut != -1:
+                seq.text = seq.text[:cut]
+                return "stop"
         if params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens:
             return "length"
         if seq.num_tokens >= self.max_model_len:
@@ -88,6 +89,12 @@ class OutputProcessor:
     def release(self, request: Request) -> None:
         for seq in request.seqs:
             self._streams.pop(seq.seq_id, None)
+
+
+def _stop_strings_apply(seq: Sequence) -> bool:
+    """Whether a stop string may end `seq` now: as vLLM, not before its output is longer than min_tokens (the
+    sampler holds EOS and stop_token_ids back until then; a stop string in the text before that is not one)."""
+    return bool(seq.params.stop) and len(seq.output_token_ids) > seq.params.min_tokens
 
 
 def prompt_logprobs(request: Request) -> list[dict[int, float] | None] | None:
