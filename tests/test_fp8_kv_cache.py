@@ -137,7 +137,8 @@ def teacher_forced(llm: LLM, sequences: list[list[int]]) -> list[list[dict[int, 
     The sequences grow one token per call, all in one step: with one-token blocks the prefix
     cache holds everything before the new token, so that token attends to the others read
     back from the cache, as a decode step does (at dcp=N a cache hit covers whole virtual
-    blocks of N tokens, so up to N-1 preceding tokens are computed in the same step, unrounded).
+    blocks of N tokens, so up to N-1 preceding tokens are computed in the same step, and read
+    rounded as the cache holds them: `KVCacheLayer.as_read`).
     """
     params = SamplingParams(max_tokens=1, temperature=0, logprobs=20)
     scored: list[list[dict[int, float]]] = [[] for _ in sequences]
@@ -213,3 +214,36 @@ def test_engine_reads_the_checkpoints_kv_scales(tmp_path):
     with LLM(str(tmp_path), kv_cache_dtype="fp8", dtype="bfloat16", kv_cache_memory="4MiB", max_model_len=256) as llm:
         assert [layer.scales for layer in llm.engine.runner.kv_caches] == [KVScales(2.0, 0.5)] * layers
         assert len(llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].token_ids) == 4
+
+
+
+def _scores(model: str, prompts: list[str], **engine) -> list[list[dict[int, float]]]:
+    """Each prompt's top-5 logprobs at its positions (prompt logprobs, which are always computed: the engine
+    recomputes what a prefix hit would skip) or, with prefix caching, at its first output token, sampled again
+    once its blocks are cached."""
+    cached = engine.get("enable_prefix_caching", False)
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=5, prompt_logprobs=None if cached else 5)
+    with LLM(model, dtype="float32", kv_cache_dtype="fp8", max_model_len=256, kv_cache_memory="8MiB",
+             block_size=4, max_num_seqs=4, **engine) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        if cached:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            assert all(o.num_cached_tokens for o in outs)
+    return [(o.prompt_logprobs or [None])[1:] + [o.outputs[0].logprobs[0]] for o in outs]
+
+
+@pytest.mark.parametrize("model", [GQA, MLA])
+def test_a_prompt_sees_its_context_as_stored_however_it_was_computed(model):
+    """With an FP8 cache a token attends to every earlier token as the cache holds it, rounded, also to the tokens
+    of its own prefill chunk: so a prompt's logprobs (float32 model, where nothing else differs by more than
+    1e-5) are the same computed whole, in chunks of 8 tokens, or after a prefix-cache hit. Attending to the
+    chunk's own tokens unrounded moved them by up to some 1e-2."""
+    prompts = QUALITY_PROMPTS[:4]
+    whole = _scores(model, prompts, max_num_batched_tokens=256, enable_prefix_caching=False)
+    for split in (dict(max_num_batched_tokens=8, enable_prefix_caching=False),
+                  dict(max_num_batched_tokens=256, enable_prefix_caching=True)):
+        other = _scores(model, prompts, **split)
+        pairs = [(a, b) for pa, pb in zip(whole, other) for a, b in zip(pa[::-1], pb[::-1])]  # from the last
+        assert all(a.keys() == b.keys() for a, b in pairs), split
+        worst = max(abs(a[t] - b[t]) for a, b in pairs for t in a)
+        assert worst < 1e-4, (split, worst)

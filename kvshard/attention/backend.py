@@ -152,8 +152,8 @@ class Attention:
                 if value_map is not None:  # in the model's dtype, as its weights; merged in float32
                     out = value_map(out.to(q.dtype)).float()
         if meta.has_prefill:
-            if chunk is None:
-                chunk = (q[:, self._output_in_query], k[:, self._output_kv], v[:, self._output_kv])
+            if chunk is None:  # the chunk's K/V as the cache holds them (FP8: rounded), as later steps read them
+                chunk = (q[:, self._output_in_query], *cache.as_read(k[:, self._output_kv], v[:, self._output_kv]))
             chunk_out, chunk_lse = self._attend_chunks(*chunk, meta)  # [t, H_o, dv], [t, H_o]
             if out is not None:  # rows past the context rows have the chunk's attention alone
                 c = out.shape[0]

@@ -166,9 +166,23 @@ class KVCacheLayer:
         if cache.dtype != FP8_DTYPE:
             cache.index_copy_(0, slots, x.to(cache.dtype))
             return
-        # saturate explicitly: torch's scalar float -> e4m3fn conversion turns values beyond 448 into NaN
-        stored = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        cache.view(torch.uint8).index_copy_(0, slots, stored.view(torch.uint8))  # no float8 index_copy_ on CPU
+        cache.view(torch.uint8).index_copy_(0, slots, _to_fp8(x, scale).view(torch.uint8))  # no float8 index_copy_ on CPU
+
+    @property
+    def rounds(self) -> bool:
+        """Whether what is written comes back changed (an FP8 cache)."""
+        return self.key.dtype == FP8_DTYPE
+
+    def as_read(self, key: torch.Tensor, value: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`key` and `value` as this cache gives them back once written: rounded to float8 and scaled back in an
+        FP8 cache, unchanged in any other. A prefill chunk attends to its own tokens through this, so that a token
+        sees every earlier token as stored whether it came from the cache (an earlier chunk, a prefix hit, a
+        recomputation) or from its own step: how a prompt was split cannot change its outputs."""
+        if not self.rounds:
+            return key, value
+        value_scale = self.scales.key if self.value_is_view else self.scales.value  # MLA: V is the key's channels
+        return (_from_fp8(_to_fp8(key, self.scales.key), self.dtype, self.scales.key),
+                None if value is None else _from_fp8(_to_fp8(value, value_scale), self.dtype, value_scale))
 
     def gather(self, blocks: torch.Tensor, buffers: GatherBuffers | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole blocks [g, nb] -> keys [g, nb*B, Hk, dk], values [g, nb*B, Hk, dv], copied into `buffers`."""
@@ -193,6 +207,16 @@ class KVCacheLayer:
         torch.index_select(per_block, 0, blocks.flatten(), out=buffers.stored)
         out.copy_(buffers.stored)  # exact: every e4m3 value is a bfloat16/float16/float32 value
         return out.mul_(scale) if scale != 1.0 else out
+
+
+def _to_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    # saturate explicitly: torch's scalar float -> e4m3fn conversion turns values beyond 448 into NaN
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _from_fp8(stored: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    out = stored.to(dtype)  # exact: every e4m3 value is a bfloat16/float16/float32 value
+    return out.mul_(scale) if scale != 1.0 else out  # as a gathered read scales it (_by_block)
 
 
 def _reusable(buffer: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,

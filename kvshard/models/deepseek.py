@@ -183,7 +183,12 @@ class DeepseekV2MLAAttention(nn.Module):
         rows = meta.context_rows  # only they attend to the cached latents: the others need no absorbed query
         q_latent = torch.cat([self.kv_b_proj.absorb_query(q_nope[:rows]), q_pe[:rows]], dim=-1)  # [rows, H_q, c+r]
         latent_kv = torch.cat([c_kv.unsqueeze(1), k_pe], dim=-1)  # [t, 1, c+r]: what the cache stores
-        chunk = self._chunk_attention_inputs(q_nope, q_pe, c_kv, k_pe) if meta.has_prefill else None
+        chunk = None
+        if meta.has_prefill:
+            if cache.rounds:  # the chunk's own latents as the cache holds them (FP8), as later steps read them
+                stored, _ = cache.as_read(latent_kv)
+                c_kv, k_pe = stored.squeeze(1)[:, : self.latent_dim], stored[..., self.latent_dim :]
+            chunk = self._chunk_attention_inputs(q_nope, q_pe, c_kv, k_pe)
         expanded = self._expanded_context(q_nope, q_pe) if meta.has_prefill and rows else None
         return self.attn.forward(
             q_latent, latent_kv, latent_kv[..., : self.latent_dim], cache, meta,
