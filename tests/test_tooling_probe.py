@@ -1,5 +1,6 @@
-"""The tools around the server: unusual but valid Mooncake traces, malformed ones, a server that answers oddly,
-outputs that cannot be written, a `bench dcp` that stops early, and planner inputs no plan can come from.
+"""The tools around the server: unusual but valid Mooncake traces, malformed ones, scales that would draw more
+tokens than can be sent, a server that answers oddly, outputs that cannot be written, a `bench serve` and a
+`bench dcp` that stop early, and planner inputs no plan can come from.
 
 No engine or server starts here: where a command would start one, it is replaced by a stand-in that fails the
 test, so each case shows the mistake is caught before anything slow runs.
@@ -9,9 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
+import re
+import signal
 import socket
 import threading
 import time
+import tracemalloc
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -20,10 +25,10 @@ import pytest
 import kvshard
 from kvshard.bench.cli import main as bench_main
 from kvshard.bench.dcp import DCPExperiment, _Sweep, run_dcp_experiment
-from kvshard.bench.serve import BenchmarkError, probe, send_request
+from kvshard.bench.serve import BenchmarkError, RequestOutcome, probe, send_request, summarize
 from kvshard.bench.server import ServerProcess
 from kvshard.bench.traces import TraceError, TraceRecord, TraceSpec, conversations, read_trace
-from kvshard.bench.workloads import BenchRequest, WorkloadSpec
+from kvshard.bench.workloads import MAX_REQUEST_TOKENS, BenchRequest, WorkloadSpec
 from kvshard.entrypoints.cli import main as kvshard_main
 from kvshard.planner.cli import main as plan_main
 
@@ -85,6 +90,57 @@ def test_requests_go_out_in_timestamp_order_from_the_earliest_whatever_the_file_
     replay = TraceSpec(str(trace)).build()
     assert [r.input_len for r in replay.requests] == [20, 30, 10]  # equal timestamps keep the file's order
     assert replay.arrivals_s == [0.0, 0.0, 0.3]
+
+
+def test_null_timestamp_and_hash_ids_read_as_missing_ones(tmp_path):
+    # the format's writers put null for what they do not know; a null length is still no length
+    trace = tmp_path / "nulls.jsonl"
+    trace.write_text(json.dumps({"timestamp": None, "input_length": 40, "output_length": 2, "hash_ids": None}) + "\n")
+    [record] = read_trace(trace)
+    assert (record.timestamp_ms, record.hash_ids, record.input_length) == (0.0, (), 40)
+    trace.write_text(json.dumps({"timestamp": 1, "input_length": None, "output_length": 2}) + "\n")
+    with pytest.raises(TraceError, match=r"nulls\.jsonl:1: missing field 'input_length' \(null\)"):
+        read_trace(trace)
+
+
+def test_a_large_scale_draws_no_more_of_a_block_than_the_prompts_send(tmp_path):
+    # at --context-scale 2000 a hash id stands for 1,024,000 tokens; cut to max_model_len 64 a prompt sends 63 or
+    # fewer, and that is all that may be drawn (a block drawn whole is 8 MB of ids, ~1,000 per id of a trace)
+    trace = tmp_path / "large.jsonl"
+    trace.write_text("\n".join([request_line(0, 600, 50_000, [1, 2]), request_line(1, 900, 1, [1, 3])]) + "\n")
+    spec = TraceSpec(str(trace), vocab_size=1000, context_scale=2000, output_scale=1 / 1000, max_model_len=64)
+    tracemalloc.start()
+    try:
+        cut, longer = spec.build().requests
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # 4 MB: reading the file takes 1 MB; one block drawn whole alone would be over 8 MB
+    assert spec.block_tokens == 1_024_000 and peak < 4_000_000, f"{peak:,} bytes drawn for prompts of 63 tokens"
+    # the same tokens as the block drawn whole: the second prompt goes on drawing the block where the first stopped
+    whole = random.Random("kvshard-trace:0:1").choices(range(1000), k=63)
+    assert (cut.input_len, cut.output_len, longer.input_len) == (14, 50, 63)
+    assert cut.prompt_token_ids == whole[:14] and longer.prompt_token_ids == whole
+
+
+def test_a_trace_request_longer_than_any_context_window_is_refused_before_a_token_is_drawn(tmp_path):
+    # bench dcp and throughput size max_model_len by the requests: without one to cut to, the ceiling refuses
+    trace = tmp_path / "huge.jsonl"
+    trace.write_text(request_line(0, 10, 1, []) + "\n" + request_line(5, 10, MAX_REQUEST_TOKENS, []) + "\n")
+    with pytest.raises(TraceError, match=r"huge\.jsonl:2: .* more than any model's context window .*--max-model-len"):
+        TraceSpec(str(trace)).build()
+    assert [r.output_len for r in TraceSpec(str(trace), max_model_len=4096).build().requests] == [1, 4095]
+
+
+@pytest.mark.parametrize("scale", [1e-300, 1 / 3e299, 1e-9])
+def test_a_tiny_scale_is_described_without_a_huge_fraction_or_a_backward_range(scale):
+    for described in (WorkloadSpec("agentic", context_scale=scale).describe(),
+                      WorkloadSpec("sessions", context_scale=scale).describe(),
+                      TraceSpec("t.jsonl", context_scale=scale).describe()):
+        assert f"x{scale:g}" in described and len(described) < 300, described
+        for low, high in re.findall(r"(\d[\d,]*)-(\d[\d,]*)", described):
+            assert int(high.replace(",", "")) > int(low.replace(",", "")), described
+    assert "x1/1024:" in WorkloadSpec("agentic", context_scale=1 / 1024).describe()  # a simple fraction stays one
 
 
 def test_conversations_of_million_token_requests_are_found_in_time_linear_in_their_ids():
@@ -163,6 +219,20 @@ def test_usage_without_completion_tokens_counts_the_chunks():
     assert outcome.success and outcome.output_len == 2
 
 
+@pytest.mark.parametrize("usage", [
+    {"completion_tokens": "7", "prompt_tokens_details": {"cached_tokens": "all"}},
+    {"completion_tokens": None, "prompt_tokens_details": ["not", "an", "object"]},
+    {"completion_tokens": 2.5}, {"completion_tokens": -1}, {"completion_tokens": True},
+])
+def test_a_usage_count_that_is_not_a_count_is_taken_as_missing(usage):
+    chunk = 'data: {"choices": [{"text": "x"}]}\n\n'
+    outcome = _stream(chunk * 2 + f'data: {json.dumps({"choices": [], "usage": usage})}\n\ndata: [DONE]\n\n')
+    assert outcome.success and outcome.output_len == 2 and outcome.cached_tokens is None
+    outcome.latency = 1.0
+    result = summarize([outcome], 1.0, 1)  # the sums of the summary take it
+    assert result["total_output_tokens"] == 2 and result["total_cached_tokens"] is None
+
+
 # --- bench flags ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("flag, value", [("--context-scale", "inf"), ("--context-scale", "nan"),
@@ -172,6 +242,70 @@ def test_a_scale_or_interval_that_is_not_a_positive_number_is_refused_by_the_par
         bench_main(["serve", "--base-url", f"http://127.0.0.1:{refused_port()}", "--workload", "agentic",
                     "--vocab-size", "10", "--num-prompts", "1", f"{flag}={value}"])
     assert exit_.value.code == 2 and "positive number" in capsys.readouterr().err
+
+
+def test_a_request_rate_with_recorded_arrival_times_is_refused(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(request_line(0, 10, 1, [1]) + "\n")
+    dead = f"http://127.0.0.1:{refused_port()}"  # reached only if the check is missing: exit 1, not 2
+    assert bench_main(["serve", "--base-url", dead, "--workload", "trace", "--trace", str(trace), "--vocab-size",
+                       "10", "--request-rate", "5"]) == 2
+    assert "--request-rate 5 does not apply to --trace-timing timestamps" in capsys.readouterr().err
+
+
+def test_a_scale_that_would_draw_absurd_prompts_is_refused_before_a_token_is_drawn(monkeypatch, capsys):
+    import kvshard.bench.throughput as throughput
+
+    with pytest.raises(ValueError, match="up to 1,050,176,000 tokens .* more than any model's context window"):
+        WorkloadSpec("agentic", context_scale=1000)  # prompts of up to a billion token ids each
+    monkeypatch.setattr(WorkloadSpec, "requests", must_not_start)
+    monkeypatch.setattr(WorkloadSpec, "sessions", must_not_start)
+    monkeypatch.setattr(throughput, "run_kvshard", must_not_start)
+    assert bench_main(["throughput", MODEL, "--workload", "agentic", "--context-scale", "1000", "--vocab-size",
+                       "10", "--num-prompts", "1"]) == 2
+    assert "more than any model's context window (16,777,216)" in capsys.readouterr().err
+
+
+def test_bench_serve_refuses_a_workload_longer_than_the_servers_max_model_len(odd_server, monkeypatch, capsys):
+    _OddServer.models_body = '{"data": [{"id": "m", "max_model_len": 4096}]}'
+    monkeypatch.setattr(WorkloadSpec, "sessions", must_not_start)
+    assert bench_main(["serve", "--base-url", odd_server, "--workload", "agentic", "--context-scale", "1/64",
+                       "--vocab-size", "10", "--num-prompts", "1", "--no-progress"]) == 2
+    assert "up to 16,409 tokens (prompt + output), more than the server's max_model_len (4,096)" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_bench_serve_stopped_early_keeps_the_requests_that_finished(stop, tmp_path, monkeypatch, capsys):
+    import kvshard.bench.serve as serve
+
+    sent, ignored = [], []
+
+    async def send(client, url, model, request, headers, extra_body=None):
+        sent.append(request)
+        if len(sent) == 2:  # Ctrl-C, or a kill, while the second request is in flight: it never finishes
+            signal.raise_signal(stop)
+            await asyncio.sleep(5)
+        return RequestOutcome(request.input_len, success=True, output_len=request.output_len, ttft=0.01,
+                              latency=0.02)
+
+    monkeypatch.setattr(serve, "probe", lambda base_url, model, api_key: "m")
+    monkeypatch.setattr(serve, "send_request", send)
+    # a SIGTERM the benchmark does not take as an interrupt is noted here, not a kill of the test run
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: ignored.append(signum))
+    try:
+        code = bench_main(["serve", "--base-url", f"http://127.0.0.1:{refused_port()}", "--vocab-size", "10",
+                           "--max-model-len", "100", "--input-len", "8", "--output-len", "2", "--num-prompts", "3",
+                           "--max-concurrency", "1", "--no-progress", "--result-file", str(tmp_path / "r.json")])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    out, err = capsys.readouterr()
+    assert code == 130 and "kvshard bench: interrupted" in err and not ignored
+    assert not (tmp_path / "r.json").exists()  # a partial run is not the result (nor overwrites an earlier one)
+    saved = json.loads((tmp_path / "r-interrupted.json").read_text())
+    assert saved["interrupted"] and (saved["completed"], saved["failed"], saved["unfinished_requests"]) == (1, 0, 2)
+    assert saved["num_prompts"] == 3 and saved["total_output_tokens"] == 2 and saved["workload"].startswith("random")
+    assert "the 1 of 3 requests that finished are in" in out
 
 
 def test_an_unwritable_result_file_is_refused_before_the_run(tmp_path, capsys):

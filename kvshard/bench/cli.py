@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kvshard.bench.text_workload import REPEAT, describe_repeat, repeat_requests
 from kvshard.bench.traces import TIMINGS, TraceError, TraceReplay, TraceSpec
-from kvshard.bench.workloads import SESSIONS, WORKLOADS, BenchRequest, WorkloadSpec
+from kvshard.bench.workloads import MAX_REQUEST_TOKENS, SESSIONS, WORKLOADS, BenchRequest, WorkloadSpec
 
 TRACE = "trace"
 from kvshard.config import ConfigError, resolve_model_path
@@ -75,7 +75,10 @@ def _add_workload_args(parser: argparse.ArgumentParser, workload: str, input_len
                        help=f"random: lengths uniform in [len*(1-r), len*(1+r)] (default {range_ratio})")
     group.add_argument("--context-scale", type=_scale, default=_scale(context_scale),
                        help=f"agentic, sessions, trace: multiply the input lengths (a trace's block size too), "
-                            f"e.g. 1/1024 (agentic at 1: 64K-1M long, 2K-64K short; default {context_scale})")
+                            f"e.g. 1/1024 (agentic at 1: 64K-1M long, 2K-64K short; default {context_scale}). "
+                            f"No prompt is drawn longer than can be sent: a trace's are cut to fit the max model "
+                            f"length, and a workload whose longest request would not fit it (or exceeds "
+                            f"{MAX_REQUEST_TOKENS:,} tokens, any model's limit) is refused before a token is drawn")
     group.add_argument("--output-scale", type=_scale, default=output_scale and _scale(output_scale),
                        help=f"agentic, sessions, trace: multiply the output lengths (agentic: median 400 at 1; "
                             f"default: {output_scale or '--context-scale'})")
@@ -101,7 +104,8 @@ def _add_workload_args(parser: argparse.ArgumentParser, workload: str, input_len
     if trace_timing:
         trace.add_argument("--trace-timing", choices=TIMINGS, default="timestamps",
                            help="timestamps: send at the recorded arrival times (of the conversations' first "
-                                "turns); closed: a closed loop at --max-concurrency (default timestamps)")
+                                "turns; not with --request-rate: use --time-scale); closed: a closed loop at "
+                                "--max-concurrency (default timestamps)")
         trace.add_argument("--time-scale", type=float, default=1.0,
                            help="timestamps: divide the recorded gaps by this, e.g. 10 to replay 10x faster")
     group.add_argument("--vocab-size", type=int, default=None,
@@ -265,37 +269,85 @@ def _add_serve(commands) -> None:
     parser.add_argument("--max-concurrency", type=int, default=None,
                         help="requests (sessions) in flight at most (default: no limit)")
     parser.add_argument("--request-rate", type=float, default=math.inf,
-                        help="Poisson arrivals (of sessions) per second (default inf: all at once)")
+                        help="Poisson arrivals (of sessions) per second (default inf: all at once); a trace at "
+                             "its recorded times (--trace-timing timestamps) refuses it: pace it with --time-scale")
     parser.add_argument("--num-ranks", type=int, default=None,
                         help="ranks serving, for tok/s per rank (default: tp from the server's layout info metric)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--metrics-interval", type=_seconds, default=0.25, help="seconds between /metrics scrapes")
-    parser.add_argument("--result-file", default=None, help="write the result as JSON here")
+    parser.add_argument("--result-file", default=None,
+                        help="write the result as JSON here; a run stopped by Ctrl-C or SIGTERM writes what it "
+                             "measured, marked interrupted, to NAME-interrupted.json beside it")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--extra-body", type=_json_object, default=None,
                         help="a JSON object whose fields are added to every request, e.g. "
                              "'{\"response_format\": {\"type\": \"json_object\"}}'")
     parser.add_argument("--max-model-len", type=int, default=None,
-                        help="trace: cut prompts so that prompt + output fit this (default: the server's "
-                             "max_model_len from /v1/models)")
+                        help="the longest request the server takes: a trace's prompts are cut so that prompt + "
+                             "output fit it; a random, agentic or sessions workload whose longest request does not "
+                             "fit it is refused before a token is drawn (default: the server's max_model_len from "
+                             "/v1/models)")
     _add_workload_args(parser, "random", input_len=1024, output_len=128, range_ratio=0.0, text=True,
                        trace_timing=True)
     parser.set_defaults(func=_reporting_errors(_run_serve))
 
 
+def _check_trace_timing(args: argparse.Namespace) -> None:
+    """A Poisson rate and recorded arrival times are two schedules for the same requests; rather than follow one
+    and drop the other without a word, the pair is refused (--time-scale is how recorded times are paced)."""
+    if args.workload == TRACE and args.trace_timing == "timestamps" and math.isfinite(args.request_rate):
+        raise ConfigError(f"--request-rate {args.request_rate:g} does not apply to --trace-timing timestamps, which "
+                          f"sends each request at its recorded time: use --time-scale F to replay F times faster "
+                          f"(or slower, below 1), or --trace-timing closed for arrivals at the rate")
+
+
+def _reported_max_model_len(entry: dict) -> int | None:
+    """The context limit a server gives in /v1/models (kvshard and vLLM do), if it gives a usable one."""
+    value = entry.get("max_model_len")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 2 else None
+
+
+def _interrupted_path(result_file: str) -> Path:
+    """r.json -> r-interrupted.json: a partial run neither overwrites an earlier whole one nor passes for one."""
+    path = Path(result_file)
+    return path.with_name(f"{path.stem}-interrupted{path.suffix or '.json'}")
+
+
+def _report_interrupted(result: dict | None, result_file: str | None) -> None:
+    """What a `bench serve` stopped by Ctrl-C or SIGTERM measured: printed, and with --result-file saved beside it,
+    as `bench dcp` keeps its points in dcp-interrupted.json. Requests in flight at the stop are not in it."""
+    from kvshard.bench.report import format_serve_result, write_json
+
+    if result is None:
+        print("stopped early: no request had finished, nothing measured")
+        return
+    print(format_serve_result(result))
+    finished = f"{result['completed'] + result['failed']} of {result['num_prompts']} requests that finished"
+    if not result_file:
+        return
+    path = _interrupted_path(result_file)
+    try:
+        write_json(path, result)
+    except OSError as error:
+        print(f"stopped early: the {finished} could not be saved to {path}: {error.strerror or error}")
+        return
+    print(f"stopped early: the {finished} are in {path}")
+
+
 def _run_serve(args: argparse.Namespace) -> int:
     from kvshard.bench.report import format_serve_result, write_json
-    from kvshard.bench.serve import run_serve_benchmark
+    from kvshard.bench.serve import BenchmarkError, BenchmarkInterrupted, run_serve_benchmark
 
     from kvshard.bench.serve import served_model_entry, served_model_root
 
     _check_result_file(args.result_file)
+    _check_trace_timing(args)
     arrival_times, trace = None, None
     if args.workload == TRACE:
         entry = served_model_entry(args.base_url, args.model, args.api_key)
         vocab = _vocab_size(args, args.model, *([] if args.vocab_size is not None else [entry.get("root")]))
-        spec = _trace_spec(args, vocab, args.max_model_len or entry.get("max_model_len"), args.num_prompts)
+        spec = _trace_spec(args, vocab, args.max_model_len or _reported_max_model_len(entry), args.num_prompts)
         if spec.timing == "closed" and not args.max_concurrency:
             raise ConfigError("--trace-timing closed needs --max-concurrency (the requests in flight)")
         replay = _build_trace(spec)
@@ -309,18 +361,34 @@ def _run_serve(args: argparse.Namespace) -> int:
         sessions = [[request] for request in requests]
         print(f"workload: {described}")
     else:
-        roots = [] if args.vocab_size is not None else [served_model_root(args.base_url, args.model, args.api_key)]
-        spec = _workload_spec(args, _vocab_size(args, args.model, *roots))
+        if args.vocab_size is None:  # the server must say where its checkpoint is, to read the vocabulary
+            entry = served_model_entry(args.base_url, args.model, args.api_key)
+        else:  # only its context limit is wanted: a server without /v1/models is left for probe() to try
+            try:
+                entry = {} if args.max_model_len else served_model_entry(args.base_url, args.model, args.api_key)
+            except BenchmarkError:
+                entry = {}
+        spec = _workload_spec(args, _vocab_size(args, args.model, *([] if args.vocab_size is not None
+                                                                     else [entry.get("root")])))
+        max_model_len = args.max_model_len or _reported_max_model_len(entry)
+        if max_model_len:  # before a token is drawn: a request that long would only be refused by the server
+            spec.check_fits(max_model_len, "--max-model-len" if args.max_model_len else "the server's max_model_len")
         sessions = spec.sessions(args.num_prompts)
         described = spec.describe()
         print(f"workload: {described}; {sum(len(s) for s in sessions)} requests"
               + (f" in {len(sessions)} sessions" if spec.kind == SESSIONS else ""))
-    result = run_serve_benchmark(
-        args.base_url, sessions, model=args.model, max_concurrency=args.max_concurrency,
-        request_rate=args.request_rate, seed=args.seed, num_ranks=args.num_ranks, api_key=args.api_key,
-        metrics_interval=args.metrics_interval, progress=not args.no_progress, arrival_times=arrival_times,
-        extra_body=args.extra_body,
-    )
+    try:
+        result = run_serve_benchmark(
+            args.base_url, sessions, model=args.model, max_concurrency=args.max_concurrency,
+            request_rate=args.request_rate, seed=args.seed, num_ranks=args.num_ranks, api_key=args.api_key,
+            metrics_interval=args.metrics_interval, progress=not args.no_progress, arrival_times=arrival_times,
+            extra_body=args.extra_body,
+        )
+    except BenchmarkInterrupted as stop:
+        if stop.result is not None:
+            stop.result.update({"workload": described, **({"trace": trace} if trace is not None else {})})
+        _report_interrupted(stop.result, args.result_file)
+        raise  # the CLI says "interrupted" and exits 130
     result["workload"] = described
     if trace is not None:
         result["trace"] = trace
@@ -392,6 +460,8 @@ def _run_dcp(args: argparse.Namespace) -> int:
         max_model_len = engine_args.max_model_len or max(r.input_len + r.output_len for r in replay.requests)
     else:
         spec = _workload_spec(args, vocab_size)
+        if engine_args.max_model_len:  # else it is sized to the workload's longest request
+            spec.check_fits(engine_args.max_model_len, "--max-model-len")
         top = max(max(args.concurrency), args.sweep_limit)
         sessions = spec.sessions(top * args.prompts_per_concurrency)
         max_model_len = engine_args.max_model_len or spec.max_request_len()
@@ -463,6 +533,8 @@ def _run_throughput(args: argparse.Namespace) -> int:
         trace = _trace_result(replay, requests)
     else:
         spec = _workload_spec(args, _vocab_size(args, args.model))
+        if engine_args.max_model_len:  # else it is sized to the workload's longest request
+            spec.check_fits(engine_args.max_model_len, "--max-model-len")
         requests, described, longest = spec.requests(args.num_prompts), spec.describe(), spec.max_request_len()
     if engine_args.max_model_len is None:
         engine_args = replace(engine_args, max_model_len=longest)

@@ -24,14 +24,14 @@ gains little from it whatever the extra concurrency.
 
 from __future__ import annotations
 
-import signal
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 from kvshard.bench.report import format_number, format_percent, format_table, write_json
-from kvshard.bench.serve import BenchmarkError, request_list_digest, reset_prefix_cache, run_serve_benchmark
+from kvshard.bench.serve import (BenchmarkError, request_list_digest, reset_prefix_cache, run_serve_benchmark,
+                                 sigterm_as_interrupt)
 from kvshard.bench.server import ServerProcess
 from kvshard.bench.traces import TraceReplay
 from kvshard.bench.workloads import BenchRequest, WorkloadSpec, _fraction
@@ -153,16 +153,6 @@ def summarize_config(points: list[dict]) -> dict:
     }
 
 
-@contextmanager
-def _sigterm_as_interrupt():
-    """SIGTERM unwinds like Ctrl-C, so the server is stopped either way."""
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 class _Sweep:
     """One layout's server and its sweep of concurrencies, a point at a time."""
 
@@ -272,7 +262,7 @@ def run_dcp_experiment(experiment: DCPExperiment, log=print) -> dict:
 def _run_sweeps(experiment: DCPExperiment, sweeps: list[_Sweep], sessions: list[list[BenchRequest]],
                 log) -> list[dict]:
     """Every layout's sweep, interleaved or one after another; each layout's summary."""
-    with _sigterm_as_interrupt():
+    with sigterm_as_interrupt():  # SIGTERM unwinds like Ctrl-C: the servers are stopped either way
         if experiment.interleave:
             with ExitStack() as servers:
                 for sweep in sweeps:

@@ -14,6 +14,9 @@ a plain request list is sessions of one request. Arrivals and `max_concurrency`
 then count sessions. Where the server reports `usage.prompt_tokens_details.
 cached_tokens` (kvshard always; vLLM with --enable-prompt-tokens-details), the
 result gives the tokens its prefix cache served, in all and per turn.
+
+A run stopped by Ctrl-C or SIGTERM raises `BenchmarkInterrupted`, which holds
+the result of the requests that finished before it (marked `interrupted`).
 """
 
 from __future__ import annotations
@@ -23,8 +26,11 @@ import hashlib
 import json
 import math
 import random
+import signal
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -39,6 +45,40 @@ class BenchmarkError(RuntimeError):
     """The benchmark cannot run (server unreachable, request rejected); the message says why."""
 
 
+class BenchmarkInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM stopped a run. A KeyboardInterrupt still, so whatever catches that (bench dcp, the CLI)
+    unwinds as before; `result` is the summary of the requests that finished, marked interrupted (None when
+    none had)."""
+
+    def __init__(self, result: dict | None) -> None:
+        super().__init__("interrupted")
+        self.result = result
+
+
+def _as_ctrl_c(signum: int, frame: object) -> None:
+    """SIGTERM handled by whatever handles Ctrl-C now: inside asyncio.run that cancels the run, as Ctrl-C does
+    (a KeyboardInterrupt raised inside a task instead would leave it holding the exception, logged as never
+    retrieved when it is collected); elsewhere a KeyboardInterrupt."""
+    handler = signal.getsignal(signal.SIGINT)
+    if not callable(handler):  # Ctrl-C ignored (a background job) or not Python's: SIGTERM still stops the run
+        handler = signal.default_int_handler
+    handler(signal.SIGINT, frame)
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C, so servers are stopped and what was measured is kept either way. Signal
+    handlers can only be set from the main thread; elsewhere SIGTERM keeps its handler."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _as_ctrl_c)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @dataclass
 class RequestOutcome:
     input_len: int
@@ -50,6 +90,15 @@ class RequestOutcome:
     error: str = ""
     turn: int = 0  # the request's place in its session
     cached_tokens: int | None = None  # prompt tokens the server's prefix cache served, if it says
+
+
+@dataclass
+class _Progress:
+    """What a run has measured so far, kept outside its coroutines: Ctrl-C cancels them, and the requests that
+    had finished must still count."""
+
+    outcomes: list[RequestOutcome] = field(default_factory=list)  # finished requests, as they finished
+    start: float | None = None  # perf_counter when the first session was sent
 
 
 def request_list_digest(requests: list[BenchRequest]) -> str:
@@ -82,6 +131,16 @@ async def sse_lines(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
             yield line.removesuffix("\r")
     if pending:
         yield pending.removesuffix("\r")
+
+
+def _token_count(value: object) -> int | None:
+    """A token count of a server's usage block, or None for what is not one (a string, a negative or fractional
+    number): a server that sends such a value has said nothing the summary's sums could use."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, float) and not value.is_integer():  # also nan and inf
+        return None
+    return int(value) if value >= 0 else None
 
 
 def _event_error(event: object) -> str | None:
@@ -128,10 +187,12 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, request:
                     last = now
                     chunks += 1
                 usage = event.get("usage")
-                if isinstance(usage, dict):  # a server that leaves a count out: the chunks count instead
-                    usage_tokens = usage.get("completion_tokens", usage_tokens)
-                    details = usage.get("prompt_tokens_details") or {}
-                    outcome.cached_tokens = details.get("cached_tokens")
+                if isinstance(usage, dict):  # a server that leaves a count out (or garbles it): the chunks count
+                    completion_tokens = _token_count(usage.get("completion_tokens"))
+                    usage_tokens = usage_tokens if completion_tokens is None else completion_tokens
+                    details = usage.get("prompt_tokens_details")
+                    outcome.cached_tokens = (_token_count(details.get("cached_tokens"))
+                                             if isinstance(details, dict) else None)
     except (httpx.HTTPError, json.JSONDecodeError) as error:
         outcome.error = f"{type(error).__name__}: {error}"
         return outcome
@@ -162,7 +223,9 @@ async def _arrivals(sessions: list[list[BenchRequest]], request_rate: float, see
 async def _run(base_url: str, model: str, sessions: list[list[BenchRequest]], max_concurrency: int | None,
                request_rate: float, seed: int, headers: dict[str, str], poller: MetricsPoller,
                progress: bool, label: str, arrival_times: list[float] | None = None,
-               extra_body: dict | None = None) -> tuple[list[RequestOutcome], float]:
+               extra_body: dict | None = None,
+               measured: _Progress | None = None) -> tuple[list[RequestOutcome], float]:
+    measured = measured if measured is not None else _Progress()
     url = f"{base_url}/v1/completions"
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = tqdm(total=sum(len(s) for s in sessions), desc=label, unit="req", disable=not progress,
@@ -177,6 +240,7 @@ async def _run(base_url: str, model: str, sessions: list[list[BenchRequest]], ma
                 outcome = await send_request(client, url, model, request, headers, extra_body)
             outcome.turn = turn
             outcomes.append(outcome)
+            measured.outcomes.append(outcome)
             snapshot = poller.latest
             if snapshot is not None:
                 bar.set_postfix(running=int(snapshot.running), waiting=int(snapshot.waiting),
@@ -194,7 +258,7 @@ async def _run(base_url: str, model: str, sessions: list[list[BenchRequest]], ma
     timeout = httpx.Timeout(None, connect=30.0)
     try:
         async with httpx.AsyncClient(timeout=timeout, limits=connections) as client:
-            start = time.perf_counter()
+            start = measured.start = time.perf_counter()
             tasks = [asyncio.create_task(one(client, s)) async for s in _arrivals(sessions, request_rate, seed, arrival_times)]
             outcomes = await asyncio.gather(*tasks)
             return [o for session in outcomes for o in session], time.perf_counter() - start
@@ -290,19 +354,38 @@ def run_serve_benchmark(
         raise BenchmarkError(f"--request-rate must be positive (inf: all at once), got {request_rate}")
     base_url = base_url.rstrip("/")
     model = probe(base_url, model, api_key)
-    with MetricsPoller(base_url, metrics_interval, api_key) as poller:
-        outcomes, duration = asyncio.run(_run(base_url, model, sessions, max_concurrency, request_rate, seed,
-                                              _auth(api_key), poller, progress, label, arrival_times,
-                                              extra_body))
+    measured = _Progress()
+    poller = MetricsPoller(base_url, metrics_interval, api_key)
+    try:
+        with sigterm_as_interrupt(), poller:
+            outcomes, duration = asyncio.run(_run(base_url, model, sessions, max_concurrency, request_rate, seed,
+                                                  _auth(api_key), poller, progress, label, arrival_times,
+                                                  extra_body, measured))
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the requests that finished are a measurement too
+        if not measured.outcomes:
+            raise BenchmarkInterrupted(None) from None
+        result = _result(measured.outcomes, time.perf_counter() - measured.start, sessions, poller, base_url,
+                         model, max_concurrency, request_rate, num_ranks, arrival_times)
+        result.update({"interrupted": True, "unfinished_requests": result["num_prompts"] - len(measured.outcomes)})
+        raise BenchmarkInterrupted(result) from None
+    return _result(outcomes, duration, sessions, poller, base_url, model, max_concurrency, request_rate, num_ranks,
+                   arrival_times)
+
+
+def _result(outcomes: list[RequestOutcome], duration: float, sessions: list[list[BenchRequest]],
+            poller: MetricsPoller, base_url: str, model: str, max_concurrency: int | None, request_rate: float,
+            num_ranks: int | None, arrival_times: list[float] | None) -> dict:
+    """The summary of `outcomes` over `duration`, with what was sent and what the server's /metrics said."""
     first = poller.trace.snapshots[0] if poller.trace.snapshots else ServerSnapshot()
     result = summarize(outcomes, duration, num_ranks or first.num_ranks)
+    requests = [turn for session in sessions for turn in session]
     result.update({
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "base_url": base_url, "model": model, "num_prompts": len(outcomes), "num_sessions": len(sessions),
+        "base_url": base_url, "model": model, "num_prompts": len(requests), "num_sessions": len(sessions),
         "max_concurrency": max_concurrency,
         "request_rate": ("trace" if arrival_times is not None else
                          request_rate if math.isfinite(request_rate) else "inf"),
-        "requests_digest": request_list_digest([turn for session in sessions for turn in session]),
+        "requests_digest": request_list_digest(requests),
         "server": {**poller.trace.summary(), "scrape_failures": poller.failures, "layout": first.layout},
     })
     return result

@@ -8,9 +8,10 @@ A trace is a JSON-lines file, one request per line:
 `input_length` and `output_length` the prompt and generated tokens, and
 `hash_ids` one id per 512-token block of the prompt. Requests that share a
 leading run of ids share those prompt tokens; that is how a trace records
-multi-turn reuse. `timestamp` and `hash_ids` may be missing (0 and no ids);
-unknown fields are ignored; blank lines, CRLF line ends and a byte-order mark
-are read; a line that is not such an object fails with its line number. This
+multi-turn reuse. `timestamp` and `hash_ids` may be missing or null (0 and no
+ids: the format's writers put null for a value they do not know); unknown
+fields are ignored; blank lines, CRLF line ends and a byte-order mark are read;
+a line that is not such an object fails with its line number. This
 is the format vLLM's, SGLang's and AIPerf's benchmark clients replay
 (`mooncake_trace`).
 
@@ -20,14 +21,17 @@ Replay (`TraceSpec.build`):
   vocabulary with a generator seeded by the id and the workload seed, so two
   requests that share `k` ids share exactly `k` blocks of leading tokens and a
   prefix cache sees the trace's reuse; a prompt is its blocks, cut to its input
-  length (a prompt longer than its blocks is padded with tokens of its own);
+  length (a prompt longer than its blocks is padded with tokens of its own); a
+  block's tokens are drawn only as far as the prompts that use it reach, so a
+  large scale (blocks of 512 x scale tokens) costs no more than the prompts sent;
 - `context_scale` scales the input lengths and the block size alike
   (`512 x scale`, at least 1 token), so a scaled trace keeps its reuse
   structure; `output_scale` scales the output lengths (an `output_length` of
   0, a prefill-only request, is sent with 1 output token: the OpenAI API's
   `max_tokens` must be positive);
 - a prompt that does not fit `max_model_len` with its output is cut, and the
-  replay counts how many were;
+  replay counts how many were; a request (prompt + output, after the cut) longer
+  than `MAX_REQUEST_TOKENS` is refused before any token is drawn;
 - `skip` and `num_requests` choose a window of the file's requests, in file
   order; the window's requests (sessions) are then sent in the order of their
   timestamps, which a file need not be sorted by, from the earliest;
@@ -55,7 +59,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvshard.bench.workloads import BenchRequest, _fraction, _scaled
+from kvshard.bench.workloads import MAX_REQUEST_TOKENS, BenchRequest, _fraction, _scaled, check_scale
 
 TRACE_BLOCK_TOKENS = 512  # tokens per hash id in the Mooncake format
 TIMINGS = ("timestamps", "closed")
@@ -75,11 +79,11 @@ class TraceRecord:
 
 
 def _field(obj: dict, name: str, where: str, *, required: bool = True, minimum: int = 0):
-    if name not in obj:
+    value = obj.get(name)
+    if value is None:  # null is how the format's writers say "unknown": the same as a field left out
         if required:
-            raise TraceError(f"{where}: missing field {name!r}")
+            raise TraceError(f"{where}: missing field {name!r}" + (" (null)" if name in obj else ""))
         return None
-    value = obj[name]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise TraceError(f"{where}: {name!r} must be a number, got {value!r}")
     if name != "timestamp" and value != int(value):
@@ -111,7 +115,9 @@ def parse_trace_line(text: str, line: int, path: str | Path = "trace") -> TraceR
     timestamp = _field(obj, "timestamp", where, required=False)
     input_length = _field(obj, "input_length", where, minimum=1)
     output_length = _field(obj, "output_length", where, minimum=0)
-    hash_ids = obj.get("hash_ids", [])
+    hash_ids = obj.get("hash_ids")
+    if hash_ids is None:  # missing or null: a prompt of this request's own tokens
+        hash_ids = []
     if not isinstance(hash_ids, list) or any(isinstance(h, bool) or not isinstance(h, int) for h in hash_ids):
         raise TraceError(f"{where}: 'hash_ids' must be a list of integers")
     return TraceRecord(line, float(timestamp or 0.0), int(input_length), int(output_length), tuple(hash_ids))
@@ -193,6 +199,23 @@ def _arrival(session: list[TraceRecord]) -> float:
     return session[0].timestamp_ms
 
 
+class _Block:
+    """The token ids of one hash id, drawn as far as a prompt has needed them. Each id is one draw of the block's
+    generator (random.choices without weights), so the first n of a block are the same whether it was drawn
+    whole or n at a time: a prompt cut to max_model_len costs its own length, not 512 x scale tokens a block."""
+
+    def __init__(self, seed: str, vocab_size: int, size: int) -> None:
+        self._rng, self._vocab, self._size = random.Random(seed), range(vocab_size), size
+        self._tokens: list[int] = []
+
+    def first(self, n: int) -> list[int]:
+        """The block's first min(n, size) token ids."""
+        n = min(n, self._size)
+        if n > len(self._tokens):
+            self._tokens.extend(self._rng.choices(self._vocab, k=n - len(self._tokens)))
+        return self._tokens[:n]
+
+
 @dataclass
 class TraceReplay:
     """What a trace turned into: sessions of requests, their first turns' arrival times, and the record."""
@@ -242,6 +265,8 @@ class TraceSpec:
             raise ValueError(f"--time-scale must be a positive number, got {self.time_scale}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be at least 2, got {self.max_model_len}")
+        check_scale(self.context_scale, "--context-scale")
+        check_scale(self.effective_output_scale, "--output-scale")
 
     @property
     def effective_output_scale(self) -> float:
@@ -267,9 +292,13 @@ class TraceSpec:
                 raise TraceError(f"{self.path}: {len(multi)} multi-turn conversations after --trace-skip "
                                  f"{self.skip}, fewer than --trace-conversations {self.conversations}")
             chosen = [c[: self.max_turns] if self.max_turns else c for c in multi[: self.conversations]]
-        blocks: dict[int, list[int]] = {}
         counts = {"cut_prompts": 0, "cut_outputs": 0}
-        sessions = [[self._request(r, blocks, counts) for r in session] for session in chosen]
+        lengths = [[self._lengths(r, counts) for r in session] for session in chosen]
+        self._check_lengths(chosen, lengths)  # every request's, before a token is drawn
+        blocks: dict[int, _Block] = {}
+        sessions = [[self._request(r, input_len, output_len, blocks)
+                     for r, (input_len, output_len) in zip(session, session_lengths)]
+                    for session, session_lengths in zip(chosen, lengths)]
         start = chosen[0][0].timestamp_ms
         arrivals = [(s[0].timestamp_ms - start) / 1000 for s in chosen]
         replay = TraceReplay(sessions, arrivals)
@@ -289,14 +318,8 @@ class TraceSpec:
         }
         return replay
 
-    def _block(self, hash_id: int, blocks: dict[int, list[int]]) -> list[int]:
-        tokens = blocks.get(hash_id)
-        if tokens is None:
-            rng = random.Random(f"kvshard-trace:{self.seed}:{hash_id}")
-            tokens = blocks[hash_id] = rng.choices(range(self.vocab_size), k=self.block_tokens)
-        return tokens
-
-    def _request(self, record: TraceRecord, blocks: dict[int, list[int]], counts: dict[str, int]) -> BenchRequest:
+    def _lengths(self, record: TraceRecord, counts: dict[str, int]) -> tuple[int, int]:
+        """The prompt and output tokens sent for `record`: scaled, then cut to fit max_model_len."""
         input_len = _scaled(record.input_length, self.context_scale)
         output_len = _scaled(record.output_length, self.effective_output_scale)
         if self.max_model_len is not None:
@@ -306,15 +329,37 @@ class TraceSpec:
             if input_len + output_len > self.max_model_len:
                 input_len = self.max_model_len - output_len
                 counts["cut_prompts"] += 1
+        return input_len, output_len
+
+    def _check_lengths(self, chosen: list[list[TraceRecord]], lengths: list[list[tuple[int, int]]]) -> None:
+        """Refuse a replay whose longest request exceeds any context window: without a max_model_len to cut to
+        (bench dcp and throughput size theirs by the requests), --context-scale 1000 would draw prompts of
+        billions of token ids and exhaust the client's memory before anything is sent."""
+        longest, record = max(((i + o, r) for s, ls in zip(chosen, lengths) for r, (i, o) in zip(s, ls)),
+                              key=lambda pair: pair[0])
+        if longest > MAX_REQUEST_TOKENS:
+            fix = "lower --context-scale / --output-scale" + ("" if self.max_model_len else
+                                                             ", or give --max-model-len to cut the prompts")
+            raise TraceError(f"{self.path}:{record.line}: at --context-scale {_fraction(self.context_scale)} "
+                             f"and --output-scale {_fraction(self.effective_output_scale)} this request is "
+                             f"{longest:,} tokens (prompt + output), more than any model's context window "
+                             f"({MAX_REQUEST_TOKENS:,}): {fix}")
+
+    def _request(self, record: TraceRecord, input_len: int, output_len: int,
+                 blocks: dict[int, _Block]) -> BenchRequest:
         tokens: list[int] = []
         for hash_id in record.hash_ids:
             if len(tokens) >= input_len:
                 break
-            tokens.extend(self._block(hash_id, blocks))
+            block = blocks.get(hash_id)
+            if block is None:
+                block = blocks[hash_id] = _Block(f"kvshard-trace:{self.seed}:{hash_id}", self.vocab_size,
+                                                 self.block_tokens)
+            tokens.extend(block.first(input_len - len(tokens)))
         if len(tokens) < input_len:  # more input than blocks: tokens of this request alone
             rng = random.Random(f"kvshard-trace-tail:{self.seed}:{record.line}")
             tokens.extend(rng.choices(range(self.vocab_size), k=input_len - len(tokens)))
-        return BenchRequest(tokens[:input_len], output_len)
+        return BenchRequest(tokens, output_len)
 
     def describe(self) -> str:
         what = (f"{self.conversations} multi-turn conversations" + (f" (at most {self.max_turns} turns)"

@@ -55,6 +55,11 @@ AGENTIC_OUTPUT_MEDIAN = 400
 AGENTIC_OUTPUT_SIGMA = 0.5
 AGENTIC_OUTPUT_RANGE = (50, 1_600)
 SESSION_NEW_INPUT_RANGE = (1_024, 8_192)  # tokens added to the context per turn, log-uniform
+# The longest request (prompt + output) any workload may draw: above every model's context window (the longest
+# served are ~10M tokens), and a prompt that long is already ~0.5 GB of token ids in the client. A scale that
+# would draw longer ones is refused before a token is drawn, not discovered when the machine runs out of memory.
+MAX_REQUEST_TOKENS = 1 << 24
+SIMPLE_DENOMINATOR = 10**7  # a scale of 1/1048576 still reads best as a fraction; 1/10000000000 as 1e-10
 
 SESSIONS = "sessions"
 WORKLOADS = ("random", "agentic", SESSIONS)
@@ -99,6 +104,10 @@ class WorkloadSpec:
             raise ValueError("--context-scale and --output-scale must be positive")
         if self.kind == SESSIONS and self.num_turns < 1:
             raise ValueError(f"--num-turns must be at least 1, got {self.num_turns}")
+        if self.kind != "random":  # beyond this, even a 1-token length overflows the ceiling (and round() may)
+            check_scale(self.context_scale, "--context-scale")
+            check_scale(self.effective_output_scale, "--output-scale")
+        self.check_fits(MAX_REQUEST_TOKENS, "any model's context window")
 
     @property
     def effective_output_scale(self) -> float:
@@ -114,6 +123,23 @@ class WorkloadSpec:
             longest_turn += (self.num_turns - 1) * (_scaled(SESSION_NEW_INPUT_RANGE[1], self.context_scale)
                                                     + longest_answer)
         return longest_turn
+
+    def check_fits(self, max_model_len: int, limit: str) -> None:
+        """Refuse, before a token is drawn, a workload whose longest request would not fit `max_model_len`
+        (`limit` says whose): the server would reject each such request, and drawing it could take the client's
+        memory (a prompt of the agentic workload at --context-scale 1000 is up to a billion token ids)."""
+        longest = self.max_request_len()
+        if longest <= max_model_len:
+            return
+        if self.kind == "random":
+            what, lower = (f"the random workload (--input-len {self.input_len}, --output-len {self.output_len}, "
+                           f"--range-ratio {self.range_ratio:g})", "lower --input-len or --output-len")
+        else:
+            what = (f"the {self.kind} workload at --context-scale {_fraction(self.context_scale)} and --output-scale "
+                    f"{_fraction(self.effective_output_scale)}")
+            lower = "lower the scales" + (" or --num-turns" if self.kind == SESSIONS else "")
+        raise ValueError(f"{what} draws requests of up to {longest:,} tokens (prompt + output), more than {limit} "
+                         f"({max_model_len:,}): {lower}")
 
     def requests(self, num: int) -> list[BenchRequest]:
         """`num` independent requests (random, agentic)."""
@@ -135,15 +161,16 @@ class WorkloadSpec:
         if self.kind == "random":
             spread = f" (+-{self.range_ratio:.0%})" if self.range_ratio else ""
             return f"random: {self.input_len} in / {self.output_len} out{spread}, seed {self.seed}"
-        lo_long, hi_long = (_scaled(x, self.context_scale) for x in AGENTIC_LONG_RANGE)
-        lo_short = _scaled(AGENTIC_SHORT_RANGE[0], self.context_scale)
+        scale = self.context_scale
+        long_inputs = _span(*(_scaled(x, scale) for x in AGENTIC_LONG_RANGE))
+        # a short draw is at most one token under the long range's start, then scaled as every length
+        short_inputs = _span(_scaled(AGENTIC_SHORT_RANGE[0], scale), _scaled(AGENTIC_SHORT_RANGE[1] - 1, scale))
         median_out = _scaled(AGENTIC_OUTPUT_MEDIAN, self.effective_output_scale)
-        inputs = (f"{AGENTIC_LONG_FRACTION:.0%} long inputs {lo_long:,}-{hi_long:,}, "
-                  f"the rest {lo_short:,}-{lo_long - 1:,} tokens")
+        inputs = f"{AGENTIC_LONG_FRACTION:.0%} long inputs {long_inputs}, the rest {short_inputs} tokens"
         if self.kind == SESSIONS:
-            lo_new, hi_new = (_scaled(x, self.context_scale) for x in SESSION_NEW_INPUT_RANGE)
+            new_inputs = _span(*(_scaled(x, scale) for x in SESSION_NEW_INPUT_RANGE))
             return (f"sessions x{_fraction(self.context_scale)}: {self.num_turns} turns each, the first context "
-                    f"agentic ({inputs}), then per turn the previous answer and {lo_new:,}-{hi_new:,} new tokens; "
+                    f"agentic ({inputs}), then per turn the previous answer and {new_inputs} new tokens; "
                     f"answers median {median_out:,}; seed {self.seed}")
         return f"agentic x{_fraction(self.context_scale)}: {inputs}; outputs median {median_out:,}; seed {self.seed}"
 
@@ -188,9 +215,24 @@ def _log_uniform(rng: random.Random, low: float, high: float) -> float:
 
 
 def _fraction(scale: float) -> str:
-    """1/1024 rather than 0.000976562."""
+    """1/1024 rather than 0.000976562; a scale that is no such simple fraction (1/3e299 would be a 300-digit one)
+    in %g's notation: 0.3, 2e-300."""
     inverse = 1 / scale
-    return f"1/{round(inverse)}" if scale < 1 and abs(inverse - round(inverse)) < 1e-9 else f"{scale:g}"
+    simple = scale < 1 and inverse <= SIMPLE_DENOMINATOR and math.isclose(inverse, round(inverse), rel_tol=1e-12)
+    return f"1/{round(inverse)}" if simple else f"{scale:g}"
+
+
+def _span(low: int, high: int) -> str:
+    """A range of token counts; one count where scaling made the range a single value (never "1-0")."""
+    return f"{low:,}-{high:,}" if high > low else f"{max(low, high):,}"
+
+
+def check_scale(scale: float, flag: str) -> None:
+    """A scale above MAX_REQUEST_TOKENS makes every length, even 1 token, longer than any request may be; refused
+    here, before a length is scaled (a scale near the largest float would make it infinite)."""
+    if scale > MAX_REQUEST_TOKENS:
+        raise ValueError(f"{flag} {scale:g} makes even a 1-token length longer than any model's context window "
+                         f"({MAX_REQUEST_TOKENS:,} tokens)")
 
 
 def _scaled(tokens: float, scale: float) -> int:
