@@ -498,9 +498,15 @@ def broadcast_from_driver(obj: Any, state: ParallelState) -> Any:
     return holder[0]
 
 
-def exchange_heartbeat(state: ParallelState) -> None:
+def exchange_heartbeat(state: ParallelState, poll_s: float | None = None) -> None:
     """A round trip through every rank: one whose peer is gone raises instead of returning.
 
-    (A broadcast alone can succeed into a dead peer's socket buffer.)
+    (A broadcast alone can succeed into a dead peer's socket buffer.) With `poll_s`, rank 0 waits for it in a
+    loop of naps of `poll_s` s rather than inside gloo, where a signal (Ctrl-C, SIGTERM) is handled only once
+    the collective returns: at the collective timeout, for a rank that takes its time.
     """
-    dist.all_reduce(torch.zeros(1), group=state.control_group)
+    work = dist.all_reduce(torch.zeros(1), group=state.control_group, async_op=poll_s is not None)
+    if work is not None:
+        while not work.is_completed():
+            time.sleep(poll_s)
+        work.wait()  # its error, if it failed

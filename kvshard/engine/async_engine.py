@@ -9,7 +9,12 @@ When a rank dies or hangs (the step raises, or the watchdog on the event loop
 finds the engine's dead reason set while the loop waits) or the loop stops,
 every request still open, running or waiting, gets the reason as an
 `EngineDeadError`, and new requests are refused with it: nobody hangs. Why the
-engine died is recorded once, by the engine (`LLMEngine.dead_reason`).
+engine died is recorded once, by the engine (`LLMEngine.dead_reason`), and
+logged once. Once the loop has stopped, the requests the engine still holds are
+aborted (their KV blocks go back) and the metrics recorded once more, so that
+/metrics shows what is true: no request running, no KV in use, and the
+requests that failed counted as finished with "error" ("abort" for those a
+shutdown ended).
 """
 
 from __future__ import annotations
@@ -107,6 +112,11 @@ class AsyncLLMEngine:
         """Why the engine died (a rank, a collective, a bug), or None while it is healthy."""
         return self.engine.dead_reason
 
+    def refuse(self, reason: str) -> None:
+        """From now on every request, open or new, gets an error with `reason` (the server is stopping), and the
+        loop stops; the ranks stay until `shutdown`."""
+        self._fail(reason, dead=False)
+
     @property
     def refusal(self) -> str | None:
         """Why requests are refused now (the engine died or the server is stopping), or None."""
@@ -180,13 +190,24 @@ class AsyncLLMEngine:
                     self.engine.heartbeat()  # an idle server still notices a rank lost on another node
                     self.metrics.record_stats(self.engine.stats())
         except EngineDeadError as error:
-            logger.error("engine is dead: %s", error)
             self._fail(str(error))
         except Exception as error:  # a bug in the engine: every client must still get an answer
             logger.exception("engine loop failed")
             self._fail(f"the engine loop failed: {error!r}")
         else:
             self._fail("the server is shutting down", dead=False)
+        finally:
+            self._release_requests()
+
+    def _release_requests(self) -> None:
+        """The loop has stopped and no step runs: abort what the engine still holds (its clients got their error
+        already), so that the KV blocks go back and the last stats recorded say so, not what the last step left."""
+        try:
+            for request_id in list(self.engine.requests):
+                self.engine.abort_request(request_id)
+            self.metrics.record_stats(self.engine.stats())
+        except Exception:  # the clients have their answers: a failure here must not hide why the loop stopped
+            logger.exception("releasing the requests of a stopped engine loop failed")
 
     def _apply_commands(self, wait: bool) -> bool:
         """Apply queued adds and aborts (waiting a little for one when idle); False means stop."""
@@ -241,17 +262,25 @@ class AsyncLLMEngine:
         state.last_token_time, state.num_tokens = now, num_tokens
 
     def _fail(self, reason: str, dead: bool = True) -> None:
-        """From now on every request, open or new, gets an error with the first reason given."""
+        """From now on every request, open or new, gets an error with the first reason given; the open ones
+        count as finished with "error" (with "abort" when the server is stopping)."""
         if dead:
             reason = self.engine.record_death(reason)
         with self._lock:
-            if self._refusal is None:
+            first = self._refusal is None
+            if first:
                 self._refusal = reason
             reason = self._refusal
             open_requests = list(self._requests.values())
             self._requests.clear()
-        error = EngineDeadError(reason)
-        self._loop.call_soon_threadsafe(_put_all, [(state.queue, error) for state in open_requests])
+        if first and dead:  # whichever noticed it (the loop or the watchdog), said once
+            logger.error("engine is dead: %s", reason)
+        now = time.monotonic()
+        for state in open_requests:
+            self.metrics.observe_finished(["error" if dead else "abort"] * state.num_seqs, now - state.arrival)
+        if open_requests:
+            error = EngineDeadError(reason)
+            self._loop.call_soon_threadsafe(_put_all, [(state.queue, error) for state in open_requests])
 
 
 def _put_all(deliveries: list[tuple[asyncio.Queue, object]]) -> None:

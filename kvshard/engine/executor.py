@@ -6,18 +6,24 @@ Locally, rank 0 lives in the caller's process and spawns ranks 1..N-1. Under
 the shutdown: kvshard/engine/rank_messages.py) and runs its own share of the
 model; the others do the same on their shard.
 
-A watchdog thread looks at the ranks while the engine runs, busy or idle, and
-ends the engine with a reason that names the rank when
+A watchdog thread looks at the ranks from the moment they start (the rendezvous
+and the model load included) while the engine runs, busy or idle, and ends the
+engine with a reason that names the rank when
 - a rank process exited;
 - a rank's heartbeat (a counter its own thread ticks every
   $KVSHARD_HEARTBEAT_INTERVAL s: in shared memory for ranks spawned here, in
   the rendezvous store for ranks a launcher started) has not moved for
-  $KVSHARD_HEARTBEAT_TIMEOUT s: the process is stopped (SIGSTOP, a frozen VM);
+  $KVSHARD_HEARTBEAT_TIMEOUT s since its first tick: the process is stopped
+  (SIGSTOP, a frozen VM);
 - the idle engine's round trip through every rank (`heartbeat`) takes longer
   than that same deadline (the way to see ranks another launcher started);
 - a step makes no progress for `step_timeout` seconds (a rank alive but stuck;
   long, since a long prefill may rightly take that long).
 The first reason is the one kept: `dead_reason`.
+
+Start-up ends with a round trip through every rank once each has built its model
+(`_wait_until_ready`): a rank that failed to load or stopped ends the start-up
+with an `EngineDeadError` naming it, before anything is served.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from kvshard.engine.workers import spawned_worker
 from kvshard import envs
 from kvshard.envs import heartbeat_interval_s, heartbeat_timeout_s
 from kvshard.parallel import (
+    collective_timeout,
     exchange_heartbeat,
     heartbeat_key,
     init_parallel,
@@ -52,6 +59,9 @@ logger = logging.getLogger("kvshard.engine")
 
 # How often the watchdog looks at the ranks.
 WATCH_INTERVAL_S = 0.1
+# How often start-up's last round trip (`_wait_until_ready`) looks whether it is done: a Ctrl-C meanwhile is
+# handled at once, also while a rank is still loading its model.
+READY_POLL_S = 0.01
 DEFAULT_STEP_TIMEOUT_S = envs.DEFAULT_STEP_TIMEOUT_S
 # How `LocalRanks` starts ranks 1..N-1 (a multiprocessing start method): "spawn", a fresh interpreter that
 # imports torch anew. The test suite sets "forkserver" with torch preloaded, so that its many short-lived
@@ -63,7 +73,7 @@ class EngineDeadError(RuntimeError):
     """The engine cannot run another step (a rank died or hung, or a collective failed)."""
 
 
-class RankDiedError(RuntimeError):
+class RankDiedError(EngineDeadError):
     """A rank process is gone; the engine cannot run another step."""
 
 
@@ -92,24 +102,42 @@ class LocalRanks:
         context = multiprocessing.get_context(RANK_START_METHOD)
         # each rank's heartbeat counter, ticked by its own thread (workers.run_worker), read by the watchdog
         self.beats = context.RawArray("Q", config.parallel.world_size)
+        # each rank's error, sent by workers.spawned_worker as it fails, read when its exit is reported
+        self._errors = {rank: context.Pipe(duplex=False) for rank in range(1, config.parallel.world_size)}
+        self._error_texts: dict[int, str] = {}
         self.processes = {
             rank: context.Process(
-                target=spawned_worker, args=(config, rank, self.master, self.beats), name=f"kvshard-rank{rank}",
-                daemon=True,
+                target=spawned_worker, args=(config, rank, self.master, self.beats, self._errors[rank][1]),
+                name=f"kvshard-rank{rank}", daemon=True,
             )
             for rank in range(1, config.parallel.world_size)
         }
         with rank_environment():
             for process in self.processes.values():
                 process.start()
+        for _, sender in self._errors.values():
+            sender.close()  # the ranks hold their ends: a rank that exits without a word leaves its pipe empty
 
     def check_alive(self) -> None:
         dead = {rank: p.exitcode for rank, p in self.processes.items() if not p.is_alive()}
         if dead:
-            raise RankDiedError(", ".join(f"rank {r} exited with code {c}" for r, c in sorted(dead.items())))
+            raise RankDiedError(", ".join(self._exit_reason(r, c) for r, c in sorted(dead.items())))
+
+    def _exit_reason(self, rank: int, code: int | None) -> str:
+        """"rank R exited with code C", and the rank's own error where it sent one."""
+        if rank not in self._error_texts:
+            receiver = self._errors[rank][0]
+            try:
+                self._error_texts[rank] = receiver.recv() if receiver.poll() else ""
+            except (EOFError, OSError):
+                self._error_texts[rank] = ""
+        error = self._error_texts[rank]
+        return f"rank {rank} exited with code {code}" + (f" ({error})" if error else "")
 
     def heartbeats(self) -> dict[int, int]:
-        return {rank: self.beats[rank] for rank in self.processes}
+        """{rank: counter} of the ranks that have ticked at least once. One still starting its interpreter
+        (importing torch: seconds on a busy machine) has not, and is left to the rendezvous deadline."""
+        return {rank: beat for rank in self.processes if (beat := self.beats[rank])}
 
     def kill(self) -> None:
         for process in self.processes.values():
@@ -122,6 +150,8 @@ class LocalRanks:
             if process.is_alive():
                 process.kill()
                 process.join(1)
+        for receiver, _ in self._errors.values():
+            receiver.close()
 
 
 class StoreHeartbeats:
@@ -166,40 +196,80 @@ class Executor:
         self._reason_lock = threading.Lock()
         self._closed = threading.Event()
         self._watchdog: threading.Thread | None = None
+        self._last_contact = time.monotonic()  # of the last plan every rank received
+        self._busy_since: float | None = None  # start of the step (or heartbeat) in flight
+        self._in_heartbeat = False  # whether what is in flight is the idle round trip (heartbeat_timeout)
+        self.store_beats: StoreHeartbeats | None = None
         self.device = configure_process(0, world)
         self.local_ranks = LocalRanks(config) if world > 1 and master is None else None
         check_peers = None
         if self.local_ranks is not None:
             master, check_peers = self.local_ranks.master, self.local_ranks.check_alive
+        if world > 1:
+            # from now on: a rank stopped while the ranks connect or load their model is ended (and so
+            # named) within the heartbeat's deadline, not left to the collective timeout of the wait on it
+            self._watchdog = threading.Thread(target=self._watch, name="kvshard-rank-watchdog", daemon=True)
+            self._watchdog.start()
         try:
             self.parallel = init_parallel(config.parallel, 0, master or ("", 0), self.device, check_peers)
-        except Exception as error:
-            dead = self._name_dead_rank() if not isinstance(error, RankDiedError) else None
-            if self.local_ranks is not None:
-                self.local_ranks.join(timeout=5)
+        except BaseException as error:
+            dead = self._failed_start_culprit(error)
+            # ranks still connecting fail on their own (dropping the shared-memory names they made); a Ctrl-C or
+            # SIGTERM has nothing to wait for
+            self._abandon_start(kill=not isinstance(error, Exception))
             if dead is not None:  # say which rank, not just which socket broke
                 raise RankDiedError(f"{dead} while the ranks were connecting") from error
             raise
-        except BaseException:
-            if self.local_ranks is not None:
-                self.local_ranks.join(timeout=5)
-            raise
         # ranks a launcher started tick their heartbeat in the rendezvous store
-        self.store_beats = (StoreHeartbeats(master, world, self.heartbeat_timeout)
-                            if world > 1 and self.local_ranks is None else None)
-        self._last_contact = time.monotonic()  # of the last plan every rank received
-        self._busy_since: float | None = None  # start of the step (or heartbeat) in flight
-        self._in_heartbeat = False  # whether what is in flight is the idle round trip (heartbeat_timeout)
+        if world > 1 and self.local_ranks is None:
+            self.store_beats = StoreHeartbeats(master, world, self.heartbeat_timeout)
         # what every rank's block tables hold: each plan carries their changes (engine/block_tables.py)
         self.block_tables = BlockTableSender(check=envs.get("KVSHARD_CHECK_BLOCK_TABLES"))
         try:
             self.runner = ModelRunner(config, self.parallel, self.device)
-        except BaseException:
-            self.shutdown()
+            self._wait_until_ready()
+        except BaseException as error:
+            dead = self._failed_start_culprit(error)
+            self._abandon_start(kill=True)
+            shutdown_parallel(self.parallel)
+            if dead is not None:
+                raise RankDiedError(f"{dead} while the ranks loaded the model") from error
             raise
-        if world > 1:
-            self._watchdog = threading.Thread(target=self._watch, name="kvshard-rank-watchdog", daemon=True)
-            self._watchdog.start()
+
+    def _abandon_start(self, kill: bool) -> None:
+        """After a failed start-up: stop the watchdog and end the local ranks (`kill`: now, else once they have
+        had a moment to fail on their own). None is sent the shutdown: a rank still loading its model, or one
+        that did not finish start-up's round trip, never reads it, and rank 0's send would wait for it."""
+        self._closed.set()
+        if self._watchdog is not None:
+            self._watchdog.join()
+        if self.local_ranks is not None:
+            if kill:
+                self.local_ranks.kill()
+            self.local_ranks.join(timeout=5)
+
+    def _failed_start_culprit(self, error: BaseException) -> str | None:
+        """The rank a failed start-up is to be reported by (one that exited, with its own error, or that the
+        watchdog ended), or None where rank 0's own error says it best: a setting refused here (every rank
+        refuses it alike), a Ctrl-C, or an error while every rank is alive. Read before the ranks are joined."""
+        if not isinstance(error, Exception) or (isinstance(error, ConfigError) and self._dead_reason is None):
+            return None
+        return self._name_dead_rank()
+
+    def _wait_until_ready(self) -> None:
+        """One round trip through every rank once each has built its model: a rank that failed to load it (and
+        exited) or is stopped fails the start-up here, instead of a server that says it is healthy and fails
+        its first request. Not a step: a rank still loading is waited for (up to the collective timeout)."""
+        if self.parallel.world_size == 1:
+            return
+        try:
+            send(HEARTBEAT, self.parallel)
+            exchange_heartbeat(self.parallel, poll_s=READY_POLL_S)
+        except Exception as error:  # a rank that exited is named by the caller; this says the rest
+            timeout = collective_timeout().total_seconds()
+            raise EngineDeadError(f"not every rank got ready, a rank loading its model being waited for up to "
+                                  f"KVSHARD_COLLECTIVE_TIMEOUT_S={timeout:g} s: {error}") from error
+        self._last_contact = time.monotonic()
 
     # --- steps --------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
@@ -231,6 +301,10 @@ class Executor:
             return work()
         except Exception as error:
             raise EngineDeadError(self.record_death(self._name_dead_rank() or f"{failure}: {error}")) from error
+        except BaseException as error:  # Ctrl-C in LLM.generate: the other ranks are left inside the step
+            self._end(f"rank 0 was interrupted ({type(error).__name__}) in the middle of a step: the ranks are "
+                      "out of step with it")
+            raise
         finally:
             self._busy_since = None
             self._in_heartbeat = False

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -86,14 +88,22 @@ def apply_openmp_defaults() -> None:
 
 @contextmanager
 def rank_environment() -> Iterator[None]:
-    """While ranks are spawned: they inherit the OpenMP defaults (a spawned process imports torch anew)."""
+    """While ranks are spawned: they inherit the OpenMP defaults (a spawned process imports torch anew), and
+    Ctrl-C ignored. Ctrl-C reaches every process of the terminal's group, and rank 0 alone handles it (it stops
+    the ranks); an ignored signal stays ignored across exec, so a rank still importing torch does not die of it
+    with a traceback either. Only the main thread can change a signal's handler: elsewhere the ranks take it
+    from their first line on (workers.spawned_worker)."""
     added = {name: value for name, value in openmp_defaults().items() if name not in os.environ}
     os.environ.update(added)
+    ctrl_c = (signal.signal(signal.SIGINT, signal.SIG_IGN) if threading.current_thread() is threading.main_thread()
+              else None)
     try:
         yield
     finally:
         for name in added:
             os.environ.pop(name, None)
+        if ctrl_c is not None:
+            signal.signal(signal.SIGINT, ctrl_c)
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters

@@ -2,16 +2,27 @@
 
 Spawned by the executor on one machine (`spawned_worker`), or started by
 `torchrun`, in which case ranks > 0 call `run_worker` directly.
+
+A spawned rank lives only as long as rank 0: it ignores Ctrl-C (rank 0 alone
+handles it and stops the ranks), its heartbeat thread ends the process once
+rank 0's is gone (killed while the ranks start, when no collective is there to
+notice), and an error that ends it is handed to rank 0, which reports the
+rank's exit with it.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
+import signal
+import sys
 import threading
 import time
 import traceback
+from multiprocessing.connection import Connection
 
-from kvshard.config import EngineConfig
+from kvshard.config import ConfigError, EngineConfig
 from kvshard.engine.model_runner import ModelRunner
 from kvshard.engine.process_setup import configure_process
 from kvshard.engine.rank_messages import Heartbeat, RankMessage, Shutdown, receive
@@ -27,6 +38,9 @@ from kvshard.parallel import (
 
 logger = logging.getLogger("kvshard.engine")
 
+# The longest error text a spawned rank hands rank 0 as it fails (rank 0 reports the rank's exit with it).
+RANK_ERROR_CHARS = 500
+
 
 def run_worker(config: EngineConfig, rank: int, master: tuple[str, int], beats=None) -> None:
     """Body of every rank > 0: build the model shard, then run plans until told to stop.
@@ -38,8 +52,8 @@ def run_worker(config: EngineConfig, rank: int, master: tuple[str, int], beats=N
     store connection of the thread's own.
     """
     if beats is not None:
-        threading.Thread(target=_beat, args=(beats, rank, heartbeat_interval_s()), name="kvshard-heartbeat",
-                         daemon=True).start()
+        threading.Thread(target=_beat, args=(beats, rank, heartbeat_interval_s(), multiprocessing.parent_process()),
+                         name="kvshard-heartbeat", daemon=True).start()
     device = configure_process(rank, config.parallel.world_size)
     state = init_parallel(config.parallel, rank, master, device)
     stopping = threading.Event()
@@ -69,9 +83,16 @@ def handle_message(message: RankMessage, state, runner, device) -> bool:
     return True
 
 
-def _beat(beats, rank: int, interval_s: float) -> None:
+def _beat(beats, rank: int, interval_s: float, driver: multiprocessing.process.BaseProcess | None) -> None:
+    """Tick `beats[rank]` every `interval_s`; end this process once `driver` (rank 0, which started it) is gone.
+    Rank 0 may die while this rank loads its model or waits in a connection with no deadline of its own: it
+    would stay on, alone, for the collective timeout or for ever."""
     while True:
         beats[rank] += 1  # only this rank writes its counter
+        if driver is not None and not driver.is_alive():
+            print(f"kvshard: rank {rank}: rank 0 (pid {driver.pid}) is gone; this rank stops", file=sys.stderr,
+                  flush=True)
+            os._exit(1)  # the main thread may be blocked in a C call: nothing else ends the process for sure
         time.sleep(interval_s)
 
 
@@ -98,9 +119,28 @@ def _beat_through_store(master: tuple[str, int], rank: int, interval_s: float, s
         stopping.wait(interval_s)
 
 
-def spawned_worker(config: EngineConfig, rank: int, master: tuple[str, int], beats=None) -> None:
+def spawned_worker(config: EngineConfig, rank: int, master: tuple[str, int], beats=None,
+                   errors: Connection | None = None) -> None:
+    """A rank the executor spawned (executor.LocalRanks). `errors`: where the error that ends it goes, for rank 0
+    to report (a refused setting, which rank 0 reports in one line, prints no traceback here)."""
+    # Ctrl-C reaches every process of the terminal's process group: rank 0 alone handles it and stops this rank
+    # (a rank that died of it would turn a clean stop into "rank 1 exited with code 1")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         run_worker(config, rank, master, beats)
-    except Exception:
-        traceback.print_exc()
+    except Exception as error:
+        if not isinstance(error, ConfigError):
+            traceback.print_exc()
+        _hand_over(errors, error)
         raise SystemExit(1)
+
+
+def _hand_over(errors: Connection | None, error: Exception) -> None:
+    """Send rank 0 this rank's error in one line (never raising: rank 0 may be gone already)."""
+    if errors is None:
+        return
+    text = f"{type(error).__name__}: {error}".replace("\n", " ")
+    try:
+        errors.send(text[:RANK_ERROR_CHARS])
+    except OSError:
+        pass

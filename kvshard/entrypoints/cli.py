@@ -54,12 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvshard.engine.executor import EngineDeadError
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ConfigError, ValueError) as error:
         print(f"kvshard: error: {error}", file=sys.stderr)
         return 2
+    except EngineDeadError as error:  # a rank died, stopped or failed to load: which and why, in one line
+        print(f"kvshard: error: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -10,10 +10,12 @@ port is bound before any rank starts, so a mistake costs one line and exit 2.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 
 from kvshard import envs
 from kvshard.config import ConfigError, EngineConfig
@@ -121,6 +123,29 @@ def uvicorn_config(app, args: argparse.Namespace, **kwargs):
                           h11_max_incomplete_event_size=args.h11_max_incomplete_event_size, **kwargs)
 
 
+# uvicorn's graceful shutdown (SIGTERM, Ctrl-C): the seconds open requests get to finish; those still open after
+# END_REQUESTS_S are ended with an error their clients read (a streamed one's last event, a 503), in the second
+# left before uvicorn would cancel them and cut their connections mid-response.
+GRACEFUL_SHUTDOWN_S = 5
+END_REQUESTS_S = 4
+
+
+def ending_http_server(config, end_requests: Callable[[], None]):
+    """A uvicorn server on `config` whose graceful shutdown calls `end_requests` END_REQUESTS_S after it began,
+    unless it is over by then."""
+    import uvicorn
+
+    class EndingServer(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            timer = asyncio.get_running_loop().call_later(END_REQUESTS_S, end_requests)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    return EndingServer(config)
+
+
 def launcher_rank() -> tuple[int, int, tuple[str, int]] | None:
     """(rank, world size, (MASTER_ADDR, MASTER_PORT)) when a launcher such as torchrun started this process."""
     names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -212,14 +237,24 @@ def _reserve_rendezvous(master: tuple[str, int]) -> None:
 def _serve(config: EngineConfig, master: tuple[str, int] | None, listener: socket.socket,
            model_names: list[str], api_key: str | None, kv_transfer_config: str | None,
            args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from kvshard.engine.llm_engine import LLMEngine
+    from kvshard.engine.llm_engine import EngineDeadError, LLMEngine
     from kvshard.entrypoints.openai.api_server import OpenAIServer
     from kvshard.entrypoints.openai.serving_engine import with_connection_transport
 
+    # From here on SIGTERM is what Ctrl-C is, a KeyboardInterrupt: one while the engine starts stops the ranks
+    # started so far (the executor's clean-up) instead of killing this process alone and leaving them. Once it
+    # serves, uvicorn shuts down cleanly on either, then raises the signal again: caught below, so that the exit
+    # status says whether the engine died.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     print(config.layout_report(), flush=True)
-    engine = LLMEngine(config, master=master)
+    try:
+        engine = LLMEngine(config, master=master)
+    except EngineDeadError as error:  # a rank died, stopped or failed to load: one line, not a traceback
+        print(f"kvshard: error: the engine did not start: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("kvshard: stopped while the engine started", file=sys.stderr)
+        return 130
     if engine.runner.compile_seconds is not None:  # the report's compile line, with the time it took
         from kvshard.compilation import describe_compilation
 
@@ -248,12 +283,10 @@ def _serve(config: EngineConfig, master: tuple[str, int] | None, listener: socke
         print(f"kvshard: serving {', '.join(model_names)} at http://{url_host}:{port}/v1 "
               f"(health: /health, metrics: /metrics)", flush=True)
         http_config = uvicorn_config(with_connection_transport(server.app), args, log_level="info",
-                                     timeout_graceful_shutdown=5)
-        # uvicorn shuts down cleanly on SIGINT/SIGTERM, then raises the signal again: make that a
-        # KeyboardInterrupt for both, so that the exit status below says whether the engine died.
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
+                                     timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        http_server = ending_http_server(http_config, lambda: server.engine.refuse("the server is shutting down"))
         try:
-            uvicorn.Server(http_config).run(sockets=[listener])
+            http_server.run(sockets=[listener])
         except KeyboardInterrupt:
             pass
     finally:
