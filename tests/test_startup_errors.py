@@ -144,3 +144,23 @@ def test_a_taken_kv_port_is_refused_before_the_ranks_start(no_ranks, capsys):
     with pytest.raises(AssertionError, match="about to start"):
         main(["serve", MODEL, *SMALL, "--kv-transfer-config", json.dumps({"kv_role": "kv_consumer",
                                                                            "kv_port": port})])
+
+
+def test_kv_caches_that_fit_one_rank_but_not_every_rank_on_the_host_are_refused_before_the_ranks_start(monkeypatch):
+    """Each rank checks its own cache as it allocates it, seeing only the memory the others have not taken yet:
+    the caches of every rank started here must fit together, checked before any is started."""
+    from kvshard import LLM
+    from kvshard.engine import executor
+    from kvshard.engine.arg_utils import EngineArgs
+    from kvshard.errors import ConfigError
+    from kvshard.kv import cache
+
+    settings = dict(tensor_parallel_size=2, kv_cache_memory="4MiB", max_model_len=256)
+    config = EngineArgs(model=MODEL, **settings).create_engine_config()
+    per_rank = config.num_kv_blocks * config.cache.block_size * config.kv_bytes_per_slot
+    monkeypatch.setattr(cache, "available_host_bytes", lambda: per_rank * 3 // 2)  # one rank's, not two
+    started = []
+    monkeypatch.setattr(executor, "LocalRanks", lambda *args: started.append(args))
+    with pytest.raises(ConfigError, match="each of the 2 ranks on this host"):
+        LLM(MODEL, **settings)
+    assert not started

@@ -43,6 +43,7 @@ from kvshard.engine.rank_messages import HEARTBEAT, SHUTDOWN, send
 from kvshard.engine.block_tables import BlockTableSender
 from kvshard.engine.step_plan import StepPlan
 from kvshard.engine.workers import spawned_worker
+from kvshard.kv.cache import check_host_memory
 from kvshard import envs
 from kvshard.envs import heartbeat_interval_s, heartbeat_timeout_s
 from kvshard.parallel import (
@@ -201,6 +202,8 @@ class Executor:
         self._in_heartbeat = False  # whether what is in flight is the idle round trip (heartbeat_timeout)
         self.store_beats: StoreHeartbeats | None = None
         self.device = configure_process(0, world)
+        if world > 1 and master is None and self.device.type == "cpu":  # every rank's cache in this host's memory
+            check_host_memory(config.num_kv_blocks * config.cache.block_size * config.kv_bytes_per_slot, world)
         self.local_ranks = LocalRanks(config) if world > 1 and master is None else None
         check_peers = None
         if self.local_ranks is not None:

@@ -267,7 +267,7 @@ def kv_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     a view of it does. On a CPU, a cache larger than the memory available is a ConfigError saying so (before: the
     allocator's error, or under overcommit the kernel's OOM killer as the pages are touched)."""
     if torch.device(device).type == "cpu":
-        _check_host_memory(nbytes)
+        check_host_memory(nbytes)
     if not kv_huge_pages(device):
         return torch.zeros(nbytes, dtype=torch.uint8, device=device)
     # private anonymous memory: zero pages, none touched yet (a shared mapping's would follow shmem's THP setting)
@@ -280,17 +280,25 @@ def kv_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     return whole[start:start + nbytes].zero_()  # every page faulted in now, not in a step
 
 
-def _check_host_memory(nbytes: int) -> None:
-    """Refuse a host KV cache of more bytes than /proc/meminfo's MemAvailable (where it can be read)."""
-    from kvshard.errors import ConfigError
-
+def available_host_bytes() -> int | None:
+    """/proc/meminfo's MemAvailable in bytes, or None where it cannot be read."""
     try:
         lines = Path("/proc/meminfo").read_text().splitlines()
-        available = next(int(line.split()[1]) * 1024 for line in lines if line.startswith("MemAvailable:"))
+        return next(int(line.split()[1]) * 1024 for line in lines if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError, IndexError):
-        return
-    if nbytes > available:
-        raise ConfigError(f"the KV cache takes {nbytes / 2**30:,.1f} GiB on this rank but {available / 2**30:,.1f} "
+        return None
+
+
+def check_host_memory(nbytes: int, ranks: int = 1) -> None:
+    """Refuse host KV caches of more bytes than /proc/meminfo's MemAvailable (where it can be read): `nbytes` a
+    rank, for `ranks` ranks on this host. Rank 0 checks every local rank's before starting them: each rank's own
+    check, as it allocates, sees only the memory the others have not taken yet."""
+    from kvshard.errors import ConfigError
+
+    available = available_host_bytes()
+    if available is not None and nbytes * ranks > available:
+        where = "on this rank" if ranks == 1 else f"on each of the {ranks} ranks on this host"
+        raise ConfigError(f"the KV cache takes {nbytes / 2**30:,.1f} GiB {where} but {available / 2**30:,.1f} "
                           "GiB of memory is available: lower --kv-cache-memory (or --num-kv-blocks)")
 
 
