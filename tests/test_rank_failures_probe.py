@@ -262,9 +262,13 @@ def test_ctrl_c_while_a_rank_loads_its_model_stops_every_rank_at_once(rank_that,
             signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
     sender = threading.Thread(target=interrupt, daemon=True)
-    sender.start()
-    with pytest.raises(KeyboardInterrupt):
-        LLM(MODEL, **LLM_ARGS)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal
+    try:
+        sender.start()
+        with pytest.raises(KeyboardInterrupt):
+            LLM(MODEL, **LLM_ARGS)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     stopped_after = time.monotonic() - interrupted[0]
     stopped.set()
     sender.join()

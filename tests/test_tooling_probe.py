@@ -291,14 +291,17 @@ def test_bench_serve_stopped_early_keeps_the_requests_that_finished(stop, tmp_pa
 
     monkeypatch.setattr(serve, "probe", lambda base_url, model, api_key: "m")
     monkeypatch.setattr(serve, "send_request", send)
-    # a SIGTERM the benchmark does not take as an interrupt is noted here, not a kill of the test run
+    # a SIGTERM the benchmark does not take as an interrupt is noted here, not a kill of the test run; Ctrl-C as
+    # in a terminal, whatever the test process was left with
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: ignored.append(signum))
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         code = bench_main(["serve", "--base-url", f"http://127.0.0.1:{refused_port()}", "--vocab-size", "10",
                            "--max-model-len", "100", "--input-len", "8", "--output-len", "2", "--num-prompts", "3",
                            "--max-concurrency", "1", "--no-progress", "--result-file", str(tmp_path / "r.json")])
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
     out, err = capsys.readouterr()
     assert code == 130 and "kvshard bench: interrupted" in err and not ignored
     assert not (tmp_path / "r.json").exists()  # a partial run is not the result (nor overwrites an earlier one)

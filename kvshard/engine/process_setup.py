@@ -100,10 +100,10 @@ def rank_environment() -> Iterator[None]:
     try:
         yield
     finally:
+        if ctrl_c is not None:  # first: a signal's KeyboardInterrupt during the rest must not leave Ctrl-C ignored
+            signal.signal(signal.SIGINT, ctrl_c)
         for name in added:
             os.environ.pop(name, None)
-        if ctrl_c is not None:
-            signal.signal(signal.SIGINT, ctrl_c)
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
