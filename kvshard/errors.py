@@ -12,6 +12,10 @@ class RequestSettingsError(ValueError):
     invalid_request = True
 
 
+# Why a server that is stopping refuses requests and ends those still open: not an engine failure, and said as such
+SERVER_STOPPING = "the server is shutting down"
+
+
 def json_object_setting(value: str | dict, flag: str, example: str) -> dict:
     """A setting given as a JSON object on the command line (a string) or as a dict in Python."""
     import json

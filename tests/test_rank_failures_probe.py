@@ -407,7 +407,7 @@ def test_sigterm_ends_an_open_stream_with_an_error_event_not_a_cut_connection(tm
     print(f"SIGTERM with a stream open: the stream ended after {ended_after:.2f} s")
     assert rest[-1] == "data: [DONE]"
     error = json.loads(rest[-2].removeprefix("data: "))["error"]
-    assert error["code"] == "engine_dead" and "the server is shutting down" in error["message"], error
+    assert (error["code"], error["message"]) == ("server_shutting_down", "the server is shutting down"), error
     assert ended_after < END_REQUESTS_S + MARGIN_S
     assert code == 0, server.log
     assert "timeout graceful shutdown exceeded" not in server.log

@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from kvshard.engine.llm_engine import EngineDeadError, LLMEngine
+from kvshard.errors import SERVER_STOPPING
 from kvshard.metrics import ServerMetrics
 from kvshard.outputs import RequestOutput
 from kvshard.sampling_params import SamplingParams, StructuredOutputsParams
@@ -195,7 +196,7 @@ class AsyncLLMEngine:
             logger.exception("engine loop failed")
             self._fail(f"the engine loop failed: {error!r}")
         else:
-            self._fail("the server is shutting down", dead=False)
+            self._fail(SERVER_STOPPING, dead=False)
         finally:
             self._release_requests()
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from kvshard import envs
 from kvshard.config import ConfigError, EngineConfig
 from kvshard.engine.arg_utils import EngineArgs
+from kvshard.errors import SERVER_STOPPING
 
 
 def add_serve_parser(subparsers) -> None:
@@ -284,7 +285,7 @@ def _serve(config: EngineConfig, master: tuple[str, int] | None, listener: socke
               f"(health: /health, metrics: /metrics)", flush=True)
         http_config = uvicorn_config(with_connection_transport(server.app), args, log_level="info",
                                      timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-        http_server = ending_http_server(http_config, lambda: server.engine.refuse("the server is shutting down"))
+        http_server = ending_http_server(http_config, lambda: server.engine.refuse(SERVER_STOPPING))
         try:
             http_server.run(sockets=[listener])
         except KeyboardInterrupt:

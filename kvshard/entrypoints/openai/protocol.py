@@ -13,6 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
+from kvshard.errors import SERVER_STOPPING
 from kvshard.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 # Used when the tokenizer brings no chat template of its own.
@@ -47,6 +48,9 @@ class APIError(Exception):
 
 
 def _engine_dead(reason: str) -> APIError:
+    """A 503 for a request the engine cannot serve: it died (the reason says why), or the server is stopping."""
+    if reason == SERVER_STOPPING:
+        return APIError(503, reason, code="server_shutting_down", type="server_error")
     return APIError(503, f"the engine is dead: {reason}", code="engine_dead", type="server_error")
 
 
