@@ -411,3 +411,49 @@ def test_sigterm_ends_an_open_stream_with_an_error_event_not_a_cut_connection(tm
     assert ended_after < END_REQUESTS_S + MARGIN_S
     assert code == 0, server.log
     assert "timeout graceful shutdown exceeded" not in server.log
+
+
+def _engine_generating_forever(log_file: str, pid_file: str) -> None:
+    """Rank 0 of a DCP engine that generates without end, its stderr (and its ranks') in `log_file`; rank 1's
+    pid in `pid_file` once the engine has started (run in a process of its own)."""
+    fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 2)
+    executor.RANK_START_METHOD = "spawn"  # the rank inherits this stderr (the suite's forkserver's is its own)
+    llm = LLM(MODEL, **LLM_ARGS)
+    Path(pid_file).write_text(str(llm.engine.executor.local_ranks.processes[1].pid))
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    while True:
+        llm.generate(["tell me a story"] * 4, params, use_tqdm=False)
+
+
+def test_ranks_say_in_one_line_that_rank_0_is_gone_when_it_is_killed_mid_step(tmp_path):
+    """Before: every rank printed the traceback of the collective it waited in (PeerGoneError) once a serving
+    rank 0 was killed: noise where the user stopped the server."""
+    log_file, pid_file = tmp_path / "ranks.log", tmp_path / "rank1.pid"
+    rank0 = multiprocessing.get_context("forkserver").Process(target=_engine_generating_forever,
+                                                              args=(str(log_file), str(pid_file)))
+    rank0.start()
+    rank1 = None
+    try:
+        deadline = time.monotonic() + 120
+        while not pid_file.exists() or not pid_file.read_text():
+            assert rank0.is_alive() and time.monotonic() < deadline, "the engine never started"
+            time.sleep(0.05)
+        rank1 = int(pid_file.read_text())
+        time.sleep(1.0)  # in the middle of generating
+        rank0.kill()
+        rank0.join(10)
+        killed = time.monotonic()
+        while alive(rank1) and time.monotonic() - killed < MARGIN_S:
+            time.sleep(0.05)
+        assert not alive(rank1), "rank 1 outlived rank 0"
+    finally:
+        if rank0.is_alive():
+            rank0.kill()
+            rank0.join(10)
+        if rank1 is not None and alive(rank1):
+            os.kill(rank1, signal.SIGKILL)
+    said = [line for line in log_file.read_text().splitlines() if line.strip() and "Warning" not in line]
+    print("\n".join(said))
+    assert not any("Traceback" in line for line in said), said
+    assert len(said) == 1 and re.fullmatch(r"kvshard: rank 1: .*(rank 0|pid \d+).*this rank stops", said[0]), said

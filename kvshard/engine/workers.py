@@ -28,6 +28,7 @@ from kvshard.engine.process_setup import configure_process
 from kvshard.engine.rank_messages import Heartbeat, RankMessage, Shutdown, receive
 from kvshard.engine.step_plan import StepPlan
 from kvshard.envs import heartbeat_interval_s, heartbeat_timeout_s
+from kvshard.shm import PeerGoneError
 from kvshard.parallel import (
     exchange_heartbeat,
     heartbeat_key,
@@ -128,6 +129,12 @@ def spawned_worker(config: EngineConfig, rank: int, master: tuple[str, int], bea
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         run_worker(config, rank, master, beats)
+    except PeerGoneError as error:
+        # another rank's process ended in the middle of a collective: rank 0 (killed, or a server stopped) or a
+        # rank whose own error rank 0 reports. Not this rank's fault: one line, not a traceback of its wait
+        print(f"kvshard: rank {rank}: {error}; this rank stops", file=sys.stderr, flush=True)
+        _hand_over(errors, error)
+        raise SystemExit(1)
     except Exception as error:
         if not isinstance(error, ConfigError):
             traceback.print_exc()
