@@ -1,4 +1,5 @@
-"""The OpenMP wait settings ranks start with: a short spin by default, the user's own settings untouched."""
+"""The OpenMP wait settings ranks start with: a short spin by default, the user's own settings untouched; ranks
+spawned from a script read from stdin."""
 
 from __future__ import annotations
 
@@ -34,3 +35,20 @@ def test_importing_kvshard_sets_the_spin_before_torch_loads():
     code = "import os, kvshard, torch; print(os.environ.get('GOMP_SPINCOUNT'))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == str(OPENMP_SPIN_ROUNDS)
+
+
+STDIN_SCRIPT = """
+import __main__
+from kvshard import LLM, SamplingParams
+llm = LLM("kvshard-demo", tensor_parallel_size=2, max_model_len=128, kv_cache_memory="8MiB")
+out = llm.generate(["hello"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
+print("tokens", len(out[0].outputs[0].token_ids), "main file", __main__.__file__)
+"""
+
+
+def test_a_script_read_from_stdin_spawns_its_ranks(tmp_path):
+    """Before: `python - <<EOF` with tensor_parallel_size=2 failed as the spawned rank tried to run "<stdin>"."""
+    out = subprocess.run([sys.executable, "-"], input=STDIN_SCRIPT, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "tokens 3 main file <stdin>"  # given back to the script after

@@ -97,13 +97,28 @@ def rank_environment() -> Iterator[None]:
     os.environ.update(added)
     ctrl_c = (signal.signal(signal.SIGINT, signal.SIG_IGN) if threading.current_thread() is threading.main_thread()
               else None)
+    main, main_file = _main_without_a_file()
     try:
         yield
     finally:
         if ctrl_c is not None:  # first: a signal's KeyboardInterrupt during the rest must not leave Ctrl-C ignored
             signal.signal(signal.SIGINT, ctrl_c)
+        if main_file is not None:
+            main.__file__ = main_file
         for name in added:
             os.environ.pop(name, None)
+
+
+def _main_without_a_file():
+    """A script read from stdin (`python - <<EOF`) names its `__main__` file "<stdin>", which a spawned process
+    would try to run again, and fail on before it starts the rank. The ranks need nothing of the caller's script:
+    while they are spawned, such a name (one that is not a file) is hidden. Returns (module, the name hidden)."""
+    main = sys.modules.get("__main__")
+    name = getattr(main, "__file__", None)
+    if main is None or name is None or getattr(main, "__spec__", None) is not None or os.path.isfile(name):
+        return main, None
+    del main.__file__
+    return main, name
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
