@@ -66,6 +66,14 @@ class _RequestState:
     arrival: float = field(default_factory=time.monotonic)
     last_token_time: float | None = None
     num_tokens: int = 0
+    # each sequence's finish reason as last delivered (None: running): a request that ends early (aborted, failed)
+    # counts the sequences that had finished already under their own reason
+    finish_reasons: list[str | None] = field(default_factory=list)
+
+    def reasons_if_ended(self, reason: str) -> list[str]:
+        """The finish reasons of its sequences if the request ended now with `reason`."""
+        known = self.finish_reasons or [None] * self.num_seqs
+        return [finished or reason for finished in known]
 
 
 class AsyncLLMEngine:
@@ -172,7 +180,7 @@ class AsyncLLMEngine:
             state = self._requests.pop(request_id, None)
         if state is None:
             return
-        self.metrics.observe_finished(["abort"] * state.num_seqs, time.monotonic() - state.arrival)
+        self.metrics.observe_finished(state.reasons_if_ended("abort"), time.monotonic() - state.arrival)
         self._commands.put(_Abort(request_id))
 
     # --- the loop (engine thread) ---------------------------------------------------------
@@ -245,6 +253,7 @@ class AsyncLLMEngine:
                 if state is None:
                     continue  # aborted by its client while the step ran
                 self._observe_tokens(state, output, now)
+                state.finish_reasons = [c.finish_reason for c in output.outputs]
                 if output.finished:
                     del self._requests[output.request_id]
                     self.metrics.observe_finished([c.finish_reason for c in output.outputs], now - state.arrival)
@@ -278,7 +287,7 @@ class AsyncLLMEngine:
             logger.error("engine is dead: %s", reason)
         now = time.monotonic()
         for state in open_requests:
-            self.metrics.observe_finished(["error" if dead else "abort"] * state.num_seqs, now - state.arrival)
+            self.metrics.observe_finished(state.reasons_if_ended("error" if dead else "abort"), now - state.arrival)
         if open_requests:
             error = EngineDeadError(reason)
             self._loop.call_soon_threadsafe(_put_all, [(state.queue, error) for state in open_requests])

@@ -2,8 +2,13 @@
 
 Text grows by one token at a time with the `tokenizers` library's streaming
 decoder (`DecodeStream`), so a step costs O(1) per sequence instead of
-decoding every output token again. Stop strings are searched only where the
-new text could complete one, and the text is cut before the first match.
+decoding every output token again. Each sequence's decoder first reads the end
+of its prompt, so that the first output token reads as it does after the
+prompt (SentencePiece decoders drop a leading space at the start of a text:
+" Paris" would come out "Paris"), as vLLM does. Stop strings are searched only
+where the new text could complete one, and the text is cut before the first
+match; a stop token (EOS, `stop_token_ids`) ends the output without its text,
+as vLLM's (its id stays in `token_ids`).
 """
 
 from __future__ import annotations
@@ -50,14 +55,11 @@ class OutputProcessor:
         """Add a sampled token to its sequence; the reason it finishes, or None."""
         seq.output_token_ids.append(token)
         params = seq.params
+        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+            return "stop"  # its text is not part of the output (vLLM's, without include_stop_str_in_output)
         previous_len = len(seq.text)
         if self._backend is not None:
-            stream = self._streams.setdefault(seq.seq_id, DecodeStream(skip_special_tokens=True))
-            seq.text += stream.step(self._backend, token) or ""  # None: a character is still incomplete
-        if not params.ignore_eos and token in self.eos_token_ids:
-            return "stop"
-        if token in params.stop_token_ids:
-            return "stop"
+            seq.text += self._stream(seq).step(self._backend, token) or ""  # None: a character is incomplete
         if _stop_strings_apply(seq):
             cut = min((found for stop in params.stop
                        if (found := seq.text.find(stop, max(0, previous_len - len(stop) + 1))) != -1), default=-1)
@@ -69,6 +71,16 @@ class OutputProcessor:
         if seq.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+    def _stream(self, seq: Sequence) -> DecodeStream:
+        """The sequence's streaming decoder, made at its first token and primed with the end of its prompt."""
+        stream = self._streams.get(seq.seq_id)
+        if stream is None:
+            stream = DecodeStream(skip_special_tokens=True)
+            for token in _prompt_context(self.tokenizer, seq.prompt_token_ids):
+                stream.step(self._backend, token)
+            self._streams[seq.seq_id] = stream
+        return stream
 
     def output(self, request: Request) -> RequestOutput:
         completions = [
@@ -89,6 +101,21 @@ class OutputProcessor:
     def release(self, request: Request) -> None:
         for seq in request.seqs:
             self._streams.pop(seq.seq_id, None)
+
+
+# The prompt tokens a sequence's decoder reads before its first output token: from MIN to MAX of the prompt's last
+# ones, the fewest that decode to whole characters (a piece of a character would come out with the first token).
+PROMPT_CONTEXT_MIN, PROMPT_CONTEXT_MAX = 4, 24
+
+
+def _prompt_context(tokenizer, prompt: list[int]) -> list[int]:
+    if len(prompt) <= PROMPT_CONTEXT_MIN:
+        return prompt
+    for length in range(PROMPT_CONTEXT_MIN, min(len(prompt), PROMPT_CONTEXT_MAX) + 1):
+        suffix = prompt[-length:]
+        if "\ufffd" not in tokenizer.decode(suffix, skip_special_tokens=True):
+            return suffix
+    return prompt[-PROMPT_CONTEXT_MAX:]
 
 
 def _stop_strings_apply(seq: Sequence) -> bool:

@@ -86,6 +86,61 @@ class LLM:
             raise
         return [finished[i] for i in ids]
 
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate a reply to one conversation (a list of `{"role", "content"}` messages) or to each of a list of
+        them, as vLLM's `LLM.chat`: each is rendered with the chat template the server uses (`chat_template`, else
+        the tokenizer's own, else a plain `role: content` one) and generated from as `generate` does; an output's
+        `prompt` is the rendered conversation."""
+        from kvshard.entrypoints.openai.protocol import (DEFAULT_CHAT_TEMPLATE, APIError, ChatMessage, ChatTool,
+                                                         check_messages)
+        from kvshard.entrypoints.openai.serving_chat import shipped_template
+        from pydantic import ValidationError
+
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it cannot chat: call generate with token ids")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of messages, or a list of such lists")
+        conversations = messages if all(isinstance(m, list) for m in messages) else [messages]
+        tool_specs = None
+        try:
+            if tools is not None:
+                tool_specs = [ChatTool.model_validate(tool).function.for_template() for tool in tools] or None
+            rendered_conversations = []
+            for conversation in conversations:
+                if not conversation:
+                    raise ValueError("a conversation needs at least one message")
+                parsed = [ChatMessage.model_validate(message) for message in conversation]
+                check_messages(parsed)
+                rendered_conversations.append([message.for_template() for message in parsed])
+        except APIError as error:
+            raise ValueError(error.message) from None
+        except ValidationError as error:  # a ValueError naming the field
+            raise ValueError(f"messages: {error}") from None
+        own = getattr(tokenizer, "chat_template", None)
+        texts, prompts = [], []
+        for conversation in rendered_conversations:
+            template = chat_template
+            if template is None:
+                with_tools = bool(tool_specs) or any(m["role"] == "tool" or m.get("tool_calls") for m in conversation)
+                template = DEFAULT_CHAT_TEMPLATE if not own else (shipped_template(own) if with_tools else None)
+            text = tokenizer.apply_chat_template(conversation, tools=tool_specs, chat_template=template,
+                                                 tokenize=False, add_generation_prompt=add_generation_prompt)
+            texts.append(text)
+            prompts.append(tokenizer.encode(text, add_special_tokens=False))  # the template wrote them
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        for output, text in zip(outputs, texts):
+            output.prompt = text
+        return outputs
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (as vLLM's `LLM.reset_prefix_cache`); running requests keep their blocks."""
         self.engine.reset_prefix_cache()

@@ -79,6 +79,7 @@ def _check_prompt(value: Any) -> Any:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False)
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class _GenerationRequest(BaseModel):
@@ -216,6 +217,10 @@ class _GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(_GenerationRequest):
     prompt: Annotated[Any, BeforeValidator(_check_prompt)]
@@ -321,11 +326,20 @@ def _loads_or_text(text: str) -> Any:
     return value if isinstance(value, dict) else text
 
 
+def _object_parameters(value: Any) -> Any:
+    """A function's parameters: a JSON schema of an object, as OpenAI requires (a call's arguments are a JSON
+    object); one that declares another type is refused rather than constrained to, or parsed as, a non-object."""
+    if isinstance(value, dict) and "type" in value and value["type"] != "object":
+        raise ValueError(f'a function\'s parameters must be a JSON schema of type "object" (a call\'s arguments are a '
+                         f"JSON object), got type {json.dumps(value['type'])}")
+    return value
+
+
 class FunctionDefinition(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: Annotated[dict[str, Any] | None, BeforeValidator(_object_parameters)] = None
     strict: bool | None = None
 
     def schema_(self) -> dict[str, Any]:
@@ -355,7 +369,32 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+def _tool_choice_shape(named: str, own_key: str, other_key: str, other_form: str) -> Any:
+    """A before-validator of tool_choice: a string or object of another shape (the other API's named form, an
+    `allowed_tools` choice, a typo) gets a message that names the accepted forms, not pydantic's union's.
+    `named`: this API's named-function form, whose name is under `own_key`; `other_form`: the other API's, under
+    `other_key`."""
+    accepted = f'"none", "auto", "required" or {named}'
+
+    def check(value: Any) -> Any:
+        if value is None or value in ("none", "auto", "required"):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"must be {accepted}, got {json.dumps(value, default=str)[:200]}")
+        if value.get("type") != "function":
+            raise ValueError(f"a tool_choice of type {json.dumps(value.get('type'), default=str)[:200]} is not "
+                             f"supported by kvshard; give {accepted}")
+        if own_key not in value:
+            raise ValueError(f"name the function as {named}" + (f"; {other_form}" if other_key in value else ""))
+        return value
+
+    return check
+
+
+ToolChoice = Annotated[Literal["none", "auto", "required"] | NamedToolChoice,
+                       BeforeValidator(_tool_choice_shape(
+                           '{"type": "function", "function": {"name": ...}}', "function", "name",
+                           '{"type": "function", "name": ...} is the Responses API\'s form'))]
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -473,7 +512,7 @@ class ResponsesFunctionTool(BaseModel):
     type: Literal["function"]
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: Annotated[dict[str, Any] | None, BeforeValidator(_object_parameters)] = None
     strict: bool | None = None
 
     def as_chat_tool(self) -> ChatTool:
@@ -511,7 +550,10 @@ class ResponsesRequest(BaseModel):
                                      "a lone text goes as input itself, a string")
         return value
     tools: list[ResponsesFunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedTool | None = None
+    tool_choice: Annotated[Literal["none", "auto", "required"] | ResponsesNamedTool | None,
+                           BeforeValidator(_tool_choice_shape(
+                               '{"type": "function", "name": ...}', "name", "function",
+                               '{"type": "function", "function": {"name": ...}} is the chat completions form'))] = None
     parallel_tool_calls: bool | None = None
     text: ResponsesTextConfig | None = None
     max_output_tokens: int | None = None
@@ -525,10 +567,32 @@ class ResponsesRequest(BaseModel):
     seed: int | None = None  # vLLM's extension
     structured_outputs: dict[str, Any] | None = None  # vLLM's: here only {"disable_any_whitespace": bool}
     background: bool | None = None
+    # OpenAI's fields kvshard does not implement: declared so that a value that asks for something is refused
+    # (check_supported) rather than silently ignored
+    conversation: Any = None
+    prompt: Any = None
+    include: Any = None
+    top_logprobs: Any = None
+    reasoning: Any = None
 
     def check_supported(self) -> None:
         if self.background:
             raise APIError(400, "background is not supported by kvshard; leave it out", "background")
+        for name, what in (("conversation", "conversations are not kept: send the items, or previous_response_id"),
+                           ("prompt", "stored prompts are not kept: send instructions and input")):
+            if getattr(self, name) is not None:
+                raise APIError(400, f"{name} is not supported by kvshard ({what}); leave it out", name)
+        if self.include is not None and not isinstance(self.include, list):
+            raise APIError(400, "include must be a list of strings", "include")
+        if "message.output_text.logprobs" in (self.include or []) or self.top_logprobs not in (None, 0):
+            param = "top_logprobs" if self.top_logprobs not in (None, 0) else "include"
+            raise APIError(400, "logprobs are not supported by kvshard's Responses API (include "
+                                "message.output_text.logprobs, top_logprobs); /v1/chat/completions gives them",
+                           param)
+        if isinstance(self.reasoning, dict) and any(self.reasoning.get(key) is not None
+                                                    for key in ("summary", "generate_summary")):
+            raise APIError(400, "reasoning summaries are not supported by kvshard (its models write no reasoning "
+                                "items); leave reasoning.summary out", "reasoning.summary")
         if self.truncation == "auto":  # accepted and ignored, the client would believe items were dropped
             raise APIError(400, 'truncation "auto" is not supported: kvshard drops no input item; leave it out (or '
                                 'send "disabled") and keep the conversation within the model\'s context length',

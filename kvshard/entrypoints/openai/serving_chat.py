@@ -42,8 +42,8 @@ def tool_constraint(tools: list[ChatTool], mode: str, named: str | None,
     """What the model must write for tool_choice "required" (a JSON array of calls, one call unless parallel
     calls are allowed) or a named function (its arguments object)."""
     if mode == "named":
-        function = next(tool.function for tool in tools if tool.function.name == named)
-        return StructuredOutputsParams(json=function.schema_())
+        index, function = next((i, tool.function) for i, tool in enumerate(tools) if tool.function.name == named)
+        return _tools_constraint(function.schema_(), f"tools.{index}.function.parameters")
     if mode != "required":
         return None
     calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [tool.function.name]},
@@ -53,7 +53,18 @@ def tool_constraint(tools: list[ChatTool], mode: str, named: str | None,
                              "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
     if not parallel:
         array["maxItems"] = 1
-    return StructuredOutputsParams(json=array)
+    return _tools_constraint(array, "tools")
+
+
+def _tools_constraint(schema: dict[str, Any], param: str) -> StructuredOutputsParams:
+    """The constraint of a schema made from the tools; one the constraint's limits refuse (a schema longer than
+    MAX_CONSTRAINT_CHARS) is a 400 naming the tools."""
+    try:
+        return StructuredOutputsParams(json=schema)
+    except ValueError as error:
+        words = str(error).removeprefix("structured_outputs.json").strip()
+        said = param if param != "tools" else "tools: the schema of the calls, made from every tool's parameters,"
+        raise APIError(400, f"{said} {words}", param) from None
 
 
 def chat_message(text: str, finish_reason: str | None, parser: ToolParser | None, mode: str,
@@ -104,11 +115,25 @@ class ChatServing:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None, asked)
         self._check_choices(1, params.n)
-        await self._check_constraint(asked, field)
+        try:
+            await self._check_constraint(asked, field)
+        except APIError:
+            if field == "tools":  # said of the tool the client wrote, not of the calls' schema built around it
+                await self._check_tool_schemas(body, mode)
+            raise
         tools = [tool.function.for_template() for tool in body.tools] if body.tools else None
         rendered = await self._render_chat([m.for_template() for m in body.messages], tools,
                                            body.add_generation_prompt)
         return params, await self._tokenize([rendered], params, "messages")
+
+    async def _check_tool_schemas(self, body: ChatCompletionRequest, mode: str) -> None:
+        """The first tool whose parameters alone do not compile (of those `mode` constrains to): a 400 naming
+        it, `tools.N.function.parameters`, with the place inside its own schema."""
+        for index, tool in enumerate(body.tools or []):
+            if mode == "named" and tool.function.name != body.named_tool:
+                continue
+            alone = body.with_whitespace_option(StructuredOutputsParams(json=tool.function.schema_()))
+            await self._check_constraint(alone, f"tools.{index}.function.parameters")
 
     def _tool_parser_for(self, body: ChatCompletionRequest) -> tuple[ToolParser | None, str, int | None]:
         mode = body.tool_mode
@@ -153,7 +178,8 @@ class ChatServing:
                     return None
                 return {"index": delta.index, "delta": shaped, "logprobs": logprobs, "finish_reason": finish}
 
-            return self._stream(envelope, request_id, prompts, params, body.include_usage, shape, first_choices=roles)
+            return self._stream(envelope, request_id, prompts, params, body.include_usage, shape, first_choices=roles,
+                                continuous_usage=body.continuous_usage)
 
         outputs = await _unless_disconnected(request, _final_outputs(self.engine, request_id, prompts, params))
         if outputs is None:

@@ -41,7 +41,7 @@ class CompletionServing:
             return self._stream(envelope, request_id, prompts, params, body.include_usage, lambda delta: {
                 "index": delta.index, "text": delta.text,
                 "logprobs": self._completion_logprobs(delta.token_ids, delta.logprobs, cursors, delta.index),
-                "finish_reason": delta.finish_reason})
+                "finish_reason": delta.finish_reason}, continuous_usage=body.continuous_usage)
 
         outputs = await _unless_disconnected(request, _final_outputs(self.engine, request_id, prompts, params))
         if outputs is None:

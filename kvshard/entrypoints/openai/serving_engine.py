@@ -305,16 +305,27 @@ class ServingBase:
 
     def _stream(self, envelope: dict, request_id: str, prompts: list[list[int]], params: SamplingParams,
                 include_usage: bool, choice: Callable[[_ChoiceDelta], dict | None],
-                first_choices: list[dict] | None = None) -> StreamingResponse:
+                first_choices: list[dict] | None = None, continuous_usage: bool = False) -> StreamingResponse:
         """SSE: `first_choices` one event each, then one event per delta (shaped by `choice`), the usage
-        if asked for, an error event if the engine dies or the request fails, and [DONE]."""
+        if asked for, an error event if the engine dies or the request fails, and [DONE].
+
+        With `include_usage`, as OpenAI: every chunk has `usage`, null but in the last one (`choices: []`); with
+        `continuous_usage` (vLLM's `continuous_usage_stats`) each chunk's is the request's usage so far."""
         cut = asyncio.Event()
+        completion_tokens = 0
+        cached_tokens: dict[int, int] = {}  # per prompt
+
+        def event(choices: list[dict], final: bool = False) -> str:
+            if not include_usage:
+                return _sse({**envelope, "choices": choices})
+            usage = (_usage(prompts, completion_tokens, sum(cached_tokens.values()))
+                     if final or continuous_usage else None)
+            return _sse({**envelope, "choices": choices, "usage": usage})
 
         async def events() -> AsyncIterator[str]:
+            nonlocal completion_tokens
             for first in first_choices or []:
-                yield _sse({**envelope, "choices": [first]})
-            completion_tokens = 0
-            cached_tokens: dict[int, int] = {}  # per prompt
+                yield event([first])
             try:
                 async for delta in _deltas(self.engine, request_id, prompts, params, self.max_stream_backlog, cut,
                                            self.stream_interval):
@@ -322,10 +333,9 @@ class ServingBase:
                     cached_tokens[delta.prompt_index] = delta.num_cached_tokens
                     shaped = choice(delta)
                     if shaped is not None:  # None: nothing to send yet (a tool call's text held back)
-                        yield _sse({**envelope, "choices": [shaped]})
+                        yield event([shaped])
                 if include_usage:
-                    usage = _usage(prompts, completion_tokens, sum(cached_tokens.values()))
-                    yield _sse({**envelope, "choices": [], "usage": usage})
+                    yield event([], final=True)
             except EngineDeadError as error:
                 yield _sse(_engine_dead(str(error)).body())
             except APIError as error:

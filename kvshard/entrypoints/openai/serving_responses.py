@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections import OrderedDict
@@ -121,6 +122,11 @@ def _in_responses_names(error: APIError) -> APIError:
     """An error the chat route found in the chat request that a Responses request became, named as the client
     wrote it."""
     head = (error.param or "").split(".")[0]
+    function = re.match(r"tools\.\d+\.function(?=\.|$)", error.param or "")
+    if function:  # a tool's fields: flat in the Responses API's tools
+        flat = function.group(0).removesuffix(".function")
+        return APIError(error.status, error.message.replace(function.group(0), flat),
+                        flat + (error.param or "")[function.end():], error.code, error.type)
     if head not in _RESPONSES_NAMES:
         return error
     name = _RESPONSES_NAMES[head]
@@ -176,8 +182,11 @@ class ResponsesServing:
         shell = {"id": response_id, "object": "response", "created_at": int(time.time()), "model": body.model,
                  "instructions": body.instructions, "metadata": body.metadata or {},
                  "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
-                 "tool_choice": body.tool_choice if isinstance(body.tool_choice, str) or body.tool_choice is None
-                 else body.tool_choice.model_dump(), "parallel_tool_calls": body.parallel_tool_calls is not False,
+                 # OpenAI's default when none is given ("auto"): the field is never null in a response
+                 "tool_choice": ("auto" if body.tool_choice is None else
+                                 body.tool_choice if isinstance(body.tool_choice, str) else
+                                 body.tool_choice.model_dump()),
+                 "parallel_tool_calls": body.parallel_tool_calls is not False,
                  "temperature": body.temperature, "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
                  "previous_response_id": body.previous_response_id, "text": {"format": (body.text.format if body.text
                                                                                         and body.text.format else
@@ -336,6 +345,6 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
 def _responses_usage(prompts: list[list[int]], output_tokens: int, cached_tokens: int) -> dict:
     input_tokens = sum(len(p) for p in prompts)
     return {"input_tokens": input_tokens, "output_tokens": output_tokens, "total_tokens": input_tokens + output_tokens,
-            "input_tokens_details": {"cached_tokens": cached_tokens},
+            "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
             "output_tokens_details": {"reasoning_tokens": 0}}
 

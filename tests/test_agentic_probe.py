@@ -1,0 +1,205 @@
+"""Agents' API as a client meets it: tool definitions and tool_choice of the wrong shape, tool schemas that fail,
+the Responses API's objects read by the official SDK's own types, and the Responses fields kvshard would
+otherwise ignore.
+
+One server in this process (`kvshard-demo-gqa` at tp=1, the hermes parser, fastapi's TestClient running its
+lifespan, so that the engine loop runs): every request here is either refused at the door or asks for a few
+tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+
+DEMO = "kvshard-demo-gqa"
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+           "additionalProperties": False}
+CHAT_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}
+RESPONSES_TOOL = {"type": "function", "name": "get_weather", "parameters": WEATHER}
+MESSAGES = [{"role": "user", "content": "What is the weather in Oslo?"}]
+COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator:
+    from fastapi.testclient import TestClient
+
+    from kvshard.engine.arg_utils import EngineArgs
+    from kvshard.engine.llm_engine import LLMEngine
+    from kvshard.entrypoints.openai_server import OpenAIServer
+
+    engine = LLMEngine(EngineArgs(model=DEMO, max_model_len=256, kv_cache_memory="16MiB").create_engine_config())
+    server = OpenAIServer(engine, [DEMO], enable_auto_tool_choice=True, tool_call_parser="hermes")
+    with TestClient(server.app) as test_client:
+        yield test_client
+
+
+def chat(client, **fields):
+    return client.post("/v1/chat/completions", json={"model": DEMO, "messages": MESSAGES, "max_tokens": 4,
+                                                     "temperature": 0, **fields})
+
+
+def responses(client, **fields):
+    return client.post("/v1/responses", json={"model": DEMO, "max_output_tokens": 4, "temperature": 0, **fields})
+
+
+def events(client, **fields) -> list[dict]:
+    with client.stream("POST", "/v1/responses", json={"model": DEMO, "max_output_tokens": 4, "temperature": 0,
+                                                      "stream": True, **fields}) as answer:
+        assert answer.status_code == 200, answer.read()
+        return [json.loads(line[6:]) for line in answer.iter_lines() if line.startswith("data: ")]
+
+
+def refused(answer, param: str, *said: str) -> str:
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    for words in said:
+        assert words in error["message"], error["message"]
+    return error["message"]
+
+
+# --- the Responses API's objects, as the SDK's types read them --------------------------------------------------
+
+def test_responses_objects_fit_the_sdks_types(client):
+    """A response without tool_choice echoes OpenAI's default ("auto"), never null, and its usage has every
+    field the SDK's ResponseUsage requires; streamed, each event fits its own event type."""
+    from openai.types import responses as types
+
+    event_types = {"response.created": types.ResponseCreatedEvent,
+                   "response.in_progress": types.ResponseInProgressEvent,
+                   "response.output_item.added": types.ResponseOutputItemAddedEvent,
+                   "response.output_item.done": types.ResponseOutputItemDoneEvent,
+                   "response.content_part.added": types.ResponseContentPartAddedEvent,
+                   "response.content_part.done": types.ResponseContentPartDoneEvent,
+                   "response.output_text.delta": types.ResponseTextDeltaEvent,
+                   "response.output_text.done": types.ResponseTextDoneEvent,
+                   "response.function_call_arguments.delta": types.ResponseFunctionCallArgumentsDeltaEvent,
+                   "response.function_call_arguments.done": types.ResponseFunctionCallArgumentsDoneEvent,
+                   "response.completed": types.ResponseCompletedEvent,
+                   "response.incomplete": types.ResponseIncompleteEvent}
+    plain = dict(input="Hello")
+    called = dict(input="Weather in Oslo?", tools=[RESPONSES_TOOL], tool_choice="required", max_output_tokens=40,
+                  **COMPACT)
+    for request, choice in ((plain, "auto"), (called, "required")):
+        answer = responses(client, **request)
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        assert body["tool_choice"] == choice
+        parsed = types.Response.model_validate(body)  # raises on a null tool_choice or a missing usage field
+        assert parsed.usage.input_tokens_details.cached_tokens >= 0
+        streamed = events(client, **request)
+        kinds = [event["type"] for event in streamed]
+        assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+        for event in streamed:
+            event_types[event["type"]].model_validate(event)
+        assert streamed[0]["response"]["tool_choice"] == choice
+    assert "response.function_call_arguments.delta" in kinds  # the second request's calls were streamed
+
+
+# --- Responses fields that would otherwise be ignored --------------------------------------------------------
+
+@pytest.mark.parametrize("fields, param", [
+    ({"conversation": "conv_123"}, "conversation"),
+    ({"conversation": {"id": "conv_123"}}, "conversation"),
+    ({"prompt": {"id": "pmpt_123", "version": "2"}}, "prompt"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"reasoning": {"effort": "low", "summary": "auto"}}, "reasoning.summary"),
+    ({"include": "message.output_text.logprobs"}, "include"),
+])
+def test_responses_refuses_what_it_would_ignore(client, fields, param):
+    refused(responses(client, input="Hello", **fields), param, "not supported" if param != "include" or
+            isinstance(fields["include"], list) else "must be a list")
+
+
+def test_responses_takes_the_no_op_values_of_those_fields(client):
+    """What asks for nothing still passes: the Agents SDK's empty include, an encrypted-reasoning include (there is
+    no reasoning to include), top_logprobs 0, a reasoning effort for a model that writes no reasoning."""
+    for fields in ({"include": []}, {"include": ["reasoning.encrypted_content"]}, {"top_logprobs": 0},
+                   {"reasoning": {"effort": "low"}}, {"conversation": None, "prompt": None}):
+        answer = responses(client, input="Hello", max_output_tokens=1, **fields)
+        assert answer.status_code == 200, (fields, answer.text)
+
+
+# --- tool_choice and tools of the wrong shape ----------------------------------------------------------------
+
+def test_tool_choice_of_another_shape_names_the_accepted_forms(client):
+    chat_named = '{"type": "function", "function": {"name": ...}}'
+    flat_named = '{"type": "function", "name": ...}'
+    # the Responses API's flat form sent to chat completions, and the other way round
+    message = refused(chat(client, tools=[CHAT_TOOL], tool_choice={"type": "function", "name": "get_weather"}),
+                      "tool_choice", chat_named, "Responses API")
+    assert "Input should be" not in message
+    refused(responses(client, input="Hi", tools=[RESPONSES_TOOL],
+                      tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+            "tool_choice", flat_named, "chat completions form")
+    refused(chat(client, tools=[CHAT_TOOL], tool_choice={"type": "allowed_tools", "mode": "auto", "tools": []}),
+            "tool_choice", '"allowed_tools" is not supported', chat_named)
+    refused(chat(client, tools=[CHAT_TOOL], tool_choice="always"), "tool_choice", '"required" or', 'got "always"')
+    refused(responses(client, input="Hi", tools=[RESPONSES_TOOL], tool_choice={"type": "function"}),
+            "tool_choice", f"name the function as {flat_named}")
+
+
+def test_tool_parameters_must_be_an_object_schema(client):
+    """A call's arguments are a JSON object: a tool whose parameters declare another type is refused (named, it
+    was constrained to that type and answered arguments that are not an object, nor even JSON)."""
+    string_tool = {"type": "function", "function": {"name": "echo", "parameters": {"type": "string"}}}
+    refused(chat(client, tools=[string_tool], tool_choice={"type": "function", "function": {"name": "echo"}}),
+            "tools", 'tools.0.function.parameters: a function\'s parameters must be a JSON schema of type "object"',
+            'got type "string"')
+    refused(chat(client, tools=[CHAT_TOOL, {"type": "function", "function": {
+        "name": "f", "parameters": {"type": ["object", "null"], "properties": {}}}}]), "tools",
+        "tools.1.function.parameters", 'got type ["object", "null"]')
+    refused(responses(client, input="Hi", tools=[{"type": "function", "name": "echo", "parameters": {"type": "array"}}],
+                      tool_choice="required"), "tools", "tools.0.parameters: a function's parameters", '"array"')
+    # an object schema without "type" (a root $ref, as pydantic writes for recursive models) is still taken
+    ref_tool = {"type": "function", "function": {"name": "r", "parameters": {
+        "$defs": {"A": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
+                        "required": ["x"], "additionalProperties": False}}, "$ref": "#/$defs/A"}}}
+    answer = chat(client, tools=[ref_tool], tool_choice={"type": "function", "function": {"name": "r"}},
+                  max_tokens=12, **COMPACT)
+    assert answer.status_code == 200, answer.text
+    arguments = json.loads(answer.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"])
+    assert isinstance(arguments, dict) and set(arguments) == {"x"}
+
+
+def test_a_tool_schema_that_fails_is_named_in_the_clients_terms(client):
+    """Under "required" the calls' schema wraps every tool's parameters; a form the backend refuses is said of the
+    tool and the place in its own parameters, not of the wrapper (items.anyOf.1.properties.parameters...)."""
+    bad = {"type": "object", "properties": {"a": {"allOf": [{"type": "integer"}, {"type": "integer", "minimum": 1}]}}}
+    tools = [CHAT_TOOL, {"type": "function", "function": {"name": "bad", "parameters": bad}}]
+    for choice in ("required", {"type": "function", "function": {"name": "bad"}}):
+        message = refused(chat(client, tools=tools, tool_choice=choice), "tools.1.function.parameters",
+                          "tools.1.function.parameters could not be compiled", "(at properties.a.allOf)")
+        assert "items" not in message and "anyOf" not in message, message
+    flat = [RESPONSES_TOOL, {"type": "function", "name": "bad", "parameters": bad}]
+    message = refused(responses(client, input="Hi", tools=flat, tool_choice="required"), "tools.1.parameters",
+                      "tools.1.parameters could not be compiled", "(at properties.a.allOf)")
+    assert "function" not in message, message
+    # an invalid type, under a named choice
+    typo = [{"type": "function", "function": {"name": "t", "parameters": {
+        "type": "object", "properties": {"a": {"type": "strin"}}}}}]
+    refused(chat(client, tools=typo, tool_choice={"type": "function", "function": {"name": "t"}}),
+            "tools.0.function.parameters", "strin")
+
+
+def test_tool_schemas_beyond_the_constraint_limit_are_400s(client):
+    """Parameters longer than a constraint may be (1 MiB) under "required" or a named function: a 400 naming the
+    tools, not a 500 from the constraint's own check."""
+    from kvshard.sampling_params import MAX_CONSTRAINT_CHARS
+
+    big = {"type": "object", "properties": {f"p{i:06d}": {"type": "integer", "description": "x" * 40}
+                                            for i in range(MAX_CONSTRAINT_CHARS // 60)}}
+    assert len(json.dumps(big)) > MAX_CONSTRAINT_CHARS
+    tools = [CHAT_TOOL, {"type": "function", "function": {"name": "big", "parameters": big}}]
+    refused(chat(client, tools=tools, tool_choice="required"), "tools", f"longer than {MAX_CONSTRAINT_CHARS}")
+    refused(chat(client, tools=tools, tool_choice={"type": "function", "function": {"name": "big"}}),
+            "tools.1.function.parameters", f"longer than {MAX_CONSTRAINT_CHARS}")
+    refused(responses(client, input="Hi", tools=[{"type": "function", "name": "big", "parameters": big}],
+                      tool_choice={"type": "function", "name": "big"}), "tools.0.parameters",
+            f"tools.0.parameters is longer than {MAX_CONSTRAINT_CHARS}")
+    assert client.get("/health").status_code == 200
