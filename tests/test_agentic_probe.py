@@ -100,6 +100,32 @@ def test_responses_objects_fit_the_sdks_types(client):
     assert "response.function_call_arguments.delta" in kinds  # the second request's calls were streamed
 
 
+def test_the_item_the_token_budget_cut_is_incomplete(client):
+    """Before: a response cut by max_output_tokens said "incomplete" while the very item it cut said "completed",
+    so the item's status told a client nothing. Now the cut item is "incomplete" (OpenAI's), streamed or not, and
+    an item the budget did not cut stays "completed"."""
+    cut = dict(input="Hello", max_output_tokens=3)
+    # cut inside the call's arguments (its name is out: the item is a function call)
+    call = dict(input="Weather in Oslo?", tools=[RESPONSES_TOOL], tool_choice="required", max_output_tokens=36,
+                **COMPACT)
+    whole = dict(input="Weather in Oslo?", tools=[RESPONSES_TOOL], tool_choice="required", max_output_tokens=200,
+                 parallel_tool_calls=False,
+                 **COMPACT)
+    for request, kind in ((cut, "message"), (call, "function_call")):
+        body = responses(client, **request).json()
+        assert body["status"] == "incomplete" and body["output"], body
+        assert body["output"][-1]["type"] == kind and body["output"][-1]["status"] == "incomplete", body["output"]
+        streamed = events(client, **request)
+        done = [e["item"] for e in streamed if e["type"] == "response.output_item.done"]
+        assert streamed[-1]["type"] == "response.incomplete"
+        assert done[-1]["status"] == "incomplete", done
+        assert streamed[-1]["response"]["output"][-1]["status"] == "incomplete"
+    body = responses(client, **whole).json()
+    assert body["status"] == "completed" and [item["status"] for item in body["output"]] == ["completed"], body
+    streamed = events(client, **whole)
+    assert [e["item"]["status"] for e in streamed if e["type"] == "response.output_item.done"] == ["completed"]
+
+
 # --- Responses fields that would otherwise be ignored --------------------------------------------------------
 
 @pytest.mark.parametrize("fields, param", [

@@ -214,6 +214,8 @@ class ResponsesServing:
         for call in message.get("tool_calls", []):
             output.append(_call_item(f"fc_{uuid.uuid4().hex}", call["id"], call["function"]["name"],
                                      call["function"]["arguments"], "completed"))
+        if finish_reason == "length" and output:  # the item the token budget cut, as OpenAI marks it
+            output[-1]["status"] = "incomplete"
         usage = _responses_usage(prompts, len(completion.token_ids), _cached_tokens(outputs))
         return JSONResponse(finish(message, finish_reason, output, usage))
 
@@ -242,12 +244,12 @@ class ResponsesServing:
             stream = ToolCallStream(parser, max_calls) if parser is not None else None
             finish_reason, tokens, cached = None, 0, 0
 
-            def close_message() -> list[str]:
+            def close_message(status: str = "completed") -> list[str]:
                 nonlocal message_item
                 if message_item is None:
                     return []
                 index = output.index(message_item)
-                item = _message_item(message_item["id"], content, "completed")
+                item = _message_item(message_item["id"], content, status)
                 output[index] = item
                 part = item["content"][0]
                 message_item = None
@@ -257,11 +259,11 @@ class ResponsesServing:
                               part=part),
                         event("response.output_item.done", output_index=index, item=item)]
 
-            def close_calls() -> list[str]:
+            def close_calls(status: str = "completed") -> list[str]:
                 done = []
                 for item in calls.values():
                     if item["status"] == "in_progress":
-                        item["status"] = "completed"
+                        item["status"] = status
                         index = output.index(item)
                         done += [event("response.function_call_arguments.done", item_id=item["id"],
                                        output_index=index, arguments=item["arguments"]),
@@ -310,7 +312,9 @@ class ResponsesServing:
                                         output_index=output.index(item), delta=fragment)
                     if final:
                         finish_reason = delta.finish_reason
-                for line in close_message() + close_calls():
+                # what is still open at the end is what the token budget cut, where it did (as OpenAI marks it)
+                last = "incomplete" if finish_reason == "length" else "completed"
+                for line in close_message(last) + close_calls(last):
                     yield line
                 message = {"role": "assistant", "content": content or None}
                 if calls:
