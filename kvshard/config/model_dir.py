@@ -15,7 +15,7 @@ from kvshard.config.parsing import resolve_dtype
 from kvshard.errors import ConfigError
 from kvshard.models.demo import DEMO_MODELS, ensure_demo_model
 from kvshard.models.gguf import resolve_gguf
-from kvshard.models.loader import check_checkpoint_files, check_vocab_size
+from kvshard.models.loader import check_checkpoint_files, check_vocab_size, checkpoint_files
 from kvshard.models.quantization import parse_quantization_config
 from kvshard.models.registry import MLA_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 
@@ -57,14 +57,17 @@ def load_model_config(model: str | os.PathLike, dtype: str | torch.dtype = "auto
             f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
         )
     quantization = parse_quantization_config(raw.get("quantization_config"), config_file)
-    if not any(path.glob("*.safetensors")):
-        raise ConfigError(f"model directory {path} has no *.safetensors weights")
+    if not checkpoint_files(path):
+        raise ConfigError(f"model directory {path} has no weights: kvshard reads *.safetensors or pytorch_model*.bin "
+                          "files; point the model at the checkpoint directory that holds them")
     shapes = check_checkpoint_files(path)
     check_config_values(config_file, raw)
+    check_supported_features(config_file, raw, supported[0])
     check_tokenizer_files(path)
 
     hf_config = _load_hf_config(path, raw, supported[0])
     check_vocab_size(config_file, hf_config.vocab_size, shapes)
+    add_generation_eos(path, hf_config)
     checkpoint_dtype = raw.get("dtype") or raw.get("torch_dtype")
     architecture = supported[0]
     return ModelConfig(
@@ -106,6 +109,52 @@ def check_config_values(config_file: Path, raw: dict) -> None:
         if value is not None and not ((is_int(value) or isinstance(value, float)) and 0 < value < float("inf")):
             raise ConfigError(f"{config_file}: {name}={value!r} must be a positive number; "
                               "the checkpoint's config is invalid")
+
+
+def check_supported_features(config_file: Path, raw: dict, architecture: str) -> None:
+    """Settings of config.json that change what the model computes but that kvshard's models do not implement:
+    a ConfigError naming the field, rather than a model that runs and computes something else."""
+    def refuse(name: str, value: Any, supported: str) -> None:
+        raise ConfigError(f"{config_file}: {name}={value!r} is not supported by kvshard's {architecture} ({supported})")
+
+    if raw.get("hidden_act", "silu") != "silu":
+        refuse("hidden_act", raw["hidden_act"], "its MLPs use silu")
+    if architecture in MLA_ARCHITECTURES:
+        if raw.get("moe_layer_freq", 1) != 1:
+            refuse("moe_layer_freq", raw["moe_layer_freq"], "every layer from first_k_dense_replace on is MoE: 1")
+        if raw.get("mlp_bias"):
+            refuse("mlp_bias", raw["mlp_bias"], "its MLPs have no bias")
+        v3 = architecture == "DeepseekV3ForCausalLM"
+        scoring = raw.get("scoring_func")
+        if scoring is not None and scoring != ("sigmoid" if v3 else "softmax"):
+            refuse("scoring_func", scoring, "V3 routes by sigmoid scores, V2 by softmax")
+        method = raw.get("topk_method")
+        if v3 and method is not None and method != "noaux_tc":
+            refuse("topk_method", method, "V3 routes with noaux_tc")
+
+
+def add_generation_eos(path: Path, hf_config) -> None:
+    """generation_config.json's eos_token_id (one id or a list: Llama 3's instruct models end a turn with
+    <|eot_id|>, which config.json does not name) joins config.json's, as vLLM stops on both."""
+    settings = path / "generation_config.json"
+    if not settings.is_file():
+        return
+    try:
+        generation = json.loads(settings.read_text())
+    except (UnicodeDecodeError, ValueError) as error:
+        raise ConfigError(f"{settings} cannot be read ({error}); the checkpoint is corrupt") from None
+    eos = generation.get("eos_token_id") if isinstance(generation, dict) else None
+    if eos is None:
+        return
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < hf_config.vocab_size for i in ids):
+        raise ConfigError(f"{settings}: eos_token_id={eos!r} must be a token id or a list of token ids below "
+                          f"vocab_size={hf_config.vocab_size}; the checkpoint's generation config is invalid")
+    own = hf_config.eos_token_id
+    own = own if isinstance(own, list) else [] if own is None else [own]
+    merged = own + [i for i in ids if i not in own]
+    if merged != own:
+        hf_config.eos_token_id = merged
 
 
 def check_tokenizer_files(path: Path) -> None:

@@ -91,6 +91,9 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError(f"the model at {self.config.model.path} has no tokenizer (tokenizer.json, "
+                                 "tokenizer_config.json): pass prompts as token ids, or add its tokenizer files")
             token_ids = self.tokenizer.encode(prompt)
         else:
             token_ids = list(prompt)

@@ -101,6 +101,8 @@ class QuantizedCheckpoint:
         self._scale_files: dict[str, object] = {}
         names: set[str] = set()
         for file in files:
+            if file.suffix != ".safetensors":  # PyTorch .bin weights carry no block scales
+                continue
             handle = safe_open(str(file), framework="pt")
             for name in handle.keys():
                 names.add(name)

@@ -10,6 +10,7 @@ from torch import nn
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "kvshard.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "kvshard.models.llama:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "kvshard.models.llama:Qwen3ForCausalLM",
     "MistralForCausalLM": "kvshard.models.llama:MistralForCausalLM",
     "DeepseekV2ForCausalLM": "kvshard.models.deepseek:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "kvshard.models.deepseek:DeepseekV3ForCausalLM",  # also Kimi K2
