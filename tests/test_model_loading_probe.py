@@ -80,6 +80,29 @@ def test_an_index_that_names_a_missing_shard_is_refused(tmp_path):
         load_model_config(tmp_path)
 
 
+def test_kv_scales_and_mtp_names_come_from_the_files_the_weights_do(tmp_path):
+    """The FP8 KV scales and the MTP layer's tensor names were read from every *.safetensors file of the
+    directory (a consolidated copy beside the indexed shards included), and never from .bin weights."""
+    from kvshard.kv.cache import KVScales, load_kv_scales
+    from kvshard.spec_decode.config import _tensor_names
+
+    save_file({"model.layers.0.self_attn.k_scale": torch.tensor(0.5), "model.layers.0.self_attn.v_scale":
+               torch.tensor(2.0)}, tmp_path / "model-00001-of-00001.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.layers.0.self_attn.k_scale": "model-00001-of-00001.safetensors",
+                        "model.layers.0.self_attn.v_scale": "model-00001-of-00001.safetensors"}}))
+    save_file({"layers.0.attention.k_scale": torch.ones(4), "model.layers.1.mtp.weight": torch.zeros(1)},
+              tmp_path / "consolidated.safetensors")  # another layout's copy: not the weights kvshard reads
+    assert load_kv_scales(tmp_path, 2) == [KVScales(0.5, 2.0), KVScales(1.0, 1.0)]
+    assert "model.layers.1.mtp.weight" not in _tensor_names(tmp_path)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    torch.save({"model.layers.1.self_attn.kv_scale": torch.tensor(4.0), "model.layers.2.eh_proj.weight":
+                torch.zeros(1)}, bin_dir / "pytorch_model.bin")
+    assert load_kv_scales(bin_dir, 2) == [KVScales(1.0, 1.0), KVScales(4.0, 4.0)]
+    assert "model.layers.2.eh_proj.weight" in _tensor_names(bin_dir)
+
+
 def test_pytorch_bin_weights_load(llama, hf_reference, tmp_path):
     for name in ("config.json", "generation_config.json"):
         shutil.copy(llama / name, tmp_path / name)

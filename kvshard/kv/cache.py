@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors import safe_open
 
 from kvshard import envs
 from kvshard.errors import ConfigError
@@ -81,19 +80,20 @@ class KVScales:
 
 def load_kv_scales(path: Path, num_layers: int) -> list[KVScales]:
     """Each layer's scales as the checkpoint gives them (`*.k_scale`, `*.v_scale` or `*.kv_scale`), else 1.0."""
+    from kvshard.models.loader import checkpoint_files, checkpoint_tensors  # the files the weights are read from
+
     found: dict[int, dict[str, float]] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                if (match := _KV_SCALE_NAME.search(name)) is not None:
-                    layer, kind = int(match.group(1)), match.group(2)
-                    tensor = f.get_tensor(name)
-                    if tensor.numel() != 1:
-                        raise ConfigError(f"{name} in {file} holds {tensor.numel()} values; kvshard reads one "
-                                          "scale per tensor: use --kv-cache-dtype auto")
-                    scale = tensor.float().item()
-                    kinds = ("k_scale", "v_scale") if kind == "kv_scale" else (kind,)
-                    found.setdefault(layer, {}).update(dict.fromkeys(kinds, scale))
+    for file in checkpoint_files(path):
+        for name, read in checkpoint_tensors(file):
+            if (match := _KV_SCALE_NAME.search(name)) is not None:
+                layer, kind = int(match.group(1)), match.group(2)
+                tensor = read()
+                if tensor.numel() != 1:
+                    raise ConfigError(f"{name} in {file} holds {tensor.numel()} values; kvshard reads one "
+                                      "scale per tensor: use --kv-cache-dtype auto")
+                scale = tensor.float().item()
+                kinds = ("k_scale", "v_scale") if kind == "kv_scale" else (kind,)
+                found.setdefault(layer, {}).update(dict.fromkeys(kinds, scale))
     for layer, scales in found.items():
         if layer >= num_layers or not all(s > 0 for s in scales.values()):
             raise ConfigError(f"{path}: the KV scales of layer {layer} ({scales}) are not positive scales of a "

@@ -143,7 +143,7 @@ def load_weights(model: nn.Module, path: Path, quantization: Fp8BlockQuantizatio
 
 def _load_file(model: nn.Module, file: Path, params: dict[str, nn.Parameter], packed: dict[str, tuple[str, object]],
                filled: dict[str, set], checkpoint: QuantizedCheckpoint) -> None:
-    for name, get_tensor in _tensors(file):
+    for name, get_tensor in checkpoint_tensors(file):
         if name.endswith(IGNORED_SUFFIXES) or checkpoint.is_scale(name):
             continue
         target, shard_id = checkpoint_to_parameter(name, packed)
@@ -166,7 +166,7 @@ def _load_file(model: nn.Module, file: Path, params: dict[str, nn.Parameter], pa
         filled.setdefault(target, set()).add(shard_id)
 
 
-def _tensors(file: Path) -> Iterator[tuple[str, object]]:
+def checkpoint_tensors(file: Path) -> Iterator[tuple[str, object]]:
     """(name, a function that reads the tensor) for each tensor of a weight file, read one at a time."""
     if file.suffix == ".bin":
         for name, tensor in _load_bin(file).items():

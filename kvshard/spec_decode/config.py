@@ -83,9 +83,15 @@ def check_mtp_checkpoint(model) -> None:
 
 
 def _tensor_names(path) -> set[str]:
-    """Every tensor name of the checkpoint's *.safetensors files, from their headers alone."""
+    """Every tensor name of the checkpoint's weight files (those the weights are read from), a safetensors
+    file's from its header alone."""
+    from kvshard.models.loader import checkpoint_files, checkpoint_tensors
+
     names: set[str] = set()
-    for file in sorted(path.glob("*.safetensors")):
+    for file in checkpoint_files(path):
+        if file.suffix != ".safetensors":
+            names.update(name for name, _ in checkpoint_tensors(file))
+            continue
         with open(file, "rb") as f:
             header_len = int.from_bytes(f.read(8), "little")
             names.update(json.loads(f.read(header_len)))
