@@ -23,8 +23,9 @@ paged backend's kernel call against PyTorch's flash kernel, for the MLA demo's e
 
     PYTHONPATH=$PWD .venv/bin/python scripts/bench_paged_attention.py --chunks --contexts 300 1024 2048
 
-The default shapes are gqa8, gqa9 and mla; mla8 (the latent at 8 heads a rank) and mla-demo (the MLA demo's
-160-channel latent at 8 heads) are there to be asked for.
+The default shapes are gqa8, gqa9 and mla; mla8 (the latent at 8 heads a rank), mla-demo (the MLA demo's
+160-channel latent at 8 heads, a TP=2 + DCP=2 rank's) and mla-demo4 (at 4 heads, a TP=2 rank's) are there to be
+asked for.
 
 Caches above --max-kv-gib (all requests' K/V in the cache dtype) are skipped, and the reference
 above --max-reference-tokens (its scores and gathered float32 copy grow with batch x context).
@@ -54,6 +55,7 @@ SHAPES = {
     "mla": (16, 1, 576, 512, True),  # MLA absorbed: the latent [c_kv 512 | k_pe 64], V its first 512
     "mla8": (8, 1, 576, 512, True),  # the same latent at 8 query heads a rank (Kimi K2's 64 at tp=8)
     "mla-demo": (8, 1, 160, 128, True),  # kvshard-demo-mla's latent [c_kv 128 | k_pe 32], 8 heads (a DCP rank's)
+    "mla-demo4": (4, 1, 160, 128, True),  # the same latent at 4 heads (a TP=2 rank's, without DCP)
 }
 DEFAULT_SHAPES = ["gqa8", "gqa9", "mla"]
 # --chunks: a prefill chunk's causal attention to its own K/V, name: (query heads, KV heads, key dim, value dim)
