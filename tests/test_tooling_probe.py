@@ -433,3 +433,53 @@ def test_a_config_json_the_planner_cannot_read_is_a_one_line_error(tmp_path, con
     (tmp_path / "config.json").write_bytes(content)
     assert message in _one_line_error(["--model", str(tmp_path), *PLAN[2:]], capsys)
 
+
+
+class _KeepAliveServer(BaseHTTPRequestHandler):
+    """Streams two chunks and [DONE] in chunked transfer encoding, the body's end a moment after [DONE] (as a server's
+    last write lands); counts the connections it accepted."""
+    protocol_version = "HTTP/1.1"
+    connections = 0
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def setup(self) -> None:
+        super().setup()
+        type(self).connections += 1
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for event in ('{"choices": [{"text": "a"}]}', '{"choices": [{"text": "b"}]}', "[DONE]"):
+            data = f"data: {event}\n\n".encode()
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.flush()
+        time.sleep(0.02)
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
+
+def test_bench_requests_reuse_their_connections():
+    """Before: the client stopped reading at [DONE], before the body's end, and httpx closed such a connection: every
+    request of a benchmark paid a new TCP connection (and the server its set-up), some 12% of the client's time."""
+    _KeepAliveServer.connections = 0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _KeepAliveServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1/completions"
+
+    async def run():
+        async with httpx.AsyncClient() as client:
+            return [await send_request(client, url, "m", BenchRequest([1, 2, 3], 2), {}) for _ in range(5)]
+
+    try:
+        outcomes = asyncio.run(run())
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert all(o.success and o.output_len == 2 for o in outcomes), [o.error for o in outcomes]
+    assert _KeepAliveServer.connections == 1

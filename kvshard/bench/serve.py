@@ -167,12 +167,16 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, request:
                 body = (await response.aread()).decode(errors="replace")
                 outcome.error = f"HTTP {response.status_code}: {body[:300]}"
                 return outcome
+            done = False
             async for line in sse_lines(response.aiter_text()):
-                if not line.startswith("data:"):
+                # read on to the body's end after [DONE]: a response left unread closes its connection, and every
+                # request then paid a new one (its TCP set-up, and the server's) instead of reusing it
+                if done or not line.startswith("data:"):
                     continue
                 data = line[len("data:"):].strip()
                 if data == "[DONE]":
-                    break
+                    done = True
+                    continue
                 event = json.loads(data)
                 problem = _event_error(event)
                 if problem is not None:
