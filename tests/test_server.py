@@ -342,7 +342,7 @@ BAD_REQUESTS = {
     "penalty out of range": ("POST", "/v1/completions", {**OK, "frequency_penalty": 2.5}, {}, 400,
                              "frequency_penalty"),
     "beam search": ("POST", "/v1/completions", {**OK, "use_beam_search": True}, {}, 400, "use_beam_search"),
-    "echo": ("POST", "/v1/completions", {**OK, "echo": True}, {}, 400, "echo"),
+    "max_tokens 0 without echo": ("POST", "/v1/completions", {**OK, "max_tokens": 0}, {}, 400, "max_tokens"),
     "unknown model": ("POST", "/v1/completions", {**OK, "model": "gpt-9"}, {}, 404, "model"),
     "wrong API key": ("POST", "/v1/completions", OK, {"Authorization": "Bearer wrong"}, 401, None),
     "no API key": ("GET", "/v1/models", None, {"Authorization": ""}, 401, None),

@@ -10,6 +10,7 @@ from functools import cached_property
 import torch
 
 from kvshard.config import layout_rules as rules
+from kvshard.config.generation import GenerationDefaults
 from kvshard.config.model import ModelConfig
 from kvshard.config.settings import CacheConfig, ParallelConfig, SchedulerConfig
 from kvshard.kv.cache import KVCacheSpec, kv_cache_spec, resolve_kv_cache_dtype
@@ -29,6 +30,10 @@ class EngineConfig:
     attention_backend: str = "auto"  # EngineArgs.attention_backend, resolved (attention/backends.py)
     enforce_eager: bool = False  # EngineArgs.enforce_eager: no CUDA graphs (engine/cuda_graphs.py), no compile
     compilation_level: int = 0  # EngineArgs.compilation_config, parsed: 0 eager, 3 compiled (kvshard/compilation.py)
+    # the sampling defaults of requests that leave them out (EngineArgs.generation_config; config/generation.py)
+    generation: GenerationDefaults = dataclasses.field(default_factory=GenerationDefaults)
+    max_model_len_source: str = ""  # where scheduler.max_model_len came from, for the start-up report
+    notes: tuple[str, ...] = ()  # settings given that change nothing kvshard does, said at start-up
 
     @cached_property
     def dcp_layout(self) -> DCPLayout:

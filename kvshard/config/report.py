@@ -33,6 +33,9 @@ def startup_report(config: EngineConfig, compile_seconds: float | None = None) -
     lines = [
         f"model: {config.model.path} ({config.model.architecture}, {'MLA' if config.model.is_mla else 'GQA'}, "
         f"dtype {str(config.model.dtype).removeprefix('torch.')})",
+        f"max model len: {config.scheduler.max_model_len:,} tokens"
+        + (f" ({config.max_model_len_source})" if config.max_model_len_source else ""),
+        config.generation.describe(),
         f"ranks: {p.world_size} (tp={p.tensor_parallel_size}, dcp={p.decode_context_parallel_size}, "
         f"interleave={p.dcp_kv_interleave_size}); DCP groups: {p.dcp_groups()}",
         _attention_line(config),
@@ -58,6 +61,7 @@ def startup_report(config: EngineConfig, compile_seconds: float | None = None) -
         lines.append(_mla_context_line(config))
     if config.speculative is not None:
         lines.append(config.speculative.describe())
+    lines.extend(f"accepted, changes nothing: {note}" for note in config.notes)
     lines.append(envs.numerics_report())  # last: which KVSHARD_* settings that change numerics are set
     return "\n".join(lines)
 

@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import json
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from kvshard import envs
@@ -34,6 +35,8 @@ from kvshard.config import (
     load_model_config,
     parse_memory_size,
 )
+from kvshard.config.generation import (AUTO_LENGTH, cli_length, load_generation_defaults, model_context_length,
+                                      parse_length)
 from kvshard.kv.cache import resolve_kv_cache_dtype
 from kvshard.models.demo import DEFAULT_DEMO_MODEL
 from kvshard.spec_decode.config import check_mtp_checkpoint, parse_speculative_config
@@ -88,9 +91,10 @@ class EngineArgs:
     kv_cache_memory: str | int = _setting("1GiB", "KV budget per rank, e.g. 64MiB or 2GiB")
     num_kv_blocks: int | None = _setting(None, "KV blocks per rank (overrides --kv-cache-memory)", cli_type=int,
                                          positive=True)
-    max_model_len: int | None = _setting(
-        None, "longest prompt + completion (default: the model's max_position_embeddings)", cli_type=int,
-        positive=True)
+    max_model_len: int | str | None = _setting(
+        None, "longest prompt + completion: tokens, 32k (32,000) or 32K (32,768), or auto (-1: the longest the KV "
+              "cache holds); default: the model's max_position_embeddings, times the RoPE scaling factor for linear "
+              "and yarn (yarn's over original_max_position_embeddings)", cli_type=cli_length)
     max_num_seqs: int = _setting(64, "sequences in the running batch at most", positive=True)
     max_num_batched_tokens: int | None = _setting(
         None, "tokens per step at most (default: max(2048, max-num-seqs), vLLM's server default on a CPU)",
@@ -100,6 +104,12 @@ class EngineArgs:
         "auto", "what the KV cache stores: auto (the model's dtype) or fp8 (= fp8_e4m3: float8 e4m3, half the "
                 "bytes of bfloat16; per-layer k_scale/v_scale from the checkpoint, else 1.0)")
     seed: int = _setting(0, "seed of requests that give none")
+    generation_config: str = _setting(
+        "auto", "sampling defaults of requests that leave them out: auto (the model's generation_config.json: "
+                "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), vllm (kvshard's own), or a "
+                "folder holding a generation_config.json")
+    override_generation_config: str | dict | None = _setting(
+        None, 'sampling defaults over the generation config, JSON: \'{"temperature": 0.5}\'', cli_type=str)
     enable_prefix_caching: bool = _setting(True, "reuse the KV blocks of a shared prompt prefix")
     scheduling_policy: str = _setting(
         "fcfs", "the order waiting requests are admitted in: fcfs (arrival) or lpm (longest cached prefix first, "
@@ -122,6 +132,33 @@ class EngineArgs:
         None, "the model step on a CPU: 0 runs it eagerly, 3 compiles it with torch.compile (inductor) at start-up, "
               "attention, experts and collectives left opaque (as vLLM's -O levels; or JSON {\"level\": N}); "
               "default: $KVSHARD_COMPILATION_LEVEL, else 0", "-O", cli_type=str)
+
+    # vLLM's flags that command lines written for it carry: taken where they ask for what kvshard does (or for
+    # nothing that changes what it does: a start-up note says so), refused in one line where they ask for more
+    trust_remote_code: bool = _setting(
+        False, "accepted: kvshard never runs a checkpoint's code, it reads the supported architectures itself")
+    tokenizer: str | None = _setting(None, "the tokenizer's directory: only the model's own (kvshard reads it there)")
+    revision: str | None = _setting(None, "not taken: kvshard never downloads; pass the local checkpoint directory")
+    download_dir: str | None = _setting(None, "accepted, unused: kvshard never downloads")
+    load_format: str = _setting("auto", "auto, safetensors or pt: kvshard reads *.safetensors, else "
+                                        "pytorch_model*.bin (and .gguf files given as the model)")
+    quantization: str | None = _setting(
+        None, "the checkpoint's own quantization (fp8 for block-scaled FP8 checkpoints); kvshard does not quantize "
+              "a checkpoint as it loads it", "-q")
+    gpu_memory_utilization: float | None = _setting(
+        None, "not taken: kvshard's KV budget is --kv-cache-memory (per rank) or --num-kv-blocks", cli_type=float)
+    swap_space: float | None = _setting(
+        None, "accepted, unused: kvshard preempts by recomputing, it swaps nothing to the host", cli_type=float)
+    pipeline_parallel_size: int = _setting(1, "1 only: kvshard splits a model by tensor and decode context "
+                                              "parallelism", "-pp", positive=True)
+    data_parallel_size: int = _setting(1, "1 only: run one server per replica behind a load balancer", "-dp",
+                                       positive=True)
+    distributed_executor_backend: str | None = _setting(
+        None, "mp (kvshard's: one process per rank, spawned; torchrun across machines) or uni at tp=1")
+    enable_chunked_prefill: bool | None = _setting(
+        None, "kvshard always takes long prompts in chunks of --max-num-batched-tokens", cli_type=bool)
+    max_logprobs: int = _setting(20, "log-probabilities per token at most: 20 (OpenAI's limit)")
+    disable_log_stats: bool = _setting(False, "accepted: kvshard logs no periodic statistics (see /metrics)")
 
     def __post_init__(self) -> None:
         """What argparse checks on the command line, checked for the Python API too (`LLM(...)`)."""
@@ -223,12 +260,15 @@ class EngineArgs:
                 raise ConfigError(f"{f.name} needs a value (default {f.default!r}), got None")
             if f.metadata["positive"] and value is not None:
                 _check_positive(f.name, value)
-            elif kind is bool and not isinstance(value, bool):  # "no" would read as True
+            elif kind is bool and value is not None and not isinstance(value, bool):  # "no" would read as True
                 raise ConfigError(f"{f.name}={value!r} must be True or False")
             elif kind is int and value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise ConfigError(f"{f.name}={value!r} must be an integer")
         speculative = parse_speculative_config(self.speculative_config)
         model_config = load_model_config(self.model, self.dtype)
+        notes = self._check_foreign_settings(model_config)
+        generation = load_generation_defaults(model_config.path, self.generation_config,
+                                              self.override_generation_config)
         interleave = _resolve_interleave(self.dcp_kv_interleave_size)
         tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
         layout = choose_attention_layout(model_config, tp, dcp, self.dcp_attention_layout)
@@ -245,19 +285,23 @@ class EngineArgs:
                 f"choose an interleave size that divides the block size (1 or {self.block_size}, say)"
             )
         window = model_config.sliding_window
-        max_model_len = self.max_model_len
+        context = model_context_length(model_config)
+        longest, why = context.tokens, context.why
+        if window is not None and window < longest:
+            longest, why = window, f"the sliding window of {window:,} tokens (kvshard does not implement one)"
+        max_model_len = parse_length(self.max_model_len) if self.max_model_len is not None else None
         if max_model_len is None:
-            max_model_len = min(model_config.max_position_embeddings, window or model_config.max_position_embeddings)
-        if window is not None and max_model_len > window:
-            raise ConfigError(
-                f"max_model_len={max_model_len} exceeds the model's sliding window of {window} tokens, "
-                f"which kvshard does not implement: use --max-model-len {window} or less"
-            )
-        if max_model_len > model_config.max_position_embeddings:
-            raise ConfigError(
-                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-                f"{model_config.max_position_embeddings}: lower --max-model-len"
-            )
+            max_model_len, source = longest, f"the model's, {why}"
+        elif max_model_len == AUTO_LENGTH:
+            source = "auto"
+        elif max_model_len < 1:
+            raise ConfigError(f"max_model_len must be a positive number of tokens or auto, got {self.max_model_len!r}")
+        elif max_model_len > longest:
+            limit = (f"max_position_embeddings={longest}" if why == f"max_position_embeddings {longest:,}" else
+                     f"context length of {longest:,} tokens ({why})")
+            raise ConfigError(f"max_model_len={max_model_len} exceeds the model's {limit}: lower --max-model-len")
+        else:
+            source = "--max-model-len"
         # a prefix hit computes the rest of the prompt against cached context: other bits than without it;
         # an MTP cache entry depends on the token after it, which a block's hash does not cover
         cache = CacheConfig(self.block_size, parse_memory_size(self.kv_cache_memory), self.num_kv_blocks,
@@ -276,13 +320,21 @@ class EngineArgs:
                    "MTP speculation turns it off" if mtp else "--no-enable-prefix-caching")
             raise ConfigError(f"--scheduling-policy lpm orders requests by their cached prefix, but prefix caching "
                               f"is off ({off}): use --scheduling-policy fcfs")
+        if max_model_len == AUTO_LENGTH:  # as long as the model allows and one request's KV fits
+            probe = EngineConfig(model_config, parallel, cache,
+                                 SchedulerConfig(self.max_num_seqs, max_num_batched_tokens, longest), self.seed,
+                                 speculative=speculative)
+            max_model_len = min(longest, probe.kv_capacity_tokens)
+            source = (f"auto: the model's {longest:,} ({why})" if max_model_len == longest else
+                      f"auto: as many tokens as the KV cache holds; the model's is {longest:,}")
         scheduler = SchedulerConfig(self.max_num_seqs, max_num_batched_tokens, max_model_len, self.scheduling_policy)
         if not isinstance(self.enforce_eager, bool):
             raise ConfigError(f"enforce_eager={self.enforce_eager!r} must be True or False")
         compilation_level = parse_compilation_level(self.compilation_config)
         config = EngineConfig(model_config, parallel, cache, scheduler, self.seed, self.batch_invariant, speculative,
                               attention_backend, enforce_eager=self.enforce_eager,
-                              compilation_level=compilation_level)
+                              compilation_level=compilation_level, generation=generation,
+                              max_model_len_source=source, notes=tuple(notes))
         if config.kv_capacity_tokens < max_model_len:
             raise ConfigError(
                 f"the KV cache holds {config.kv_capacity_tokens:,} tokens ({config.num_kv_blocks} blocks per rank), "
@@ -290,6 +342,88 @@ class EngineArgs:
                 "raise --dcp, or lower --max-model-len"
             )
         return config
+
+    def _check_foreign_settings(self, model_config) -> list[str]:
+        """vLLM's settings kvshard takes only as far as they ask for what it does: a ConfigError saying what kvshard
+        offers instead for the others; a start-up note for each one given that changes nothing kvshard does."""
+        notes = []
+
+        def refuse(flag: str, message: str) -> None:
+            raise ConfigError(f"--{flag} {message}")
+
+        if self.gpu_memory_utilization is not None:
+            refuse("gpu-memory-utilization", "is not taken: kvshard does not size the KV cache from a share of the "
+                   "device's memory; give the KV budget per rank with --kv-cache-memory (e.g. 20GiB) or "
+                   "--num-kv-blocks, and --max-model-len auto to fit the context length to it")
+        if self.pipeline_parallel_size != 1:
+            refuse("pipeline-parallel-size", f"{self.pipeline_parallel_size}: kvshard has no pipeline parallelism; "
+                   "split the model with --tensor-parallel-size (and --decode-context-parallel-size for the KV "
+                   "cache), across machines under torchrun")
+        if self.data_parallel_size != 1:
+            refuse("data-parallel-size", f"{self.data_parallel_size}: kvshard serves one replica per server; start "
+                   "one `kvshard serve` per replica behind a load balancer")
+        backend = self.distributed_executor_backend
+        if backend not in (None, "mp", "uni"):
+            refuse("distributed-executor-backend", f"{backend!r} is not taken: kvshard starts its ranks itself "
+                   "(mp: one process each, spawned) or under torchrun across machines (docs/serving.md)")
+        if backend == "uni" and self.tensor_parallel_size > 1:
+            refuse("distributed-executor-backend", f"uni runs one rank, but --tensor-parallel-size is "
+                   f"{self.tensor_parallel_size}: use mp (kvshard's, the default)")
+        if backend is not None:
+            notes.append(f"--distributed-executor-backend {backend}: kvshard's own (one process per rank)")
+        if self.enable_chunked_prefill is False:
+            refuse("no-enable-chunked-prefill", "is not taken: kvshard always takes long prompts in chunks of "
+                   "--max-num-batched-tokens; raise --max-num-batched-tokens to --max-model-len to take every "
+                   "prompt whole")
+        if self.max_logprobs != 20:
+            refuse("max-logprobs", f"{self.max_logprobs}: kvshard returns at most 20 log-probabilities per token "
+                   "(OpenAI's limit), for every request; leave --max-logprobs out (or 20)")
+        if self.revision is not None:
+            refuse("revision", f"{self.revision!r} is not taken: kvshard never downloads a model; pass the local "
+                   "directory of the revision you want as MODEL")
+        if self.tokenizer is not None:
+            from kvshard.config.model_dir import resolve_model_path
+
+            try:
+                same = resolve_model_path(self.tokenizer) == model_config.path
+            except ConfigError:
+                same = False
+            if not same:
+                refuse("tokenizer", f"{self.tokenizer!r} is not taken: kvshard reads the tokenizer from the model "
+                       f"directory ({model_config.path}); put the tokenizer files there, or leave --tokenizer out")
+        if self.load_format not in ("auto", "safetensors", "pt"):
+            refuse("load-format", f"{self.load_format!r} is not taken: kvshard loads *.safetensors, else "
+                   "pytorch_model*.bin (auto, safetensors, pt), and .gguf files given as MODEL"
+                   + ("; it makes no random weights (the built-in demo models have them)"
+                      if self.load_format == "dummy" else ""))
+        if self.load_format != "auto":
+            from kvshard.models.loader import checkpoint_files
+
+            suffix = ".safetensors" if self.load_format == "safetensors" else ".bin"
+            files = checkpoint_files(model_config.path)
+            if not all(str(f).endswith(suffix) for f in files):
+                refuse("load-format", f"{self.load_format}: the checkpoint's weights kvshard reads are "
+                       f"{', '.join(sorted({Path(f).suffix for f in files}))} files; use auto")
+        if self.quantization is not None:
+            own = "fp8" if model_config.quantization is not None else None
+            if self.quantization != own:
+                has = (f"its checkpoint is {own}-quantized, which kvshard reads without the flag" if own else
+                       "the checkpoint is not quantized, and kvshard does not quantize one as it loads it")
+                refuse("quantization", f"{self.quantization!r} is not taken: {has}; leave --quantization out")
+            notes.append("--quantization fp8: the checkpoint's own block-scaled FP8 weights")
+        if self.trust_remote_code:
+            notes.append("--trust-remote-code: kvshard runs no checkpoint code, it reads the supported "
+                         "architectures itself")
+        if self.download_dir is not None:
+            notes.append(f"--download-dir {self.download_dir}: unused, kvshard never downloads")
+        if self.swap_space is not None:
+            notes.append(f"--swap-space {self.swap_space:g}: unused, kvshard preempts by recomputing, it swaps "
+                         "nothing to the host")
+        if self.enable_chunked_prefill:
+            notes.append("--enable-chunked-prefill: always on in kvshard (chunks of --max-num-batched-tokens)")
+        if self.disable_log_stats:
+            notes.append("--disable-log-stats: kvshard logs no periodic statistics (/metrics has them)")
+        return notes
 
 
 def _flag(name: str) -> str:

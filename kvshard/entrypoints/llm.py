@@ -46,6 +46,12 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams `generate` and `chat` use when given none, as vLLM's: kvshard's defaults, with the
+        model's generation_config.json's temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens
+        (as max_tokens) over them (`generation_config="vllm"` keeps kvshard's own)."""
+        return SamplingParams(**self.config.generation.values)
+
     def generate(
         self,
         prompts: Prompt | list[Prompt],
@@ -58,7 +64,7 @@ class LLM:
             raise RuntimeError("this LLM is closed (close() or the end of its `with` block): make a new one")
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import signal
 import socket
@@ -45,7 +46,48 @@ def add_serve_parser(subparsers) -> None:
                              "longer events, which take less of the host's time per token (default: 1)")
     add_door_args(parser)
     add_chat_args(parser)
+    add_frontend_args(parser)
     parser.set_defaults(func=run_serve)
+
+
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def add_frontend_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's server flags that command lines written for it carry (docs/serving.md, the flags table)."""
+    group = parser.add_argument_group("server (vLLM's flags)")
+    group.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS,
+                       help="uvicorn's log level (its access log is at info) (default: %(default)s)")
+    group.add_argument("--disable-log-requests", action="store_true",
+                       help="accepted: kvshard logs no request's prompt or parameters")
+    group.add_argument("--enable-log-requests", action="store_true",
+                       help="not taken: kvshard logs no request's prompt or parameters (uvicorn logs each route "
+                            "called, /metrics counts them)")
+    group.add_argument("--disable-frontend-multiprocessing", action="store_true",
+                       help="accepted: kvshard's HTTP server runs in rank 0's process")
+    group.add_argument("--response-role", default="assistant",
+                       help="the role of chat replies: assistant only (default: %(default)s)")
+    group.add_argument("--reasoning-parser", default=None,
+                       help="not taken: kvshard has no reasoning parsers (a model's reasoning stays in the content)")
+
+
+def check_frontend_args(args: argparse.Namespace) -> list[str]:
+    """vLLM's server flags: a ConfigError for those asking for what kvshard does not do; notes for the rest."""
+    if args.enable_log_requests:
+        raise ConfigError("--enable-log-requests is not taken: kvshard logs no request's prompt or parameters "
+                          "(uvicorn logs each route called; /metrics counts requests and tokens); leave it out")
+    if args.response_role != "assistant":
+        raise ConfigError(f"--response-role {args.response_role!r} is not taken: kvshard's chat replies are the "
+                          "assistant's; leave --response-role out (or assistant)")
+    if args.reasoning_parser is not None:
+        raise ConfigError(f"--reasoning-parser {args.reasoning_parser} is not taken: kvshard has no reasoning "
+                          "parsers, a model's reasoning stays in the reply's content; leave it out")
+    notes = []
+    if args.disable_log_requests:
+        notes.append("--disable-log-requests: kvshard logs no request's prompt or parameters")
+    if args.disable_frontend_multiprocessing:
+        notes.append("--disable-frontend-multiprocessing: kvshard's HTTP server runs in rank 0's process")
+    return notes
 
 
 def add_chat_args(parser: argparse.ArgumentParser) -> None:
@@ -161,6 +203,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port {args.port} is not a TCP port: use 0..65535")
     check_door_args(args)
     check_chat_args(args)
+    frontend_notes = check_frontend_args(args)
     for name in args.served_model_name or []:
         if not name.strip():
             raise ConfigError(f"--served-model-name {name!r}: a model name must not be empty")
@@ -170,6 +213,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.kv_transfer_config is not None:
         _check_kv_transfer_port(args.kv_transfer_config)  # a bad role, field or port fails before any rank starts
     config = EngineArgs.from_cli_args(args).create_engine_config()
+    if frontend_notes:
+        config = dataclasses.replace(config, notes=config.notes + tuple(frontend_notes))
     launched = launcher_rank()
     master = None
     if launched is not None:
@@ -283,7 +328,8 @@ def _serve(config: EngineConfig, master: tuple[str, int] | None, listener: socke
         url_host = f"[{host}]" if ":" in host else host
         print(f"kvshard: serving {', '.join(model_names)} at http://{url_host}:{port}/v1 "
               f"(health: /health, metrics: /metrics)", flush=True)
-        http_config = uvicorn_config(with_connection_transport(server.app), args, log_level="info",
+        http_config = uvicorn_config(with_connection_transport(server.app), args,
+                                     log_level=getattr(args, "uvicorn_log_level", "info"),
                                      timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         http_server = ending_http_server(http_config, lambda: server.engine.refuse(SERVER_STOPPING))
         try:

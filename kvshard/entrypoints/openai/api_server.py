@@ -100,6 +100,8 @@ class OpenAIServer(ServingBase, CompletionServing, ChatServing, ResponsesServing
             raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
         self.stream_interval = stream_interval  # tokens per streamed event after a choice's first
         self.model_root = str(engine.config.model.path)
+        # the sampling defaults of requests that leave them out (--generation-config; config/generation.py)
+        self.sampling_defaults = dict(engine.config.generation.values)
         self.metrics = ServerMetrics(engine.config, served_model_names[0])
         self.engine = AsyncLLMEngine(engine, self.metrics)
         self._reset_engine_prefix_cache = engine.reset_prefix_cache
@@ -116,6 +118,11 @@ class OpenAIServer(ServingBase, CompletionServing, ChatServing, ResponsesServing
         self.check_structured_outputs = getattr(engine, "check_structured_outputs", None) or check_compiles
         self.response_store = ResponseStore(max_stored_responses)
         self.app = self._build_app()
+
+    def _check_request(self, request, http: Request | None = None) -> None:
+        """ServingBase's checks, then the server's sampling defaults handed to the request (completions, chat)."""
+        super()._check_request(request, http)
+        request._sampling_defaults = self.sampling_defaults
 
     def _build_app(self) -> FastAPI:
         @asynccontextmanager

@@ -196,15 +196,27 @@ class _GenerationRequest(BaseModel):
             return constraint
         return dataclasses.replace(constraint, disable_any_whitespace=option["disable_any_whitespace"])
 
+    # the server's sampling defaults (--generation-config, set by the server): each applies where the request
+    # leaves its field out; max_tokens also caps the request's own (vLLM's server-wide limit from max_new_tokens)
+    _sampling_defaults: dict[str, Any] = {}
+
+    def _given_or_default(self, name: str) -> Any:
+        given = name in self.model_fields_set or name not in self._sampling_defaults
+        return getattr(self, name) if given else self._sampling_defaults[name]
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         logit_bias = self._logit_bias()
+        cap = self._sampling_defaults.get("max_tokens")
+        if cap is not None:
+            max_tokens = cap if max_tokens is None else min(max_tokens, cap)
+        field = self._given_or_default
         try:
             return SamplingParams(
-                n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+                n=self.n, temperature=field("temperature"), top_p=field("top_p"), top_k=field("top_k"), seed=self.seed,
                 max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
                 ignore_eos=self.ignore_eos, logprobs=logprobs, kv_transfer_params=self.kv_transfer_params,
-                min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                min_p=field("min_p"), repetition_penalty=field("repetition_penalty"),
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 min_tokens=self.min_tokens, logit_bias=logit_bias, bad_words=self.bad_words,
                 structured_outputs=structured_outputs,
@@ -226,18 +238,39 @@ class CompletionRequest(_GenerationRequest):
     prompt: Annotated[Any, BeforeValidator(_check_prompt)]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False  # each choice's text (and logprobs) begins with its prompt's
     best_of: int | None = None
     suffix: str | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise APIError(400, "echo is not supported by kvshard", "echo")
         if self.suffix is not None:
             raise APIError(400, "suffix is not supported by kvshard", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(400, "best_of other than n is not supported by kvshard", "best_of")
+        if self.max_tokens == 0:
+            if not self.echo:
+                raise APIError(400, "max_tokens must be an integer >= 1 (0 only with echo: true, which answers the "
+                                    "prompt alone), got 0", "max_tokens")
+            if self.min_tokens > 0:
+                raise APIError(400, f"min_tokens must be at most max_tokens (0), got {self.min_tokens}", "min_tokens")
+        if self.echo and self.logprobs is not None and (self.kv_transfer_params or {}).get("do_remote_prefill"):
+            raise APIError(400, "echo with logprobs cannot be combined with kv_transfer_params.do_remote_prefill: the "
+                                "prompt's logprobs need its logits, which are computed where its KV is (the producer)",
+                           "echo")
+
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens: 0`, as vLLM takes it: the prompt alone, nothing generated (the engine samples one
+        token from the prompt's last logits, which it computes anyway; the answer leaves it out)."""
+        return self.echo and self.max_tokens == 0
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+        params = super().sampling_params(1 if self.echo_only else max_tokens, logprobs, structured_outputs)
+        if self.echo:
+            params.prompt_logprobs = logprobs  # the prompt's tokens, with as many alternatives as the output's
+        return params
 
 
 class TextPart(BaseModel):

@@ -113,6 +113,7 @@ class ChatServing:
                                     "calls are the output", field)
             asked, field = body.with_whitespace_option(from_tools), "tools"
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        body._sampling_defaults = getattr(self, "sampling_defaults", {})  # --generation-config (Responses too)
         params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None, asked)
         self._check_choices(1, params.n)
         try:
@@ -124,7 +125,15 @@ class ChatServing:
         tools = [tool.function.for_template() for tool in body.tools] if body.tools else None
         rendered = await self._render_chat([m.for_template() for m in body.messages], tools,
                                            body.add_generation_prompt)
-        return params, await self._tokenize([rendered], params, "messages")
+        # a max_tokens the request did not give (the generation config's max_new_tokens) is a limit, as vLLM's: it
+        # leaves the prompt the room it needs rather than refusing it
+        default_cap = params.max_tokens if max_tokens is None else None
+        if default_cap is not None:
+            params.max_tokens = None
+        prompts = await self._tokenize([rendered], params, "messages")
+        if default_cap is not None:
+            params.max_tokens = max(1, min(default_cap, self.max_model_len - len(prompts[0])))
+        return params, prompts
 
     async def _check_tool_schemas(self, body: ChatCompletionRequest, mode: str) -> None:
         """The first tool whose parameters alone do not compile (of those `mode` constrains to): a 400 naming

@@ -38,8 +38,9 @@ class _ChoiceDelta:
     num_cached_tokens: int  # of its prompt: tokens whose KV the prefix cache gave
     text: str
     token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
+    logprobs: list[dict[int, float] | None] | None  # None in the list: an echoed prompt's first token
     finish_reason: str | None
+    echo: bool = False  # the choice's prompt (`token_ids`, its logprobs; the route knows its text), not output
 
 
 async def _merged(engine: AsyncLLMEngine, request_id: str, prompts: list[list[int]], params: SamplingParams,
@@ -107,23 +108,43 @@ def _num_tokens(output: RequestOutput) -> int:
 
 
 async def _deltas(engine: AsyncLLMEngine, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                  max_backlog: int, cut: asyncio.Event, interval: int = 1) -> AsyncIterator[_ChoiceDelta]:
+                  max_backlog: int, cut: asyncio.Event, interval: int = 1, echo: bool = False,
+                  show_output: bool = True) -> AsyncIterator[_ChoiceDelta]:
     """Streaming: each choice's text as it becomes final.
 
     Held back until the choice ends: the last characters that might start a stop
     string, and an incomplete UTF-8 character (decoded as U+FFFD for now). After a
     choice's first delta, the next waits until `interval` tokens have come since the
     last one sent (`--stream-interval`), or the choice ends.
+
+    `echo`: each choice's first delta is its prompt (`_ChoiceDelta.echo`), once the prompt's logprobs (where asked
+    for) are all there. `show_output` False (completions' `echo` with `max_tokens: 0`): the output is left out, each
+    choice ends with an empty delta of finish reason "length".
     """
     holdback = max((len(s) for s in params.stop), default=1) - 1
     sent_text: dict[int, str] = {}
     sent_tokens: dict[int, int] = {}
     finished: set[int] = set()
+    echoed: set[int] = set()
     async for prompt_index, output in _merged(engine, request_id, prompts, params, True, max_backlog, cut):
         for completion in output.outputs:
             index = prompt_index * params.n + completion.index
             if index in finished:
                 continue  # the request goes on for its other choices
+            cached = output.num_cached_tokens or 0
+            if echo and index not in echoed:
+                prompt_logprobs = output.prompt_logprobs
+                if prompt_logprobs is not None and len(prompt_logprobs) < len(output.prompt_token_ids):
+                    continue  # the request's first sequence is still computing them; a later output has them
+                echoed.add(index)
+                yield _ChoiceDelta(index, prompt_index, cached, "", list(output.prompt_token_ids), prompt_logprobs,
+                                   None, echo=True)
+            if not show_output:
+                if completion.finished:
+                    finished.add(index)
+                    yield _ChoiceDelta(index, prompt_index, cached, "", [],
+                                       [] if completion.logprobs is not None else None, "length")
+                continue
             text = completion.text
             if completion.finished:
                 finished.add(index)
@@ -136,7 +157,7 @@ async def _deltas(engine: AsyncLLMEngine, request_id: str, prompts: list[list[in
             if not delta and not completion.finished:
                 continue
             sent_text[index], sent_tokens[index] = text, len(completion.token_ids)
-            yield _ChoiceDelta(index, prompt_index, output.num_cached_tokens or 0, delta, completion.token_ids[first:],
+            yield _ChoiceDelta(index, prompt_index, cached, delta, completion.token_ids[first:],
                                completion.logprobs[first:] if completion.logprobs is not None else None,
                                completion.finish_reason)
 
@@ -305,9 +326,11 @@ class ServingBase:
 
     def _stream(self, envelope: dict, request_id: str, prompts: list[list[int]], params: SamplingParams,
                 include_usage: bool, choice: Callable[[_ChoiceDelta], dict | None],
-                first_choices: list[dict] | None = None, continuous_usage: bool = False) -> StreamingResponse:
+                first_choices: list[dict] | None = None, continuous_usage: bool = False, echo: bool = False,
+                show_output: bool = True) -> StreamingResponse:
         """SSE: `first_choices` one event each, then one event per delta (shaped by `choice`), the usage
-        if asked for, an error event if the engine dies or the request fails, and [DONE].
+        if asked for, an error event if the engine dies or the request fails, and [DONE]. `echo`, `show_output`:
+        as `_deltas` takes them (an echoed prompt's tokens are not completion tokens).
 
         With `include_usage`, as OpenAI: every chunk has `usage`, null but in the last one (`choices: []`); with
         `continuous_usage` (vLLM's `continuous_usage_stats`) each chunk's is the request's usage so far."""
@@ -328,8 +351,9 @@ class ServingBase:
                 yield event([first])
             try:
                 async for delta in _deltas(self.engine, request_id, prompts, params, self.max_stream_backlog, cut,
-                                           self.stream_interval):
-                    completion_tokens += len(delta.token_ids)
+                                           self.stream_interval, echo, show_output):
+                    if not delta.echo:
+                        completion_tokens += len(delta.token_ids)
                     cached_tokens[delta.prompt_index] = delta.num_cached_tokens
                     shaped = choice(delta)
                     if shaped is not None:  # None: nothing to send yet (a tool call's text held back)
@@ -365,20 +389,25 @@ class ServingBase:
                 cursors[index] = cursor
         return cursor
 
-    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None,
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float] | None] | None,
                              cursors: dict | None = None, index: int = 0) -> dict | None:
         """Completions' logprobs; `text_offset`: each token's character offset in the choice's whole text (a
         stream's chunks go on from the text before them, as vLLM's), from the tokens' raw bytes: a token that
-        starts inside a character gets that character's offset, a special token (not in the text) where it is."""
+        starts inside a character gets that character's offset, a special token (not in the text) where it is.
+        An entry None (an echoed prompt's first token, which nothing predicts): its logprob and top_logprobs null,
+        as OpenAI's."""
         if logprobs is None:
             return None
         cursor = self._text_cursor(cursors, index)
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
         for token_id, entry in zip(token_ids, logprobs):
-            top_logprobs.append({self._token_text(i, cursor.bytes_at(i)): lp for i, lp in entry.items()})
+            if entry is None:
+                top_logprobs.append(None)
+            else:
+                top_logprobs.append({self._token_text(i, cursor.bytes_at(i)): lp for i, lp in entry.items()})
             offset, data = cursor.advance(token_id)
             tokens.append(self._token_text(token_id, data))
-            token_logprobs.append(entry[token_id])
+            token_logprobs.append(None if entry is None else entry[token_id])
             offsets.append(offset)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}

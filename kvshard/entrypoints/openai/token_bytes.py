@@ -107,6 +107,13 @@ class TextCursor:
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._started = False  # some bytes of text have come
 
+    def copy(self) -> TextCursor:
+        """A cursor of its own at the same place (the choices of one prompt go on from its echoed text)."""
+        other = TextCursor(self.vocab)
+        other.chars, other._started = self.chars, self._started
+        other._decoder.setstate(self._decoder.getstate())
+        return other
+
     def bytes_at(self, token_id: int) -> bytes:
         """The token's bytes as they would appear next in the text: its own, but for the output's first space
         where the decoder strips it. Changes nothing (the alternatives of a position ask too)."""
