@@ -356,3 +356,28 @@ def engine_after_run(LLM, model: str, prompts, params, env: dict[str, str], prob
         result = Run(llm, outputs, peak_blocks, peak_tokens, None)
         result.probed = probe(llm) if probe is not None else None
         yield llm, result
+
+
+# --- `kvshard serve` refusing its command line before any rank starts (test_startup_errors, test_vllm_compat) ---
+
+@pytest.fixture
+def no_ranks(monkeypatch):
+    """`kvshard serve` fails the test if it gets as far as starting the ranks."""
+    from kvshard.entrypoints import serve
+
+    def must_not_start(*args, **kwargs):
+        raise AssertionError("the ranks were about to start")
+
+    monkeypatch.setattr(serve, "_serve", must_not_start)
+
+
+def refused(capsys, argv: list[str], named: str) -> str:
+    """`kvshard serve ARGV` exits 2 with one line, "kvshard: error: ...", that names `named`; returns the line."""
+    from kvshard.entrypoints.cli import main
+
+    status = main(["serve", *argv])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == 2, err
+    assert len(lines) == 1 and lines[0].startswith("kvshard: error:") and named in lines[0], err
+    return lines[0]

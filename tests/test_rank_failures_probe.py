@@ -217,26 +217,40 @@ def test_a_rank_stops_once_rank_0_is_killed_while_it_loads(tmp_path):
     rank0.start()
     rank1 = None
     try:
-        deadline = time.monotonic() + 60
-        while not pid_file.exists() or not pid_file.read_text():
-            assert rank0.is_alive() and time.monotonic() < deadline, "rank 1 never reached its model load"
-            time.sleep(0.05)
-        rank1 = int(pid_file.read_text())
-        rank0.kill()
-        rank0.join(10)
-        killed = time.monotonic()
-        while alive(rank1) and time.monotonic() - killed < MARGIN_S:
-            time.sleep(0.05)
-        gone_after = time.monotonic() - killed
+        rank1 = _rank_1_once_written(rank0, pid_file, 60, "rank 1 never reached its model load")
+        gone_after = _kill_rank_0(rank0, rank1)
         print(f"rank 0 killed: rank 1 gone after {gone_after:.2f} s")
         assert not alive(rank1), "rank 1 outlived rank 0"
         assert gone_after < 2 * HEARTBEAT_INTERVAL_S + 2
     finally:
-        if rank0.is_alive():
-            rank0.kill()
-            rank0.join(10)
-        if rank1 is not None and alive(rank1):
-            os.kill(rank1, signal.SIGKILL)
+        _end_both(rank0, rank1)
+
+
+def _rank_1_once_written(rank0, pid_file: Path, timeout_s: float, never: str) -> int:
+    """Rank 1's pid, once rank 0's process has written it to `pid_file` (`never`: the failure's words)."""
+    deadline = time.monotonic() + timeout_s
+    while not pid_file.exists() or not pid_file.read_text():
+        assert rank0.is_alive() and time.monotonic() < deadline, never
+        time.sleep(0.05)
+    return int(pid_file.read_text())
+
+
+def _kill_rank_0(rank0, rank1: int) -> float:
+    """SIGKILL rank 0's process; the seconds rank 1 outlived it (at most MARGIN_S)."""
+    rank0.kill()
+    rank0.join(10)
+    killed = time.monotonic()
+    while alive(rank1) and time.monotonic() - killed < MARGIN_S:
+        time.sleep(0.05)
+    return time.monotonic() - killed
+
+
+def _end_both(rank0, rank1: int | None) -> None:
+    if rank0.is_alive():
+        rank0.kill()
+        rank0.join(10)
+    if rank1 is not None and alive(rank1):
+        os.kill(rank1, signal.SIGKILL)
 
 
 def test_ctrl_c_while_a_rank_loads_its_model_stops_every_rank_at_once(rank_that, tmp_path):
@@ -435,24 +449,12 @@ def test_ranks_say_in_one_line_that_rank_0_is_gone_when_it_is_killed_mid_step(tm
     rank0.start()
     rank1 = None
     try:
-        deadline = time.monotonic() + 120
-        while not pid_file.exists() or not pid_file.read_text():
-            assert rank0.is_alive() and time.monotonic() < deadline, "the engine never started"
-            time.sleep(0.05)
-        rank1 = int(pid_file.read_text())
+        rank1 = _rank_1_once_written(rank0, pid_file, 120, "the engine never started")
         time.sleep(1.0)  # in the middle of generating
-        rank0.kill()
-        rank0.join(10)
-        killed = time.monotonic()
-        while alive(rank1) and time.monotonic() - killed < MARGIN_S:
-            time.sleep(0.05)
+        _kill_rank_0(rank0, rank1)
         assert not alive(rank1), "rank 1 outlived rank 0"
     finally:
-        if rank0.is_alive():
-            rank0.kill()
-            rank0.join(10)
-        if rank1 is not None and alive(rank1):
-            os.kill(rank1, signal.SIGKILL)
+        _end_both(rank0, rank1)
     said = [line for line in log_file.read_text().splitlines() if line.strip() and "Warning" not in line]
     print("\n".join(said))
     assert not any("Traceback" in line for line in said), said

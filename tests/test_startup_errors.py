@@ -15,28 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from kvshard.entrypoints import serve
+from conftest import refused
 from kvshard.entrypoints.cli import main
 
 MODEL = "kvshard-demo-gqa"
 SMALL = ["--max-model-len", "512", "--kv-cache-memory", "16MiB", "--port", "0"]
-
-
-@pytest.fixture
-def no_ranks(monkeypatch):
-    def must_not_start(*args, **kwargs):
-        raise AssertionError("the ranks were about to start")
-
-    monkeypatch.setattr(serve, "_serve", must_not_start)
-
-
-def refused(capsys, argv: list[str], named: str) -> str:
-    status = main(["serve", *argv])
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert status == 2, err
-    assert len(lines) == 1 and lines[0].startswith("kvshard: error:") and named in lines[0], err
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from conftest import assert_same_generation, hf_greedy_with_logprobs, tiny_llama_config
+from conftest import assert_same_generation, hf_greedy_with_logprobs, refused, tiny_llama_config
 from kvshard import LLM, SamplingParams
 from kvshard.config import ConfigError
 from kvshard.config.generation import AUTO_LENGTH, load_generation_defaults, parse_length
@@ -52,14 +52,6 @@ def recommending_model(tmp_path_factory, demo_dir) -> Path:
 
 
 @pytest.fixture
-def no_ranks(monkeypatch):
-    def must_not_start(*args, **kwargs):
-        raise AssertionError("the ranks were about to start")
-
-    monkeypatch.setattr(serve, "_serve", must_not_start)
-
-
-@pytest.fixture
 def served(monkeypatch):
     """`kvshard serve ARGV` up to the ranks' start: the config and flags it would serve with."""
     seen = {}
@@ -77,15 +69,6 @@ def served(monkeypatch):
         return dict(seen)
 
     return run
-
-
-def refused(capsys, argv: list[str], named: str) -> str:
-    status = main(["serve", *argv])
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert status == 2, err
-    assert len(lines) == 1 and lines[0].startswith("kvshard: error:") and named in lines[0], err
-    return lines[0]
 
 
 # --- 1. --generation-config -------------------------------------------------------------------------------------
