@@ -265,9 +265,6 @@ class LLMEngine:
                       for row in range(first, first + rows.requests[i].num_sampled)]
         outcomes = verify_drafts(logits[logit_rows], seqs, [batch.drafts[i] for i in sampled], self.default_generator,
                                  [draft_probs.get(seq.seq_id) for seq in seqs] if draft_probs else None)
-        for i, outcome in zip(sampled, outcomes):
-            if batch.drafts[i] and not isinstance(outcome, Exception):
-                self._count_drafts(len(batch.drafts[i]), len(outcome) - 1)
         sampled = [(batch.seqs[i], batch.drafts[i]) for i in sampled]
         touched: dict[str, Request] = {}
         for i, ((seq, drafts), outcome) in enumerate(zip(sampled, outcomes)):
@@ -284,7 +281,10 @@ class LLMEngine:
                         break
                 if drafts:
                     # the drafts appended before the last token were accepted: their K/V count (and their
-                    # full blocks are named for the prefix cache) also when that token ends the sequence
+                    # full blocks are named for the prefix cache) also when that token ends the sequence.
+                    # The counters count them alone: drafts verified past a stop are not output, so that
+                    # every step gives its request 1 + accepted tokens
+                    self._count_drafts(len(drafts), offset)
                     self.scheduler.accept_drafts(seq, offset)
                 if reason is not None:
                     self.scheduler.finish(seq, reason)
