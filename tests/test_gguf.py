@@ -271,7 +271,7 @@ def write_bare_gguf(path: Path, architecture: str, tensors: dict[str, np.ndarray
 @pytest.mark.parametrize("architecture, tensors, message", [
     ("falcon", {"token_embd.weight": np.zeros((4, 32), np.float32)}, "architecture 'falcon'"),
     ("llama", {"token_embd.weight": np.zeros((4, 32), np.int8)}, "stores tensors as I8"),
-    ("llama", {"rope_freqs.weight": np.ones(32, np.float32)}, "has tensor 'rope_freqs.weight'"),
+    ("llama", {"blk.0.attn_qkv.weight": np.ones((96, 32), np.float32)}, "has tensor 'blk.0.attn_qkv.weight'"),
     ("llama", {"token_embd.weight": np.zeros((4, 32), np.float32)}, "lacks the metadata llama.block_count"),
 ], ids=["architecture", "tensor-type", "tensor-name", "metadata"])
 def test_unsupported_file_is_a_one_line_error_naming_what(tmp_path, architecture, tensors, message):
