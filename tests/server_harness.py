@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import io
+import json
 import multiprocessing
 import os
 import re
@@ -25,7 +26,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -303,3 +304,16 @@ class _ServeTarget:
 
         sys.argv = [cli.__file__, *self.args]
         sys.exit(cli.main(sys.argv[1:]))
+
+
+def stream_events(client, route: str, body: dict) -> Iterator[dict]:
+    """The JSON events of a streamed request through a TestClient (the `data:` lines, [DONE] left out); a stream that
+    is refused, or an error event, fails the test."""
+    with client.stream("POST", route, json=body) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            yield event

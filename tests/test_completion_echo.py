@@ -10,7 +10,6 @@ GQA demo model (one rank).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 
 import openai
@@ -24,6 +23,7 @@ from kvshard.engine.llm_engine import LLMEngine
 from kvshard.entrypoints.openai.token_bytes import token_bytes
 from kvshard.entrypoints.openai_server import OpenAIServer
 from kvshard.models.demo import ensure_demo_model
+from server_harness import stream_events
 
 MODEL = "kvshard-demo-gqa"
 BLOCK = 4  # tokens per KV block: the prompts below span several, which the prefix cache can serve
@@ -71,16 +71,10 @@ def streamed(client: TestClient, **fields) -> tuple[dict[int, list[dict]], dict 
             "stream_options": {"include_usage": True}}
     chunks: dict[int, list[dict]] = {}
     usage = None
-    with client.stream("POST", "/v1/completions", json=body) as response:
-        assert response.status_code == 200, response.read()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            assert "error" not in event, event
-            for choice in event["choices"]:
-                chunks.setdefault(choice["index"], []).append(choice)
-            usage = event["usage"] or usage
+    for event in stream_events(client, "/v1/completions", body):
+        for choice in event["choices"]:
+            chunks.setdefault(choice["index"], []).append(choice)
+        usage = event["usage"] or usage
     return chunks, usage
 
 

@@ -72,6 +72,21 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{GGUF_NAMES[rest]}.{suffix}"
 
 
+def add_hyperparameters(writer: gguf.GGUFWriter, config) -> None:
+    """A transformers config's shape, rotary base and norm epsilon as llama.cpp's converter writes them."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+
+
 def write_tiny_gguf(path: Path, model_type: str, weight_type: Q, seed: int = 0) -> Path:
     config = tiny_config(model_type)
     tokenizer = train_tokenizer(config.vocab_size)
@@ -81,16 +96,7 @@ def write_tiny_gguf(path: Path, model_type: str, weight_type: Q, seed: int = 0) 
 
     writer = gguf.GGUFWriter(str(path), model_type)
     writer.add_name(f"tiny {model_type}")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
+    add_hyperparameters(writer, config)
 
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
     vocab = spec["model"]["vocab"]

@@ -26,18 +26,13 @@ from conftest import environment, hf_greedy_with_logprobs
 from kvshard import LLM, SamplingParams
 from kvshard.config import ConfigError, load_model_config, resolve_model_path
 from kvshard.models.demo import train_tokenizer
+from test_gguf import add_hyperparameters, gguf_name, llama_cpp_rotary_rows
 
 LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=8192, rope_theta=500000.0)
 # Llama 3's special tokens in place of the demo tokenizer's first five
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
 QWEN2_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|system|>", "<|user|>"]
-GGUF_NAMES = {
-    "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-}
 # a long prompt: rope scaling changes the low frequencies, whose angles grow with the position
 LONG_PROMPT = [(7 * i + 3) % 500 + 5 for i in range(160)]
 
@@ -65,20 +60,6 @@ def random_model(config, seed: int = 0):
     return model
 
 
-def gguf_name(hf_name: str) -> str:
-    module, _, suffix = hf_name.rpartition(".")
-    if module in GGUF_NAMES:
-        return f"{GGUF_NAMES[module]}.{suffix}"
-    _, _, layer, rest = module.split(".", 3)
-    return f"blk.{layer}.{GGUF_NAMES[rest]}.{suffix}"
-
-
-def interleave_rotary_rows(weights: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's converter: each head's two rotary halves interleaved row by row."""
-    return (weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:])
-            .swapaxes(1, 2).reshape(weights.shape))
-
-
 def llama3_rope_divisors(params: dict, head_dim: int) -> np.ndarray:
     """What llama.cpp's converter writes as `rope_freqs` for Llama 3.1's rope scaling."""
     factors = []
@@ -104,19 +85,9 @@ def write_gguf(path: Path, model, architecture: str = "llama", weight_type: Q = 
     """`model` as llama.cpp writes it. `raw_blocks(gguf_name, weights)` may return (bytes, type) for a matrix;
     `split_max_tensors` splits the file into shards of that many tensors (the output matrix last)."""
     config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer = gguf.GGUFWriter(str(path), architecture, split_max_tensors=split_max_tensors)
     writer.add_name(name)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
+    add_hyperparameters(writer, config)
 
     tokenizer = train_tokenizer(config.vocab_size)
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
@@ -142,9 +113,9 @@ def write_gguf(path: Path, model, architecture: str = "llama", weight_type: Q = 
     for hf_name in ordered:
         array = weights[hf_name].numpy()
         if architecture == "llama" and ".q_proj." in hf_name:
-            array = interleave_rotary_rows(array, config.num_attention_heads)
+            array = llama_cpp_rotary_rows(array, config.num_attention_heads)
         elif architecture == "llama" and ".k_proj." in hf_name:
-            array = interleave_rotary_rows(array, config.num_key_value_heads)
+            array = llama_cpp_rotary_rows(array, config.num_key_value_heads)
         if array.ndim == 2 and raw_blocks is not None:
             blocks, block_type = raw_blocks(gguf_name(hf_name), array)
             writer.add_tensor(gguf_name(hf_name), blocks, raw_dtype=block_type)

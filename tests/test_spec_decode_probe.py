@@ -11,7 +11,6 @@ weights of the demo model. Two small engines at tp=1, kept for the module.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 
 import pytest
@@ -21,6 +20,7 @@ from kvshard import LLM, SamplingParams
 from kvshard.engine.arg_utils import EngineArgs
 from kvshard.engine.llm_engine import LLMEngine
 from kvshard.entrypoints.openai_server import OpenAIServer
+from server_harness import stream_events
 
 MODEL = "kvshard-demo-gqa"
 BLOCK = 4
@@ -192,22 +192,16 @@ def streamed(client: TestClient, route: str, body: dict) -> dict:
     """Each choice's text and token logprobs joined over the chunks, its finish reason; the usage."""
     joined: dict = {}
     usage = None
-    with client.stream("POST", route, json={"model": MODEL, **body, "stream": True,
-                                            "stream_options": {"include_usage": True}}) as response:
-        assert response.status_code == 200, response.read()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            assert "error" not in event, event
-            usage = event.get("usage") or usage
-            for choice in event["choices"]:
-                text = choice.get("text", (choice.get("delta") or {}).get("content")) or ""
-                mine = joined.setdefault(choice["index"], {"text": "", "logprobs": [], "finish_reason": None})
-                mine["text"] += text
-                logprobs = choice.get("logprobs") or {}
-                mine["logprobs"] += logprobs.get("token_logprobs") or [c["logprob"] for c in logprobs.get("content", [])]
-                mine["finish_reason"] = choice.get("finish_reason") or mine["finish_reason"]
+    for event in stream_events(client, route, {"model": MODEL, **body, "stream": True,
+                                               "stream_options": {"include_usage": True}}):
+        usage = event.get("usage") or usage
+        for choice in event["choices"]:
+            text = choice.get("text", (choice.get("delta") or {}).get("content")) or ""
+            mine = joined.setdefault(choice["index"], {"text": "", "logprobs": [], "finish_reason": None})
+            mine["text"] += text
+            logprobs = choice.get("logprobs") or {}
+            mine["logprobs"] += logprobs.get("token_logprobs") or [c["logprob"] for c in logprobs.get("content", [])]
+            mine["finish_reason"] = choice.get("finish_reason") or mine["finish_reason"]
     return {"choices": joined, "completion_tokens": usage["completion_tokens"]}
 
 
