@@ -61,7 +61,8 @@ def no_shared_memory_left_behind():
 
 
 # The files that share the session's SmolLM2 server and conversion (`smollm2_server`, `conversion_cache`).
-SMOLLM2_FILES = {"test_agentic_api.py", "test_gguf.py", "test_smollm2_server.py", "test_structured_outputs.py"}
+SMOLLM2_FILES = {"test_agentic_api.py", "test_gguf.py", "test_gguf_probe.py", "test_smollm2_server.py",
+                 "test_structured_outputs.py"}
 
 
 @pytest.hookimpl(optionalhook=True)
