@@ -229,3 +229,26 @@ def test_tool_schemas_beyond_the_constraint_limit_are_400s(client):
                       tool_choice={"type": "function", "name": "big"}), "tools.0.parameters",
             f"tools.0.parameters is longer than {MAX_CONSTRAINT_CHARS}")
     assert client.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("route, fields, param", [
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": WEATHER}}},
+     "response_format.json_schema.name"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "",
+                                                                                          "schema": WEATHER}}},
+     "response_format.json_schema.name"),
+    ("/v1/responses", {"text": {"format": {"type": "json_schema", "schema": WEATHER}}}, "text.format.name"),
+])
+def test_a_json_schema_format_needs_its_name(client, route, fields, param):
+    """Before: a json_schema format without `name` was taken, and the Responses API echoed it back without one,
+    which the SDK's own type rejects; OpenAI and vLLM require it."""
+    body = {"model": DEMO, **fields}
+    body |= ({"messages": MESSAGES, "max_tokens": 4} if route.endswith("completions") else
+             {"input": "Weather in Oslo?", "max_output_tokens": 4})
+    refused(client.post(route, json=body), param, "needs a name")
+    named = dict(fields)
+    if route.endswith("completions"):
+        named["response_format"] = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}}
+    else:
+        named["text"] = {"format": {"type": "json_schema", "name": "weather", "schema": WEATHER}}
+    assert client.post(route, json={**body, **named}).status_code == 200

@@ -532,6 +532,10 @@ def response_format_constraint(value: dict[str, Any], param: str) -> StructuredO
                 raise APIError(400, f"{where}.schema is not valid JSON: {error}", f"{where}.schema") from None
         if not isinstance(schema, dict) or not schema:
             raise APIError(400, f"{where}.schema must be a non-empty JSON schema (an object)", f"{where}.schema")
+        name = spec.get("name")
+        if not isinstance(name, str) or not name:  # OpenAI's and vLLM's required field (its echo needs it too)
+            raise APIError(400, f"{where}.name: a json_schema format needs a name (a string, e.g. \"answer\")",
+                           f"{where}.name")
         return _constraint(f"{where}.schema", json=schema)
     raise APIError(400, f"{param}.type must be one of text, json_object, json_schema, got {kind!r}", f"{param}.type")
 
