@@ -96,6 +96,7 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # the stop string (or a stop token's text) ends the text, as vLLM's
     logprobs: int | None = None  # top-k log-probabilities to return per generated token
     # disaggregated prefill/decode (kvshard/disagg): do_remote_decode on a producer, do_remote_prefill on a consumer
     kv_transfer_params: dict | None = None
@@ -156,6 +157,8 @@ class SamplingParams:
               f"stop strings must be at most {MAX_STOP_LENGTH} characters long")
         check(all(_is_int(t, 0) for t in self.stop_token_ids),
               f"stop_token_ids must be integers in [0, {INT64_MAX}]")
+        check(isinstance(self.include_stop_str_in_output, bool),
+              f"include_stop_str_in_output must be true or false, got {self.include_stop_str_in_output!r}")
         check(self.kv_transfer_params is None or self.n == 1, "n must be 1 when kv_transfer_params is given")
         check(self.logprobs is None or (_is_int(self.logprobs, 0) and self.logprobs <= MAX_LOGPROBS),
               f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")

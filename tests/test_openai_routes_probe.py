@@ -110,6 +110,40 @@ def test_a_stop_token_ends_the_output_without_its_text(served, llm):
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string_and_the_stop_tokens_text(served, llm):
+    """vLLM's `include_stop_str_in_output`: the text ends with the stop string (nothing after it) or with the stop
+    token's text. Before: the field was ignored, as any unknown one."""
+    prompt = "Hello world, this is"  # its greedy answer adds visible text token after token
+
+    def run(max_tokens: int, **fields):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **fields)
+        return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+
+    full = run(12)
+    # the stop string: the text a token adds in the middle of the greedy answer, found nowhere before it
+    at, stop = next((len(run(i).text), run(i + 1).text[len(run(i).text):]) for i in range(2, 11)
+                    if (piece := run(i + 1).text[len(run(i).text):]).strip() and piece not in run(i).text)
+    assert full.text.find(stop) == at, (full.text, stop)
+    out = run(12, stop=[stop], include_stop_str_in_output=True)
+    assert (out.text, out.finish_reason) == (full.text[:at + len(stop)], "stop")
+    assert run(12, stop=[stop]).text == full.text[:at]
+
+    token = full.token_ids[4]
+    out = run(12, stop_token_ids=[token], include_stop_str_in_output=True)
+    first = full.token_ids.index(token)
+    assert out.token_ids == full.token_ids[:first + 1]
+    assert out.text == run(first + 1).text
+
+    body = dict(prompt=prompt, max_tokens=12, temperature=0, ignore_eos=True, stop=[stop],
+                include_stop_str_in_output=True)
+    whole = served.http.post("/v1/completions", json={"model": MODEL, **body}).json()
+    assert whole["choices"][0]["text"] == full.text[:at + len(stop)]
+    chunks = events(served.http, "/v1/completions", stream=True, **body)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == full.text[:at + len(stop)]
+    refused = served.http.post("/v1/completions", json={"model": MODEL, **body, "include_stop_str_in_output": "yes"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "include_stop_str_in_output"
+
+
 @pytest.mark.parametrize("metaspace", [False, True], ids=["llama2-style", "metaspace"])
 def test_the_first_output_token_reads_as_it_does_after_the_prompt(metaspace):
     """SentencePiece decoders drop the leading space at the start of a text: decoded alone, "▁the" is "the".

@@ -347,7 +347,7 @@ def post(client: TestClient, route: str, **body):
 
 
 UNSUPPORTED = [("use_beam_search", True), ("best_of", 3), ("length_penalty", 0.5), ("early_stopping", True),
-               ("prompt_logprobs", 1), ("include_stop_str_in_output", True), ("skip_special_tokens", False),
+               ("prompt_logprobs", 1), ("skip_special_tokens", False),
                ("spaces_between_special_tokens", False), ("truncate_prompt_tokens", 4), ("allowed_token_ids", [5]),
                ("logits_processors", ["x"]),
                ("return_tokens_as_token_ids", True), ("use_beam_search", 1)]

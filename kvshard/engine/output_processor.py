@@ -55,16 +55,20 @@ class OutputProcessor:
         """Add a sampled token to its sequence; the reason it finishes, or None."""
         seq.output_token_ids.append(token)
         params = seq.params
-        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+        stop_token = (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids
+        if stop_token and not params.include_stop_str_in_output:
             return "stop"  # its text is not part of the output (vLLM's, without include_stop_str_in_output)
         previous_len = len(seq.text)
         if self._backend is not None:
             seq.text += self._stream(seq).step(self._backend, token) or ""  # None: a character is incomplete
+        if stop_token:
+            return "stop"
         if _stop_strings_apply(seq):
-            cut = min((found for stop in params.stop
-                       if (found := seq.text.find(stop, max(0, previous_len - len(stop) + 1))) != -1), default=-1)
-            if cut != -1:
-                seq.text = seq.text[:cut]
+            found = [(at, stop) for stop in params.stop
+                     if (at := seq.text.find(stop, max(0, previous_len - len(stop) + 1))) != -1]
+            if found:
+                at, stop = min(found)
+                seq.text = seq.text[:at + len(stop)] if params.include_stop_str_in_output else seq.text[:at]
                 return "stop"
         if params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens:
             return "length"

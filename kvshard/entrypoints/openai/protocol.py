@@ -93,6 +93,7 @@ class _GenerationRequest(BaseModel):
     top_k: int = -1  # vLLM's extension, as the two below
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # vLLM's extension
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -111,7 +112,6 @@ class _GenerationRequest(BaseModel):
     length_penalty: Any = None
     early_stopping: Any = None
     prompt_logprobs: Any = None
-    include_stop_str_in_output: Any = None
     skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
     truncate_prompt_tokens: Any = None
@@ -129,7 +129,7 @@ class _GenerationRequest(BaseModel):
     # field -> the values that change nothing (None: absent)
     _NO_OP_VALUES: ClassVar[dict[str, tuple]] = {
         "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0), "early_stopping": (None, False),
-        "prompt_logprobs": (None,), "include_stop_str_in_output": (None, False),
+        "prompt_logprobs": (None,),
         "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
         "truncate_prompt_tokens": (None,), "allowed_token_ids": (None,),
         "logits_processors": (None,), "return_tokens_as_token_ids": (None, False),
@@ -215,7 +215,8 @@ class _GenerationRequest(BaseModel):
             return SamplingParams(
                 n=self.n, temperature=field("temperature"), top_p=field("top_p"), top_k=field("top_k"), seed=self.seed,
                 max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
-                ignore_eos=self.ignore_eos, logprobs=logprobs, kv_transfer_params=self.kv_transfer_params,
+                ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
+                logprobs=logprobs, kv_transfer_params=self.kv_transfer_params,
                 min_p=field("min_p"), repetition_penalty=field("repetition_penalty"),
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 min_tokens=self.min_tokens, logit_bias=logit_bias, bad_words=self.bad_words,
