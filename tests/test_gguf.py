@@ -87,6 +87,14 @@ def add_hyperparameters(writer: gguf.GGUFWriter, config) -> None:
     writer.add_vocab_size(config.vocab_size)
 
 
+def write_out(writer: gguf.GGUFWriter) -> None:
+    """The file's header, metadata and tensors written, in gguf's order, and the file closed."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def write_tiny_gguf(path: Path, model_type: str, weight_type: Q, seed: int = 0) -> Path:
     config = tiny_config(model_type)
     tokenizer = train_tokenizer(config.vocab_size)
@@ -120,10 +128,7 @@ def write_tiny_gguf(path: Path, model_type: str, weight_type: Q, seed: int = 0) 
             writer.add_tensor(gguf_name(name), np.ascontiguousarray(weights))
         else:
             writer.add_tensor(gguf_name(name), gguf.quants.quantize(weights, weight_type), raw_dtype=weight_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_out(writer)
     return path
 
 
@@ -267,10 +272,7 @@ def write_bare_gguf(path: Path, architecture: str, tensors: dict[str, np.ndarray
     writer = gguf.GGUFWriter(str(path), architecture)
     for name, tensor in tensors.items():
         writer.add_tensor(name, tensor)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_out(writer)
     return path
 
 

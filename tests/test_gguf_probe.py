@@ -26,7 +26,7 @@ from conftest import environment, hf_greedy_with_logprobs
 from kvshard import LLM, SamplingParams
 from kvshard.config import ConfigError, load_model_config, resolve_model_path
 from kvshard.models.demo import train_tokenizer
-from test_gguf import add_hyperparameters, gguf_name, llama_cpp_rotary_rows
+from test_gguf import add_hyperparameters, gguf_name, llama_cpp_rotary_rows, write_out
 
 LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=8192, rope_theta=500000.0)
@@ -125,10 +125,7 @@ def write_gguf(path: Path, model, architecture: str = "llama", weight_type: Q = 
             writer.add_tensor(gguf_name(hf_name), gguf.quants.quantize(array, weight_type), raw_dtype=weight_type)
     for tensor_name, array in (extra_tensors or {}).items():
         writer.add_tensor(tensor_name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_out(writer)
     return path
 
 
@@ -365,10 +362,7 @@ def test_deepseek2_file_is_one_line(tmp_path):
     writer = gguf.GGUFWriter(str(tmp_path / "DeepSeek-V2-Lite.gguf"), "deepseek2")
     writer.add_block_count(2)
     writer.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_out(writer)
     with pytest.raises(ConfigError, match="architecture 'deepseek2'") as error:
         resolve_model_path(tmp_path / "DeepSeek-V2-Lite.gguf")
     assert "\n" not in str(error.value)

@@ -35,15 +35,6 @@ class GenerationDefaults:
     source: str = ""
     setting: str = AUTO
 
-    @property
-    def sampling(self) -> dict[str, Any]:
-        """The defaults of the sampling fields, max_tokens apart."""
-        return {k: v for k, v in self.values.items() if k != "max_tokens"}
-
-    @property
-    def max_tokens(self) -> int | None:
-        return self.values.get("max_tokens")
-
     def describe(self) -> str:
         """The start-up report's line: which of kvshard's defaults the model's generation config overrode."""
         if self.values:

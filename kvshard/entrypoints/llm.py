@@ -105,9 +105,8 @@ class LLM:
         them, as vLLM's `LLM.chat`: each is rendered with the chat template the server uses (`chat_template`, else
         the tokenizer's own, else a plain `role: content` one) and generated from as `generate` does; an output's
         `prompt` is the rendered conversation."""
-        from kvshard.entrypoints.openai.protocol import (DEFAULT_CHAT_TEMPLATE, APIError, ChatMessage, ChatTool,
-                                                         check_messages)
-        from kvshard.entrypoints.openai.serving_chat import shipped_template
+        from kvshard.entrypoints.openai.protocol import APIError, ChatMessage, ChatTool, check_messages
+        from kvshard.entrypoints.openai.serving_chat import chat_template_for
         from pydantic import ValidationError
 
         tokenizer = self.engine.tokenizer
@@ -131,13 +130,9 @@ class LLM:
             raise ValueError(error.message) from None
         except ValidationError as error:  # a ValueError naming the field
             raise ValueError(f"messages: {error}") from None
-        own = getattr(tokenizer, "chat_template", None)
         texts, prompts = [], []
         for conversation in rendered_conversations:
-            template = chat_template
-            if template is None:
-                with_tools = bool(tool_specs) or any(m["role"] == "tool" or m.get("tool_calls") for m in conversation)
-                template = DEFAULT_CHAT_TEMPLATE if not own else (shipped_template(own) if with_tools else None)
+            template = chat_template_for(chat_template, tokenizer, conversation, tool_specs)
             text = tokenizer.apply_chat_template(conversation, tools=tool_specs, chat_template=template,
                                                  tokenize=False, add_generation_prompt=add_generation_prompt)
             texts.append(text)

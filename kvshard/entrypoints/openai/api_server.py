@@ -119,11 +119,6 @@ class OpenAIServer(ServingBase, CompletionServing, ChatServing, ResponsesServing
         self.response_store = ResponseStore(max_stored_responses)
         self.app = self._build_app()
 
-    def _check_request(self, request, http: Request | None = None) -> None:
-        """ServingBase's checks, then the server's sampling defaults handed to the request (completions, chat)."""
-        super()._check_request(request, http)
-        request._sampling_defaults = self.sampling_defaults
-
     def _build_app(self) -> FastAPI:
         @asynccontextmanager
         async def lifespan(app: FastAPI):

@@ -196,21 +196,19 @@ class _GenerationRequest(BaseModel):
             return constraint
         return dataclasses.replace(constraint, disable_any_whitespace=option["disable_any_whitespace"])
 
-    # the server's sampling defaults (--generation-config, set by the server): each applies where the request
-    # leaves its field out; max_tokens also caps the request's own (vLLM's server-wide limit from max_new_tokens)
-    _sampling_defaults: dict[str, Any] = {}
-
-    def _given_or_default(self, name: str) -> Any:
-        given = name in self.model_fields_set or name not in self._sampling_defaults
-        return getattr(self, name) if given else self._sampling_defaults[name]
-
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+                        structured_outputs: StructuredOutputsParams | None = None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """`defaults`: the server's sampling defaults (--generation-config), each where the request leaves its
+        field out; their max_tokens also caps the request's own (vLLM's server-wide limit from max_new_tokens)."""
+        defaults = defaults or {}
         logit_bias = self._logit_bias()
-        cap = self._sampling_defaults.get("max_tokens")
+        cap = defaults.get("max_tokens")
         if cap is not None:
             max_tokens = cap if max_tokens is None else min(max_tokens, cap)
-        field = self._given_or_default
+
+        def field(name: str) -> Any:
+            return getattr(self, name) if name in self.model_fields_set or name not in defaults else defaults[name]
         try:
             return SamplingParams(
                 n=self.n, temperature=field("temperature"), top_p=field("top_p"), top_k=field("top_k"), seed=self.seed,
@@ -267,8 +265,9 @@ class CompletionRequest(_GenerationRequest):
         return self.echo and self.max_tokens == 0
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
-        params = super().sampling_params(1 if self.echo_only else max_tokens, logprobs, structured_outputs)
+                        structured_outputs: StructuredOutputsParams | None = None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        params = super().sampling_params(1 if self.echo_only else max_tokens, logprobs, structured_outputs, defaults)
         if self.echo:
             params.prompt_logprobs = logprobs  # the prompt's tokens, with as many alternatives as the output's
         return params

@@ -30,6 +30,21 @@ from kvshard.sampling_params import SamplingParams, StructuredOutputsParams
 TEMPLATES = Path(__file__).parent / "templates"
 
 
+def chat_template_for(given: str | None, tokenizer, conversation: list[dict[str, Any]],
+                      tools: list[dict] | None) -> str | None:
+    """The template a conversation is rendered with (the chat route's and `LLM.chat`'s): `given` (--chat-template)
+    if any; else the tokenizer's own, or kvshard's tools-capable one for a model whose own template has no tools,
+    when the conversation brings tools or tool turns (None: the tokenizer's own)."""
+    if given is not None:
+        return given
+    own = getattr(tokenizer, "chat_template", None)
+    if not own:
+        return DEFAULT_CHAT_TEMPLATE
+    if tools or any(m["role"] == "tool" or m.get("tool_calls") for m in conversation):
+        return shipped_template(own)
+    return None
+
+
 def shipped_template(own: str | None) -> str | None:
     """A tools-capable template kvshard ships for a model whose own template has no tools (SmolLM2-Instruct)."""
     if isinstance(own, str) and "tools" not in own and "<|im_start|>" in own and "SmolLM" in own:
@@ -113,8 +128,8 @@ class ChatServing:
                                     "calls are the output", field)
             asked, field = body.with_whitespace_option(from_tools), "tools"
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        body._sampling_defaults = getattr(self, "sampling_defaults", {})  # --generation-config (Responses too)
-        params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None, asked)
+        params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None, asked,
+                                      self.sampling_defaults)  # --generation-config (Responses too)
         self._check_choices(1, params.n)
         try:
             await self._check_constraint(asked, field)
@@ -203,18 +218,6 @@ class ChatServing:
         usage = _usage(prompts, sum(len(c.token_ids) for c in completions), _cached_tokens(outputs))
         return JSONResponse({**envelope, "object": "chat.completion", "choices": choices, "usage": usage})
 
-    def _chat_template_for(self, with_tools: bool) -> str | None:
-        """--chat-template if given; else the tokenizer's own, or kvshard's tools-capable one for a model whose
-        own template has no tools, when the request brings tools or tool turns (None: the tokenizer's own)."""
-        if self.chat_template is not None:
-            return self.chat_template
-        own = getattr(self.tokenizer, "chat_template", None)
-        if not own:
-            return DEFAULT_CHAT_TEMPLATE
-        if with_tools:
-            return shipped_template(own)
-        return None
-
     async def _render_chat(self, conversation: list[dict[str, Any]], tools: list[dict] | None,
                            add_generation_prompt: bool) -> list[int]:
         """The conversation templated and tokenized, off the event loop; one too long to fit is refused first."""
@@ -225,8 +228,7 @@ class ChatServing:
         if chars > self.max_prompt_chars:
             raise APIError(400, f"messages: {chars:,} characters cannot fit in this model's maximum context "
                                 f"length of {self.max_model_len} tokens", "messages")
-        with_tools = bool(tools) or any(m["role"] == "tool" or m.get("tool_calls") for m in conversation)
-        template = self._chat_template_for(with_tools)
+        template = chat_template_for(self.chat_template, self.tokenizer, conversation, tools)
 
         def render() -> str:
             try:

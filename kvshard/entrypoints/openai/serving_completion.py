@@ -24,7 +24,7 @@ class CompletionServing:
         body = _parse(CompletionRequest, await request.body(), self._max_items())
         self._check_request(body, request)
         constraint, field = body.constraint()
-        params = body.sampling_params(body.max_tokens, body.logprobs, constraint)
+        params = body.sampling_params(body.max_tokens, body.logprobs, constraint, self.sampling_defaults)
         await self._check_constraint(constraint, field)
         raw_prompts = _raw_prompts(body)
         self._check_choices(len(raw_prompts), params.n)
