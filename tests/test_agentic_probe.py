@@ -126,6 +126,53 @@ def test_the_item_the_token_budget_cut_is_incomplete(client):
     assert [e["item"]["status"] for e in streamed if e["type"] == "response.output_item.done"] == ["completed"]
 
 
+
+def chat_stream_calls(client, **fields) -> tuple[dict[int, dict], str | None]:
+    """A streamed chat answer's tool calls, their deltas put together, and its finish_reason."""
+    calls: dict[int, dict] = {}
+    finish = None
+    with client.stream("POST", "/v1/chat/completions", json={"model": DEMO, "messages": MESSAGES, "temperature": 0,
+                                                             "stream": True, **fields}) as answer:
+        assert answer.status_code == 200, answer.read()
+        for line in answer.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                finish = choice["finish_reason"] or finish
+                for delta in choice["delta"].get("tool_calls") or []:
+                    call = calls.setdefault(delta["index"], {"name": None, "arguments": ""})
+                    call["name"] = delta.get("function", {}).get("name") or call["name"]
+                    call["arguments"] += delta.get("function", {}).get("arguments", "")
+    return calls, finish
+
+
+def test_a_call_cut_by_max_tokens_keeps_what_was_written_of_its_arguments(client):
+    """Before: a "required" call whose output max_tokens cut after the function's name, before its arguments
+    began, answered arguments "{}", which reads as a whole call without arguments. Now a cut call's arguments
+    are what the model wrote of them (empty if nothing), streamed or not, with finish_reason "length"; the
+    same request with room enough gives the whole call, of which the cut one's arguments are the beginning."""
+    request = dict(tools=[CHAT_TOOL], tool_choice="required", parallel_tool_calls=False, **COMPACT)
+    whole = chat(client, **request, max_tokens=200).json()["choices"][0]
+    assert whole["finish_reason"] == "tool_calls", whole
+    arguments = whole["message"]["tool_calls"][0]["function"]["arguments"]
+    assert json.loads(arguments).keys() == {"city"}
+    cuts = []
+    for max_tokens in range(1, 60):  # from the first budget that names the call to one that cuts its arguments
+        choice = chat(client, **request, max_tokens=max_tokens).json()["choices"][0]
+        if not choice["message"].get("tool_calls"):
+            continue
+        assert choice["finish_reason"] == "length", choice
+        [call] = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather"
+        cut = call["function"]["arguments"]
+        assert arguments.startswith(cut) and cut != arguments, (max_tokens, cut, arguments)
+        streamed, finish = chat_stream_calls(client, **request, max_tokens=max_tokens)
+        assert finish == "length" and streamed == {0: {"name": "get_weather", "arguments": cut}}, streamed
+        cuts.append(cut)
+        if cut:
+            break
+    assert cuts[0] == "" and cuts[-1], cuts  # cut before the arguments began, and inside them
+
 # --- Responses fields that would otherwise be ignored --------------------------------------------------------
 
 @pytest.mark.parametrize("fields, param", [

@@ -226,7 +226,9 @@ def content_before(text: str, start: int | None, markers: tuple[str, ...], final
 
 
 def arguments_json(call: ParsedCall) -> str:
-    """A finished call's arguments as OpenAI gives them: a JSON text (an object)."""
+    """A finished call's arguments as OpenAI gives them: a JSON text (an object). A call the output ended in
+    (cut by max_tokens) keeps what was written of them, an empty text if nothing: "{}" would read as a whole
+    call without arguments."""
     raw = call.arguments.strip()
     if raw.startswith('"'):  # some models write the arguments as a JSON string that holds the object
         try:
@@ -234,7 +236,7 @@ def arguments_json(call: ParsedCall) -> str:
             return inner if isinstance(inner, str) else raw
         except ValueError:
             return raw
-    return raw or "{}"
+    return raw or ("{}" if call.complete else "")
 
 
 # --- the stream ---------------------------------------------------------------------------------------
