@@ -189,7 +189,9 @@ REGISTRY: dict[str, EnvVar] = _declare(
     EnvVar("KVSHARD_MAX_STREAM_BACKLOG", POSITIVE_INT, 1024,
            "tokens a streaming client may leave unread (summed over its choices) before the request is aborted"),
     EnvVar("KVSHARD_API_KEY", TEXT, None,
-           "the default of `serve --api-key`: the bearer key every route but /health requires"),
+           "the default of `serve --api-key`: the bearer key every route but /health requires "
+           "(`VLLM_API_KEY` is read next); set but empty, it is refused at start-up",
+           aliases=("VLLM_API_KEY",)),
     EnvVar("KVSHARD_KV_TRANSFER_SECRET", TEXT, None,
            "the shared secret of a disaggregated deployment (proxy, producers, consumers), where "
            "`kv_connector_extra_config.shared_secret` is not given",
@@ -223,6 +225,20 @@ def heartbeat_timeout_s() -> float:
 def cache_dir() -> Path:
     """Where kvshard keeps what it builds or converts: $KVSHARD_CACHE_DIR, else ~/.cache/kvshard."""
     return get("KVSHARD_CACHE_DIR") or Path.home() / ".cache" / "kvshard"
+
+
+def api_key() -> tuple[str, str] | None:
+    """`serve --api-key`'s default: (the variable it was read from, the key) of the first of $KVSHARD_API_KEY,
+    $VLLM_API_KEY that is set; None when neither is. Unlike the other variables', a blank value is not taken for
+    unset but refused by name: it would serve every client where a key was meant."""
+    variable = REGISTRY["KVSHARD_API_KEY"]
+    for name in (variable.name, *variable.aliases):
+        if name in os.environ:
+            key = os.environ[name].strip()
+            if not key:
+                raise _error(f"${name} is set but empty: no request could match it; set it to a key, or unset it")
+            return name, key
+    return None
 
 
 # The variable that holds the shared secret of a disaggregated deployment (docs/disaggregation.md).

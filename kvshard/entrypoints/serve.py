@@ -33,9 +33,9 @@ def add_serve_parser(subparsers) -> None:
     EngineArgs.add_cli_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
-    parser.add_argument("--api-key", default=envs.get("KVSHARD_API_KEY"),
+    parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on every route but /health (and /metrics with "
-                             "--public-metrics) (default: $KVSHARD_API_KEY)")
+                             "--public-metrics) (default: $KVSHARD_API_KEY, else $VLLM_API_KEY)")
     parser.add_argument("--public-metrics", action="store_true",
                         help="serve /metrics without the API key (for a Prometheus scraper)")
     parser.add_argument("--served-model-name", nargs="+", default=None,
@@ -207,9 +207,7 @@ def run_serve(args: argparse.Namespace) -> int:
     for name in args.served_model_name or []:
         if not name.strip():
             raise ConfigError(f"--served-model-name {name!r}: a model name must not be empty")
-    if args.api_key is not None and not args.api_key.strip():
-        raise ConfigError("--api-key (or $KVSHARD_API_KEY) is empty: no request could match it; give a key, or "
-                          "leave both out for a server without one")
+    args.api_key = api_key_arg(args.api_key)
     if args.kv_transfer_config is not None:
         _check_kv_transfer_port(args.kv_transfer_config)  # a bad role, field or port fails before any rank starts
     config = EngineArgs.from_cli_args(args).create_engine_config()
@@ -234,6 +232,18 @@ def run_serve(args: argparse.Namespace) -> int:
         _reserve_rendezvous(master)
     return _serve(config, master, listener, args.served_model_name or [args.model], args.api_key,
                   args.kv_transfer_config, args)
+
+
+def api_key_arg(value: str | None) -> str | None:
+    """The key the server requires: --api-key's `value`, else $KVSHARD_API_KEY, else $VLLM_API_KEY (None: no key).
+    An empty one, given or set, is a ConfigError naming the flag or the variable: no request could match it."""
+    if value is None:
+        found = envs.api_key()
+        return None if found is None else found[1]
+    if not value.strip():
+        raise ConfigError("--api-key is empty: no request could match it; give a key, or leave it out (and "
+                          "$KVSHARD_API_KEY, $VLLM_API_KEY unset) for a server without one")
+    return value
 
 
 def _bind(host: str, port: int) -> socket.socket:

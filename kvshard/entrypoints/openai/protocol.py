@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, field_validator,
+                      model_validator)
 
 from kvshard.errors import SERVER_STOPPING
 from kvshard.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+
+logger = logging.getLogger("kvshard.server")
 
 # Used when the tokenizer brings no chat template of its own.
 DEFAULT_CHAT_TEMPLATE = (
@@ -82,10 +86,29 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
-class _GenerationRequest(BaseModel):
-    """Fields both endpoints take. Unknown fields are ignored, as vLLM does."""
+class _RequestBody(BaseModel):
+    """A route's request body. A top-level field the route does not define is ignored, as vLLM ignores it, and
+    named in one warning per request (`_parse`), so that a misspelt field (`max_token`) shows in the server's log;
+    the fields of nested objects (messages, tools) are ignored without one. The unknown fields' values are
+    dropped once validation is over: only their names are kept, in `_unknown_fields`."""
 
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)  # no NaN, Infinity
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)  # no NaN, Infinity
+    ROUTE: ClassVar[str] = ""  # what the warning names
+    _unknown_fields: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="after")
+    def _set_aside_unknown_fields(self) -> _RequestBody:
+        extra = self.__pydantic_extra__
+        if extra:
+            self._unknown_fields = tuple(sorted(extra))
+            self.__pydantic_fields_set__.difference_update(extra)
+            self.__pydantic_extra__ = {}
+        return self
+
+
+class _GenerationRequest(_RequestBody):
+    """Fields both endpoints take. Unknown fields are ignored, as vLLM does, with a warning naming them."""
+
     model: str
     n: int = 1
     temperature: float = 1.0
@@ -234,6 +257,7 @@ class _GenerationRequest(BaseModel):
 
 
 class CompletionRequest(_GenerationRequest):
+    ROUTE: ClassVar[str] = "POST /v1/completions"
     prompt: Annotated[Any, BeforeValidator(_check_prompt)]
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -431,6 +455,7 @@ ToolChoice = Annotated[Literal["none", "auto", "required"] | NamedToolChoice,
 
 
 class ChatCompletionRequest(_GenerationRequest):
+    ROUTE: ClassVar[str] = "POST /v1/chat/completions"
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -568,10 +593,10 @@ class ResponsesTextConfig(BaseModel):
     format: dict[str, Any] | None = None
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(_RequestBody):
     """The subset of OpenAI's Responses API that the OpenAI Agents SDK uses (docs/serving.md)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    ROUTE: ClassVar[str] = "POST /v1/responses"
     model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -644,10 +669,10 @@ class ResponsesRequest(BaseModel):
 
 # --- /tokenize, /detokenize (vLLM's) ---------------------------------------------------------------
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_RequestBody):
     """{"prompt": text} or {"messages": [...]} (rendered through the chat template first)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    ROUTE: ClassVar[str] = "POST /tokenize"
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -657,8 +682,8 @@ class TokenizeRequest(BaseModel):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+class DetokenizeRequest(_RequestBody):
+    ROUTE: ClassVar[str] = "POST /detokenize"
     model: str | None = None
     tokens: list[int]
 
@@ -672,11 +697,12 @@ def _parse(model: type[BaseModel], body: bytes, max_items: dict[str, tuple[int, 
     """The body validated as `model`; a 400 naming the field otherwise. `max_items`: field -> (the most items its
     list or object can hold, what it says beyond that), checked first in a body over PRESCAN_BODY_BYTES (a plain
     `json.loads`, some 0.1 s at the body limit), so that a request of too many items is refused before they are
-    validated one by one."""
+    validated one by one. A route's body that carries fields the route does not know is served all the same, and
+    the fields are named in a warning."""
     if max_items and len(body) > PRESCAN_BODY_BYTES:
         _refuse_too_many_items(body, max_items)
     try:
-        return model.model_validate_json(body)
+        parsed = model.model_validate_json(body)
     except ValidationError as error:
         first = error.errors()[0]
         if first["type"] == "json_invalid":
@@ -686,6 +712,25 @@ def _parse(model: type[BaseModel], body: bytes, max_items: dict[str, tuple[int, 
                                                                       and p not in _TYPE_NAMES)]
         message = first["msg"].removeprefix("Value error, ")
         raise APIError(400, f"{'.'.join(path)}: {message}" if path else message, path[0] if path else None) from None
+    unknown = getattr(parsed, "_unknown_fields", ())
+    if unknown:
+        logger.warning("%s: %s", model.ROUTE, unknown_fields_message(unknown))
+    return parsed
+
+
+MAX_NAMED_FIELDS = 16  # a warning names at most this many unknown fields (then says how many more)
+MAX_FIELD_NAME_CHARS = 64  # and at most this many characters of each name
+
+
+def unknown_fields_message(names: tuple[str, ...]) -> str:
+    """The warning about a request's unknown top-level fields (`names`, sorted): each name quoted (a name is the
+    client's text, newlines included), at most MAX_NAMED_FIELDS of them."""
+    shown = [repr(name if len(name) <= MAX_FIELD_NAME_CHARS else name[:MAX_FIELD_NAME_CHARS] + "...")
+             for name in names[:MAX_NAMED_FIELDS]]
+    more = f" and {len(names) - MAX_NAMED_FIELDS} more" if len(names) > MAX_NAMED_FIELDS else ""
+    noun = "field" if len(names) == 1 else "fields"
+    return (f"ignored the request's unknown {noun} {', '.join(shown)}{more} "
+            "(not taken by this route: check the spelling)")
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
