@@ -35,7 +35,7 @@ from kvshard.bench.serve import request_list_digest
 from kvshard.bench.workloads import WorkloadSpec
 from kvshard.engine.arg_utils import EngineArgs
 from server_harness import (API_KEY, MODEL, SERVE_ARGS, Server, serve_command, start_command, start_together,
-                            stop_all)
+                            stop_all, tcp_state)
 
 PROMPTS = [f"Request {i}: " + "Decode context parallelism shards the key value cache. " * (i % 4) + "The capital of"
            for i in range(32)]  # 5 to 45 tokens: shorter and longer than one virtual block (2 x 16 tokens)
@@ -392,22 +392,6 @@ def test_extreme_but_legal_sampling_values_sample_the_top_token(server, client, 
 
 
 # --- a client that stops reading -------------------------------------------------------------------
-
-_TCP_STATES = {1: "ESTABLISHED", 2: "SYN_SENT", 3: "SYN_RECV", 4: "FIN_WAIT1", 5: "FIN_WAIT2", 6: "TIME_WAIT",
-               7: "CLOSE", 8: "CLOSE_WAIT", 9: "LAST_ACK", 10: "LISTEN", 11: "CLOSING"}
-
-
-def tcp_state(local_port: int, remote_port: int) -> str | None:
-    """The kernel's state of this machine's TCP socket from local_port to remote_port (Linux), None if none."""
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as rows:
-            for row in list(rows)[1:]:
-                fields = row.split()
-                local, remote = (int(address.rsplit(":", 1)[1], 16) for address in fields[1:3])
-                if (local, remote) == (local_port, remote_port):
-                    return _TCP_STATES[int(fields[3], 16)]
-    return None
-
 
 def test_stream_whose_client_stops_reading_is_aborted_and_frees_its_blocks(server, client):
     aborted = server.metric("kvshard:request_success_total", finished_reason="abort")

@@ -242,11 +242,13 @@ def with_connection_transport(app):
     A closed connection is only closed once the client has read what the server queued for it: for a
     client that stopped reading, minutes, or never. To cut such a connection the server needs its
     transport, which ASGI does not give: uvicorn's `send` is a method of the object that holds it.
-    Without that (another server), connections close as the server closes them.
+    Without that (another server), connections close as the server closes them. The transport is taken by
+    what it does, not by its class: uvloop's (uvicorn's loop where uvloop is installed) is no asyncio.Transport.
     """
     async def app_with_transport(scope, receive, send) -> None:
         transport = getattr(getattr(send, "__self__", None), "transport", None)
-        if scope["type"] == "http" and isinstance(transport, asyncio.Transport):
+        if scope["type"] == "http" and all(callable(getattr(transport, name, None))
+                                           for name in ("abort", "is_closing", "get_extra_info")):
             scope = {**scope, "extensions": {**(scope.get("extensions") or {}), TRANSPORT_EXTENSION: transport}}
         await app(scope, receive, send)
 
