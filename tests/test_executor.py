@@ -186,7 +186,11 @@ def test_the_store_heartbeat_says_once_that_the_store_is_gone_and_ticks_again_wh
     ticking.start()
     try:
         assert [reader.read() for _ in range(3)] == [None, None, None]
-        time.sleep(0.3)  # several ticks of the rank's thread
+        deadline = time.monotonic() + 10  # the rank's thread has tried once (on a busy machine, not at once)
+        while not any("rank 2: the heartbeat cannot reach" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline, "the rank's thread never said that the store is gone"
+            time.sleep(0.05)
+        time.sleep(0.3)  # and several ticks more
         said = [r.getMessage() for r in caplog.records]
         assert sum("heartbeats cannot be read from the rendezvous store" in m for m in said) == 1, said
         assert sum("rank 2: the heartbeat cannot reach the rendezvous store" in m for m in said) == 1, said
