@@ -23,6 +23,7 @@ import os
 import re
 import runpy
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -333,3 +334,31 @@ def tcp_state(local_port: int, remote_port: int) -> str | None:
                 if (local, remote) == (local_port, remote_port):
                     return _TCP_STATES[int(fields[3], 16)]
     return None
+
+
+def free_local_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def uvicorn_on_a_thread(config) -> Iterator:
+    """A uvicorn server on `config`, in this process on a thread of its own (so that a client can really hang
+    up), started before the block and stopped after it: the `uvicorn.Server`."""
+    import threading
+
+    import uvicorn
+
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield server
+    finally:
+        server.should_exit = True
+        thread.join(30)

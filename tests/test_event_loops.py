@@ -12,21 +12,19 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
 import httpx
 import pytest
-import uvicorn
 
 from kvshard.engine.arg_utils import EngineArgs
 from kvshard.engine.llm_engine import LLMEngine
 from kvshard.entrypoints.openai.serving_engine import with_connection_transport
 from kvshard.entrypoints.openai_server import OpenAIServer
 from kvshard.entrypoints.serve import uvicorn_config
-from server_harness import tcp_state
+from server_harness import free_local_port, tcp_state, uvicorn_on_a_thread
 
 MODEL = "kvshard-demo-gqa"
 
@@ -38,25 +36,13 @@ def served(request) -> Iterator[SimpleNamespace]:
     engine = LLMEngine(EngineArgs.from_kwargs(MODEL, max_model_len=512, kv_cache_memory="64MiB",
                                               max_num_seqs=256).create_engine_config())
     server = OpenAIServer(engine, [MODEL], max_stream_backlog=256)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_local_port()
     flags = SimpleNamespace(request_read_timeout=30.0, timeout_keep_alive=5, h11_max_incomplete_event_size=None)
-    uv = uvicorn.Server(uvicorn_config(with_connection_transport(server.app), flags, port=port, log_level="warning",
-                                       loop=request.param))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    # the loop asked for is the one serving: its listening server's class comes from that loop's module
-    assert type(uv.servers[0]).__module__.split(".")[0] == request.param, type(uv.servers[0])
-    try:
+    with uvicorn_on_a_thread(uvicorn_config(with_connection_transport(server.app), flags, port=port,
+                                            log_level="warning", loop=request.param)) as uv:
+        # the loop asked for is the one serving: its listening server's class comes from that loop's module
+        assert type(uv.servers[0]).__module__.split(".")[0] == request.param, type(uv.servers[0])
         yield SimpleNamespace(port=port, engine=engine, loop=request.param)
-    finally:
-        uv.should_exit = True
-        thread.join(30)
 
 
 def test_a_client_that_stops_reading_is_aborted_and_its_connection_cut(served):

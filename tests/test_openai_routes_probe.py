@@ -10,8 +10,6 @@ finished, and `LLM.chat`.
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -28,6 +26,7 @@ from kvshard.engine.output_processor import OutputProcessor
 from kvshard.engine.sequence import Sequence
 from kvshard.entrypoints.openai.serving_engine import with_connection_transport
 from kvshard.entrypoints.openai_server import OpenAIServer
+from server_harness import free_local_port, uvicorn_on_a_thread
 
 MODEL = "kvshard-demo-gqa"
 ENGINE = dict(max_model_len=256, kv_cache_memory="16MiB")
@@ -38,21 +37,11 @@ PROMPT = "The capital of France"
 def served() -> Iterator[SimpleNamespace]:
     engine = LLMEngine(EngineArgs.from_kwargs(MODEL, **ENGINE).create_engine_config())
     server = OpenAIServer(engine, [MODEL])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(with_connection_transport(server.app), port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
+    port = free_local_port()
     url = f"http://127.0.0.1:{port}"
-    with httpx.Client(base_url=url, timeout=60) as http:
+    with uvicorn_on_a_thread(uvicorn.Config(with_connection_transport(server.app), port=port, log_level="warning")), \
+            httpx.Client(base_url=url, timeout=60) as http:
         yield SimpleNamespace(url=url, http=http, engine=engine)
-    uv.should_exit = True
-    thread.join(30)
 
 
 @pytest.fixture(scope="module")
