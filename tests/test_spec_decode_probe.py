@@ -11,6 +11,7 @@ weights of the demo model. Two small engines at tp=1, kept for the module.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -29,6 +30,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3,
 ENGINE = dict(max_model_len=256, kv_cache_memory="16MiB", block_size=BLOCK)
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown"
 ATOL = 1e-4
+EOS = 1  # the demo models' eos_token_id
 
 
 class ReferenceDrafts:
@@ -271,3 +273,58 @@ def test_stop_strings_met_inside_a_run_of_drafts(clients, route, base):
         assert_same(streamed(spec, route, body), want)
     assert stopped >= 2
     assert engine.stats().kv_blocks_used == 0
+
+
+# --- drafts under an output constraint --------------------------------------------------------------------------
+
+def test_a_draft_model_drafts_what_the_constraint_allows(engines):
+    """Before: a draft model drafted from its unconstrained logits, so under a grammar its drafts were the tokens
+    the grammar forbids wherever the target's masked choice differed, and verification rejected them. Now each
+    draft is drawn from what the request's grammar allows after the output and the drafts before it. The target
+    itself as its draft model shows it whole: greedy, its masked choices are the target's, so every draft is
+    accepted but where the output ends; and the output stays the tokens of plain decoding under the constraint."""
+    from kvshard.sampling_params import StructuredOutputsParams
+
+    plain, _ = engines
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "ok": {"type": "boolean"}}, "required": ["name", "ok"]}
+    params = SamplingParams(temperature=0, max_tokens=120,
+                            structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+    prompts = [PROMPT, "Hello", "A"]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    with LLM(MODEL, speculative_config={"model": MODEL, "num_speculative_tokens": K}, **ENGINE) as drafted:
+        got = drafted.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == want
+        for output in got:  # the constraint held: whole JSON of the schema's shape
+            assert output.outputs[0].finish_reason == "stop", output.outputs[0]
+            assert json.loads(output.outputs[0].text).keys() == {"name", "ok"}
+        engine = drafted.engine
+        drafts, accepted = engine.spec_num_draft_tokens, sum(engine.spec_accepted_per_pos)
+        # a request's last step may draft past its end (its stop token, or max_tokens): those alone are lost
+        assert drafts > 0 and drafts - accepted <= K * len(prompts), (drafts, accepted)
+
+
+def test_drafts_that_end_the_constraint_are_verified(engines, monkeypatch):
+    """Drafts that run to the constraint's end (its stop token drafted, rows after it): before, the row after a
+    drafted stop token asked the ended grammar for a mask, and xgrammar raises there, failing the request.
+    Every draft here is the plain engine's constrained continuation, the stop token included, at every place
+    in a run of K; the outputs are plain decoding's, every request met the end inside a run of drafts."""
+    from kvshard.sampling_params import StructuredOutputsParams
+
+    plain, spec = engines
+    params = SamplingParams(temperature=0, max_tokens=120, structured_outputs=StructuredOutputsParams(
+        choice=["yes", "no", "maybe so", "not at all"]))
+    prompts = [PROMPT, "Hello", "A", "B", "The quick"]
+    tokenizer = plain.get_tokenizer()
+    wanted = plain.generate(prompts, params, use_tqdm=False)
+    drafts = ReferenceDrafts(every=0)
+    for prompt, output in zip(prompts, wanted):
+        assert output.outputs[0].finish_reason == "stop" and output.outputs[0].token_ids[-1] == EOS, output
+        drafts.sequences.append(tokenizer.encode(prompt) + list(output.outputs[0].token_ids))
+    monkeypatch.setattr(spec.engine.proposer, "propose", drafts.propose)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in wanted]
+    assert [o.outputs[0].finish_reason for o in got] == ["stop"] * len(prompts)
+    # the stop token was a draft (not the token after a run) for some request: the case above was met
+    assert any(len(o.outputs[0].token_ids) % (K + 1) != 1 for o in wanted), [len(o.outputs[0].token_ids)
+                                                                          for o in wanted]

@@ -142,11 +142,18 @@ def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
     return filtered.softmax(dim=-1)
 
 
-def sample_with_probs(logits: torch.Tensor, seqs: list[Sequence],
-                      default_generator: torch.Generator) -> list[tuple[int, torch.Tensor | None]]:
+def sample_with_probs(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.Generator,
+                      drafts_before: list[list[int]] | None = None) -> list[tuple[int, torch.Tensor | None]]:
     """logits [b, V] -> per row a token and, for sampled rows, the distribution [V] it was drawn from
     (a draft model's q, which rejection sampling needs); greedy rows take the argmax. No logits
-    processor applies (a proposal, not an output); a failing row raises."""
+    processor applies (a proposal, not an output); a failing row raises.
+
+    With `drafts_before` (the drafts each row's sequence has proposed this step before it), a row of a
+    sequence under an output constraint is drawn from what its grammar allows after its output and those
+    drafts, in place in `logits`: a draft the grammar forbids would only be rejected. A row after a drafted
+    stop token is drawn as it is (`apply_masks`); verification ends the request before it."""
+    if drafts_before is not None:
+        apply_masks(logits, seqs, drafts_before)
     results: list[tuple[int, torch.Tensor | None]] = []
     for outcome in _sample_requests(logits, seqs, [[] for _ in seqs], default_generator, processors=False):
         if isinstance(outcome, Exception):

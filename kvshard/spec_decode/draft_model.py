@@ -77,7 +77,8 @@ class DraftModelProposer:
                             tables=self.executor.block_tables.changes([seqs[i] for i in active]))
             logits = self.executor.execute(plan).cpu()  # [len(active), V]
             for i, (token, row_probs) in zip(active, sample_with_probs(logits, [seqs[i] for i in active],
-                                                                         self.default_generator)):
+                                                                         self.default_generator,
+                                                                         [drafts[i] for i in active])):
                 drafts[i].append(token)
                 if row_probs is not None:
                     probs[i].append(row_probs)

@@ -131,7 +131,8 @@ class MtpProposer:
                             draft=True, spec=MtpDraftRows(rows), tables=self.executor.block_tables.changes(seqs))
             logits = self.executor.execute(plan).cpu()  # [len(wanted), V]
             for j, (token, row_probs) in zip(wanted, sample_with_probs(logits, [seqs[j] for j in wanted],
-                                                                         self.default_generator)):
+                                                                         self.default_generator,
+                                                                         [drafts[active[j]] for j in wanted])):
                 drafts[active[j]].append(token)
                 if row_probs is not None:
                     probs[active[j]].append(row_probs)

@@ -148,8 +148,9 @@ def apply_masks(logits: torch.Tensor, seqs, drafts_before: list[list[int]] | Non
 
     The rows of one sequence may follow one another with longer and longer drafts before them (a
     verification step): its grammar accepts each draft in turn for the fills, and is rolled back after. A row
-    after a draft the grammar refuses is left as it is: verification rejects that draft, so the row is never
-    used. Token ids past the tokenizer's vocabulary (a padded vocabulary) are never allowed.
+    after a draft the grammar refuses, or after a drafted stop token that ended the grammar (which has no mask
+    to give then), is left as it is: verification rejects that draft or ends the request there, so the row is
+    never used. Token ids past the tokenizer's vocabulary (a padded vocabulary) are never allowed.
     """
     rows = [i for i, seq in enumerate(seqs) if getattr(seq, "grammar", None) is not None]
     if not rows:
@@ -172,7 +173,7 @@ def apply_masks(logits: torch.Tensor, seqs, drafts_before: list[list[int]] | Non
                 if not grammar.accept_token(token):
                     break
                 taken.append(token)
-            if len(taken) == len(wanted):
+            if len(taken) == len(wanted) and not grammar.is_terminated():
                 grammar.fill_bitmask(bitmask, i)
                 filled.append(i)
     finally:
