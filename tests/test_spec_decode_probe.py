@@ -277,7 +277,7 @@ def test_stop_strings_met_inside_a_run_of_drafts(clients, route, base):
 
 # --- drafts under an output constraint --------------------------------------------------------------------------
 
-def test_a_draft_model_drafts_what_the_constraint_allows(engines):
+def test_a_draft_model_drafts_what_the_constraint_allows(engines, capfd):
     """Before: a draft model drafted from its unconstrained logits, so under a grammar its drafts were the tokens
     the grammar forbids wherever the target's masked choice differed, and verification rejected them. Now each
     draft is drawn from what the request's grammar allows after the output and the drafts before it. The target
@@ -302,6 +302,8 @@ def test_a_draft_model_drafts_what_the_constraint_allows(engines):
         drafts, accepted = engine.spec_num_draft_tokens, sum(engine.spec_accepted_per_pos)
         # a request's last step may draft past its end (its stop token, or max_tokens): those alone are lost
         assert drafts > 0 and drafts - accepted <= K * len(prompts), (drafts, accepted)
+    # drafts after a drafted stop token are not offered to the ended grammar (xgrammar warns on stderr)
+    assert "terminated after accepting the stop token" not in capfd.readouterr().err
 
 
 def test_drafts_that_end_the_constraint_are_verified(engines, monkeypatch):

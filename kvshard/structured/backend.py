@@ -38,7 +38,7 @@ class Grammar(ABC):
         """How many of `tokens`, in order, the constraint allows from here; the state is left unchanged."""
         accepted = 0
         for token in tokens:
-            if not self.accept_token(token):
+            if self.is_terminated() or not self.accept_token(token):  # ended (its stop token taken): no more
                 break
             accepted += 1
         if accepted:
