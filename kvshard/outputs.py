@@ -29,8 +29,9 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt token
     # {token_id: logprob} holding that token and the top-k, given the tokens before it
     prompt_logprobs: list[dict[int, float] | None] | None = None
-    # why the request ended early (sampling or output processing failed for it); finished is then True
-    # and every sequence's finish_reason is "error". The other requests and the engine go on.
+    # why the request ended early (sampling or output processing failed for it); finished is then True, and
+    # every sequence still running then has finish_reason "error" (one of its n that had finished keeps its own
+    # reason: what a stream already sent). The other requests and the engine go on.
     error: str | None = None
     # the error came from the request's own settings (errors.RequestSettingsError: e.g. min_tokens, bad_words and
     # a constraint that leave no token): the client can fix it, and an API server answers 400
