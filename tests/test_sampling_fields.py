@@ -324,6 +324,20 @@ def test_speculation_stays_exact_with_the_fields(llm, checkpoints, drafter):
         speculative.engine.shutdown()
 
 
+
+@pytest.mark.parametrize("penalty", [1e-300, 1e-30])
+def test_a_repetition_penalty_near_zero_keeps_the_distribution_finite(llm, penalty):
+    """Before: a repetition_penalty near 0 (valid: it must only be > 0) divided a repeated token's positive logit
+    into inf, the softmax made NaN of it, and the request failed with torch's "probability tensor contains
+    either inf, nan or element < 0". Now penalised logits stay finite (at most float32's largest): such a penalty
+    puts the mass on the repeated tokens of positive logit, sampled or greedy."""
+    for params in (SamplingParams(temperature=0.7, seed=3, max_tokens=12, repetition_penalty=penalty),
+                   SamplingParams(temperature=0, max_tokens=12, repetition_penalty=penalty)):
+        for output in llm.generate(PROMPTS, params, use_tqdm=False):
+            completion = output.outputs[0]
+            assert output.error is None and completion.finish_reason in ("length", "stop"), output
+            assert len(completion.token_ids) >= 1
+
 def test_bad_words_and_logit_bias_need_the_vocabulary(llm):
     with pytest.raises(ValueError, match=r"logit_bias keys must be token ids in \[0, 512\)"):
         llm.generate(["Hi"], SamplingParams(logit_bias={512: 1.0}), use_tqdm=False)

@@ -93,7 +93,9 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence],
         frequency = torch.tensor([params[j].frequency_penalty for j in penalised], dtype=sub.dtype).unsqueeze(1)
         presence = torch.tensor([params[j].presence_penalty for j in penalised], dtype=sub.dtype).unsqueeze(1)
         sub = sub - frequency * output_counts - presence * (output_counts > 0).to(sub.dtype)
-        block[penalised] = sub
+        # a legal but extreme penalty (repetition_penalty 1e-300) overflows a logit to inf, which the softmax would
+        # turn into NaN: such logits are held at the largest finite one (-inf, a banned token, stays)
+        block[penalised] = sub.clamp(max=torch.finfo(sub.dtype).max)
     processed = logits.clone()
     processed[rows] = block
     apply_masks(processed, seqs, drafts_before)  # structured outputs: what the row's grammar forbids is -inf
