@@ -362,3 +362,13 @@ def uvicorn_on_a_thread(config) -> Iterator:
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def scraped_metrics(http: httpx.Client) -> dict[tuple, float]:
+    """/metrics through `http`: {(sample name, its labels but model_name, sorted): value}."""
+    values = {}
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for sample in family.samples:
+            values[(sample.name, tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name")))] = \
+                sample.value
+    return values

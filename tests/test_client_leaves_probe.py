@@ -20,13 +20,12 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvshard.engine.arg_utils import EngineArgs
 from kvshard.engine.llm_engine import LLMEngine
 from kvshard.entrypoints.openai.serving_engine import with_connection_transport
 from kvshard.entrypoints.openai_server import OpenAIServer
-from server_harness import free_local_port, uvicorn_on_a_thread
+from server_harness import free_local_port, scraped_metrics as metrics, uvicorn_on_a_thread
 
 MODEL = "kvshard-demo-gqa"
 ENGINE = dict(max_model_len=256, kv_cache_memory="16MiB")
@@ -79,15 +78,6 @@ def served(request) -> Iterator[SimpleNamespace]:
     with uvicorn_on_a_thread(uvicorn.Config(with_connection_transport(server.app), port=port, log_level="warning")), \
             httpx.Client(base_url=url, timeout=60) as http:
         yield SimpleNamespace(url=url, port=port, http=http, engine=engine)
-
-
-def metrics(http: httpx.Client) -> dict[tuple, float]:
-    values = {}
-    for family in text_string_to_metric_families(http.get("/metrics").text):
-        for sample in family.samples:
-            values[(sample.name, tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name")))] = \
-                sample.value
-    return values
 
 
 def ended(before: dict, after: dict) -> dict[str, float]:

@@ -17,7 +17,6 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvshard import LLM, SamplingParams
 from kvshard.engine.arg_utils import EngineArgs
@@ -26,7 +25,7 @@ from kvshard.engine.output_processor import OutputProcessor
 from kvshard.engine.sequence import Sequence
 from kvshard.entrypoints.openai.serving_engine import with_connection_transport
 from kvshard.entrypoints.openai_server import OpenAIServer
-from server_harness import free_local_port, uvicorn_on_a_thread
+from server_harness import free_local_port, scraped_metrics as metrics, uvicorn_on_a_thread
 
 MODEL = "kvshard-demo-gqa"
 ENGINE = dict(max_model_len=256, kv_cache_memory="16MiB")
@@ -56,15 +55,6 @@ def events(http: httpx.Client, route: str, **body) -> list[dict]:
     data = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
     assert data[-1] == "[DONE]", data
     return [json.loads(item) for item in data[:-1]]
-
-
-def metrics(http: httpx.Client) -> dict[tuple, float]:
-    values = {}
-    for family in text_string_to_metric_families(http.get("/metrics").text):
-        for sample in family.samples:
-            values[(sample.name, tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name")))] = \
-                sample.value
-    return values
 
 
 def finished(values: dict, reason: str) -> float:
