@@ -41,13 +41,18 @@ STOPPED = f"rank 1 stopped answering: no heartbeat for {HEARTBEAT_TIMEOUT_S:g} s
 class RankThat:
     """The ranks' target, with rank 1 doing `what` ("stops": SIGSTOP to itself; "fails": raises OSError; "hangs":
     sleeps for an hour) where it "connects" (`init_parallel`) or "loads" its model (`ModelRunner`), after its
-    heartbeat has ticked; just before, `pid_file` gets its pid. Picklable: the rank runs it."""
+    heartbeat has ticked, or (only "stops") as it "starts", before its heartbeat thread exists; just before,
+    `pid_file` gets its pid. Picklable: the rank runs it."""
 
     def __init__(self, target, where: str, what: str, pid_file: str | None = None) -> None:
         self.target, self.where, self.what, self.pid_file = target, where, what, pid_file
 
     def __call__(self, config, rank: int, *rest) -> None:
-        if rank == 1:
+        if rank == 1 and self.where == "starts":  # before its heartbeat thread exists: it never ticks
+            if self.pid_file is not None:
+                Path(self.pid_file).write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif rank == 1:
             from kvshard.engine import workers
 
             name = {"connects": "init_parallel", "loads": "ModelRunner"}[self.where]
@@ -90,12 +95,15 @@ def alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("where, when", [("connects", "while the ranks were connecting"),
+@pytest.mark.parametrize("where, when", [("starts", "while the ranks were connecting"),
+                                         ("connects", "while the ranks were connecting"),
                                          ("loads", "while the ranks loaded the model")])
 def test_a_rank_stopped_while_the_ranks_start_fails_the_start_within_the_heartbeat_deadline(rank_that, tmp_path,
                                                                                              where, when):
     """Before: the rendezvous waited for the stopped rank for the collective timeout (600 s by default); a rank
-    stopped in its model load left an engine that started, and failed at its first request."""
+    stopped in its model load left an engine that started, and failed at its first request; one stopped before
+    its first heartbeat (not told from one still importing torch) was waited for the collective timeout still:
+    now its process's state (stopped, in /proc) tells."""
     pid_file = tmp_path / "rank1.pid"
     rank_that(where, "stops", str(pid_file))
     with pytest.raises(EngineDeadError, match=re.escape(f"{STOPPED} {when}")):

@@ -14,7 +14,8 @@ engine with a reason that names the rank when
   $KVSHARD_HEARTBEAT_INTERVAL s: in shared memory for ranks spawned here, in
   the rendezvous store for ranks a launcher started) has not moved for
   $KVSHARD_HEARTBEAT_TIMEOUT s since its first tick: the process is stopped
-  (SIGSTOP, a frozen VM);
+  (SIGSTOP, a frozen VM); a rank spawned here that is stopped before its
+  first tick is judged from when its process was first seen stopped;
 - the idle engine's round trip through every rank (`heartbeat`) takes longer
   than that same deadline (the way to see ranks another launcher started);
 - a step makes no progress for `step_timeout` seconds (a rank alive but stuck;
@@ -136,9 +137,11 @@ class LocalRanks:
         return f"rank {rank} exited with code {code}" + (f" ({error})" if error else "")
 
     def heartbeats(self) -> dict[int, int]:
-        """{rank: counter} of the ranks that have ticked at least once. One still starting its interpreter
-        (importing torch: seconds on a busy machine) has not, and is left to the rendezvous deadline."""
-        return {rank: beat for rank in self.processes if (beat := self.beats[rank])}
+        """{rank: counter} of the ranks that have ticked at least once, and 0 for one whose process is stopped
+        (SIGSTOP) before its first tick. One still starting its interpreter (importing torch: seconds on a busy
+        machine) has not ticked, and is left to the rendezvous deadline; a stopped one is told by its state."""
+        return {rank: beat for rank, process in self.processes.items()
+                if (beat := self.beats[rank]) or _stopped(process.pid)}
 
     def kill(self) -> None:
         for process in self.processes.values():
@@ -153,6 +156,15 @@ class LocalRanks:
                 process.join(1)
         for receiver, _ in self._errors.values():
             receiver.close()
+
+
+def _stopped(pid: int | None) -> bool:
+    """The process is stopped (by a signal, or by a debugger), as /proc says (False where it cannot tell)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 class StoreHeartbeats:
@@ -348,6 +360,8 @@ class Executor:
                 beats.clear()
                 beat_times.clear()
             else:
+                for rank in [r for r in beat_times if r not in current]:  # a rank stopped before it ticked, resumed
+                    del beats[rank], beat_times[rank]
                 for rank, beat in current.items():
                     if beats.get(rank) != beat:
                         beats[rank], beat_times[rank] = beat, now
