@@ -263,10 +263,14 @@ class ShmGroup:
                 raise PeerGoneError(f"rank {rank} of a shared-memory group (pid {pid}) exited")
 
 
-def _process_alive(pid: int) -> bool:
+def process_state(pid: int | None) -> str | None:
+    """The process's state letter in /proc (R, S, T: stopped, Z: a zombie, ...), None if it cannot be read."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
+            return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
+        return None
+
+
+def _process_alive(pid: int) -> bool:
+    return process_state(pid) not in (None, "Z", "X")

@@ -45,6 +45,7 @@ from kvshard.engine.block_tables import BlockTableSender
 from kvshard.engine.step_plan import StepPlan
 from kvshard.engine.workers import spawned_worker
 from kvshard.kv.cache import check_host_memory
+from kvshard.shm import process_state
 from kvshard import envs
 from kvshard.envs import heartbeat_interval_s, heartbeat_timeout_s
 from kvshard.parallel import (
@@ -141,7 +142,7 @@ class LocalRanks:
         (SIGSTOP) before its first tick. One still starting its interpreter (importing torch: seconds on a busy
         machine) has not ticked, and is left to the rendezvous deadline; a stopped one is told by its state."""
         return {rank: beat for rank, process in self.processes.items()
-                if (beat := self.beats[rank]) or _stopped(process.pid)}
+                if (beat := self.beats[rank]) or process_state(process.pid) in ("T", "t")}  # stopped
 
     def kill(self) -> None:
         for process in self.processes.values():
@@ -156,15 +157,6 @@ class LocalRanks:
                 process.join(1)
         for receiver, _ in self._errors.values():
             receiver.close()
-
-
-def _stopped(pid: int | None) -> bool:
-    """The process is stopped (by a signal, or by a debugger), as /proc says (False where it cannot tell)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
 
 
 class StoreHeartbeats:

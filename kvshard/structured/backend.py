@@ -24,7 +24,8 @@ class Grammar(ABC):
 
     @abstractmethod
     def accept_token(self, token: int) -> bool:
-        """Advance by one token; False (and no change) when the constraint does not allow it here."""
+        """Advance by one token; False (and no change) when the constraint does not allow it here, or has ended
+        (its stop token taken)."""
 
     @abstractmethod
     def rollback(self, num_tokens: int) -> None:
@@ -38,7 +39,7 @@ class Grammar(ABC):
         """How many of `tokens`, in order, the constraint allows from here; the state is left unchanged."""
         accepted = 0
         for token in tokens:
-            if self.is_terminated() or not self.accept_token(token):  # ended (its stop token taken): no more
+            if not self.accept_token(token):
                 break
             accepted += 1
         if accepted:

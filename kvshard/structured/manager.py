@@ -170,7 +170,7 @@ def apply_masks(logits: torch.Tensor, seqs, drafts_before: list[list[int]] | Non
             grammar.rollback(len(taken) - common)
             del taken[common:]
             for token in wanted[common:]:
-                if grammar.is_terminated() or not grammar.accept_token(token):  # ended: it takes no more
+                if not grammar.accept_token(token):
                     break
                 taken.append(token)
             if len(taken) == len(wanted) and not grammar.is_terminated():

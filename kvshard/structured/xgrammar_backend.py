@@ -84,7 +84,8 @@ class XgrammarGrammar(Grammar):
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept_token(self, token: int) -> bool:
-        return bool(self.matcher.accept_token(token))
+        # an ended matcher (its stop token taken) takes no more: asked anyway, xgrammar warns on stderr each time
+        return not self.matcher.is_terminated() and bool(self.matcher.accept_token(token))
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
