@@ -78,6 +78,7 @@ class ParallelState:
     dcp_shm: ShmGroup | None = None
     attention_layout: str = HEAD_SPLIT  # HEAD_SPLIT or REPLICATED (the same thing when dcp == 1)
     dcp_comm_backend: str = "auto"  # ParallelConfig.dcp_comm_backend
+    expert_parallel: bool = False  # ParallelConfig.enable_expert_parallel: whole routed experts on each rank
 
     @property
     def tp_rank(self) -> int:
@@ -306,6 +307,7 @@ def init_parallel(
         dcp_shm=dcp_shm,
         attention_layout=parallel.attention_layout,
         dcp_comm_backend=parallel.dcp_comm_backend,
+        expert_parallel=parallel.enable_expert_parallel,
     )
 
 

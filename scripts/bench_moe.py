@@ -34,18 +34,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", default="1,4,10,32,300")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--expert-parallel", action="store_true",
+                        help="rank 0 holds E/tp whole experts (--enable-expert-parallel), not every expert's 1/tp width")
     args = parser.parse_args(argv)
 
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; experts {args.experts}, D {args.hidden}, I {args.intermediate}, "
           f"top-{args.top_k}; median of {args.repeats} calls")
-    print("| dtype | tp (experts here) | tokens | " + " | ".join(f"{p} ms" for p in PATHS) + " |")
+    print("| dtype | tp (experts x width here) | tokens | " + " | ".join(f"{p} ms" for p in PATHS) + " |")
     print("|---|---|---|" + "---|" * len(PATHS))
     generator = torch.Generator().manual_seed(0)
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         for tp in map(int, args.tp.split(",")):
-            parallel = ParallelState(rank=0, world_size=tp, dcp_rank=0, dcp_size=1, dcp_group_index=0)
+            parallel = ParallelState(rank=0, world_size=tp, dcp_rank=0, dcp_size=1, dcp_group_index=0,
+                                     expert_parallel=args.expert_parallel)
             layer = FusedMoE(args.experts, args.hidden, args.intermediate, dtype, parallel)
             for weight in (layer.w13_weight, layer.w2_weight):
                 weight.data.copy_(torch.randn(weight.shape, generator=generator) * 0.05)
@@ -63,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
                         layer(x, weights, ids, path=path)
                         samples[path].append(time.perf_counter() - start)
                 cells = " | ".join(f"{statistics.median(samples[p]) * 1e3:.3f}" for p in PATHS)
-                print(f"| {dtype_name} | {tp} ({layer.num_local_experts}) | {tokens} | {cells} |", flush=True)
+                print(f"| {dtype_name} | {tp} ({layer.num_local_experts} x {layer.intermediate_size}) | {tokens} | "
+                      f"{cells} |", flush=True)
     return 0
 
 

@@ -44,11 +44,12 @@ from kvshard.bench.workloads import WorkloadSpec
 
 
 def run_point(conn, model: str, tp: int, dcp: int, requests, concurrency: int, kv_cache_memory: str,
-              max_model_len: int, max_num_seqs: int) -> None:
+              max_model_len: int, max_num_seqs: int, enable_expert_parallel: bool = False) -> None:
     """A layout's closed loop in slices: each ("run", seconds) from `conn` runs steps for about that long and
     answers whether the point is done; at the end, its figures."""
     with LLM(model=model, tensor_parallel_size=tp, decode_context_parallel_size=dcp, kv_cache_memory=kv_cache_memory,
-             max_num_seqs=max_num_seqs, max_model_len=max_model_len) as llm:
+             max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+             enable_expert_parallel=enable_expert_parallel) as llm:
         engine = llm.engine
         scheduler = engine.scheduler
         batches = []  # (decodes, prompt tokens, context tokens) of each step's batch
@@ -165,6 +166,8 @@ def main() -> None:
     parser.add_argument("--output-scale", type=Fraction, default=Fraction(1, 2))
     parser.add_argument("--vocab-size", type=int, default=512, help="the model's (the demo models': 512)")
     parser.add_argument("--target", type=float, default=1.6, help="the per-rank gain whose W is printed")
+    parser.add_argument("--enable-expert-parallel", action="store_true",
+                        help="whole routed experts on each rank (the engine's flag), not every expert split by width")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -181,7 +184,8 @@ def main() -> None:
         layouts = [1, args.dcp] if r % 2 == 0 else [args.dcp, 1]
         points = compare(layouts, args.slice, model=args.model, tp=tp, requests=requests,
                          concurrency=args.concurrency, kv_cache_memory=args.kv_cache_memory,
-                         max_model_len=spec.max_request_len(), max_num_seqs=args.max_num_seqs)
+                         max_model_len=spec.max_request_len(), max_num_seqs=args.max_num_seqs,
+                         enable_expert_parallel=args.enable_expert_parallel)
         for dcp in (1, args.dcp):
             point = points[dcp]
             fit = point["fit_ms"]

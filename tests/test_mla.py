@@ -74,10 +74,12 @@ class Layout:
     attention: str = "auto"  # dcp_attention_layout
     env: tuple[tuple[str, str], ...] = ()  # environment the ranks start with
     comm: str = "auto"  # dcp_comm_backend
+    expert_parallel: bool = False  # enable_expert_parallel: whole routed experts per rank, not every expert split
 
     def __str__(self) -> str:
         return (f"tp{self.tp}-dcp{self.dcp}-i{self.interleave}" + (f"-{self.attention}" if self.attention != "auto" else "")
-                + "".join(f"-{name}={value}" for name, value in self.env) + (f"-{self.comm}" if self.comm != "auto" else ""))
+                + "".join(f"-{name}={value}" for name, value in self.env) + (f"-{self.comm}" if self.comm != "auto" else "")
+                + ("-ep" if self.expert_parallel else ""))
 
 
 # Each tp=4 start costs ~10 s here, so the layouts cover the features instead of the full cross
@@ -87,11 +89,13 @@ class Layout:
 # dcp=4 layout (head-split, interleave = block size) runs on the V3 MoE config. The replicated layout (every rank computes its group's queries) runs on the MoE config at
 # dcp=2, where there are two DCP groups, so the second group's slice of heads is exercised, and on
 # the dense config at dcp=4 next to its head-split run. tp=4 without DCP (4 replicated latents) runs
-# on the dense config, which also carries the accounting checks at dcp 1, 2 and 4.
+# on the dense config, which also carries the accounting checks at dcp 1, 2 and 4. The MoE configs' tp=4 runs
+# split every routed expert by width (the default); V2's second layout puts whole experts on each rank
+# (--enable-expert-parallel) with its group-limited routing.
 RUNS: dict[str, list[Layout]] = {
     "v3-moe": [Layout(1, 1), Layout(4, 2, 1, "replicated"), Layout(4, 4, BLOCK_SIZE)],
     "v3-dense": [Layout(1, 1), Layout(4, 1), Layout(4, 2, BLOCK_SIZE), Layout(4, 4, 1), Layout(4, 4, 1, "replicated")],
-    "v2-moe": [Layout(1, 1), Layout(4, 2, 1)],
+    "v2-moe": [Layout(1, 1), Layout(4, 2, 1), Layout(4, 2, BLOCK_SIZE, expert_parallel=True)],
     # at KVSHARD_FUSED_MERGE_MAX_BYTES=0 a GQA merge would reduce-scatter features; W_UV needs whole heads' latents
     "v3-6heads": [Layout(1, 1), Layout(4, 4, 1), Layout(4, 2, BLOCK_SIZE, env=(("KVSHARD_FUSED_MERGE_MAX_BYTES", "0"),
                                                                                 ("KVSHARD_A2A_MAX_BYTES", "0")))],
@@ -120,10 +124,12 @@ class Run:
     kv_tokens_per_dcp_rank: list[int]  # with one request of ACCOUNTING_PROMPT_LEN tokens in the cache
     q_rows_on_rank0: int  # output rows of rank 0's Q projection (first layer)
     merges: set[str]  # the merge schemes rank 0's layers took (empty without DCP)
+    expert_shapes: list[tuple[int, ...]]  # rank 0's routed experts' w13_weight, per MoE layer
 
 
-def _accounting(llm: LLM) -> tuple[list[int], set[str], int]:
-    """After the batch: the KV tokens per DCP rank of one live request, the merges taken, rank 0's Q rows."""
+def _accounting(llm: LLM) -> tuple[list[int], set[str], int, list[tuple[int, ...]]]:
+    """After the batch: the KV tokens per DCP rank of one live request, the merges taken, rank 0's Q rows and
+    routed experts' shapes."""
     engine = llm.engine
     engine.add_request("accounting", list(range(2, 2 + ACCOUNTING_PROMPT_LEN)), SamplingParams(max_tokens=4))
     live = engine.requests["accounting"].seqs[0]
@@ -133,7 +139,9 @@ def _accounting(llm: LLM) -> tuple[list[int], set[str], int]:
     engine.abort_request("accounting")
     attention = engine.runner.model.model.layers[0].self_attn
     q_proj = attention.q_b_proj if attention.q_lora else attention.q_proj
-    return kv_tokens, set(timing.merges) if timing else set(), q_proj.weight_shape[0]
+    experts = [tuple(layer.mlp.experts.w13_weight.shape) for layer in engine.runner.model.model.layers
+               if hasattr(layer.mlp, "experts")]
+    return kv_tokens, set(timing.merges) if timing else set(), q_proj.weight_shape[0], experts
 
 
 def _run(engine_run, directory: Path, layout: Layout, prompts: list[list[int]], dtype: str = "auto") -> Run:
@@ -142,14 +150,14 @@ def _run(engine_run, directory: Path, layout: Layout, prompts: list[list[int]], 
         env=dict(layout.env), probe=_accounting,
         tensor_parallel_size=layout.tp, decode_context_parallel_size=layout.dcp,
         dcp_kv_interleave_size=layout.interleave, dcp_attention_layout=layout.attention, block_size=BLOCK_SIZE,
-        dcp_comm_backend=layout.comm,
+        dcp_comm_backend=layout.comm, enable_expert_parallel=layout.expert_parallel,
         max_model_len=128, num_kv_blocks=64, max_num_seqs=4,
         max_num_batched_tokens=16,  # long prompts prefill in chunks that attend to the sharded cache
         dtype=dtype,
     )
-    kv_tokens, merges, q_rows = result.probed
+    kv_tokens, merges, q_rows, experts = result.probed
     return Run(Generation(result.tokens, result.logprobs), result.config, result.kv_cache_bytes, kv_tokens, q_rows,
-               merges)
+               merges, experts)
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +203,18 @@ def test_greedy_tokens_match_transformers(run, reference, name, layout):
     got, want = run(name, layout).generation, reference(name)
     # absorbed vs expanded attention: same math, other float rounding
     assert_same_generation(got.tokens, got.logprobs, want.tokens, want.logprobs, atol=1e-3, same_candidates=False)
+
+
+@pytest.mark.parametrize("name", ["v2-moe", "v3-moe"])
+def test_routed_experts_split_by_width_unless_expert_parallel(run, name):
+    """Rank 0's routed experts at tp=4: every expert with a quarter of its width, or with --enable-expert-parallel
+    two whole experts of the eight (the runs above check both against transformers)."""
+    hidden, width, experts = _SHAPE["hidden_size"], _MOE["moe_intermediate_size"], _MOE["n_routed_experts"]
+    for layout in RUNS[name]:
+        if layout.tp == 4:
+            shapes = run(name, layout).expert_shapes
+            want = (experts // 4, 2 * width, hidden) if layout.expert_parallel else (experts, 2 * width // 4, hidden)
+            assert shapes and set(shapes) == {want}, (layout, shapes)
 
 
 @pytest.mark.parametrize("name, layout", SHARDED_RUNS, ids=[f"{n}-{l}" for n, l in SHARDED_RUNS])

@@ -1,5 +1,7 @@
-"""The routed experts' two paths (kvshard/layers/moe.py): the per-expert loop and the grouped batched products
-give a rank's partial sum as a float64 computation of the definition does, and `auto` picks between them."""
+"""The routed experts (kvshard/layers/moe.py): split over the ranks by width (the default) or by count (expert
+parallel), each rank's share loaded from whole checkpoint tensors adds up over the ranks to the unsplit layer; the
+per-expert loop and the grouped batched products give a rank's partial sum as a float64 computation of the
+definition does, and `auto` picks between them."""
 
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ from kvshard.parallel import ParallelState
 EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 8, 64, 32, 2
 
 
-def _experts(tp: int, rank: int, dtype: torch.dtype) -> FusedMoE:
-    parallel = ParallelState(rank=rank, world_size=tp, dcp_rank=0, dcp_size=1, dcp_group_index=0)
+def _experts(tp: int, rank: int, dtype: torch.dtype, expert_parallel: bool = True) -> FusedMoE:
+    parallel = ParallelState(rank=rank, world_size=tp, dcp_rank=0, dcp_size=1, dcp_group_index=0,
+                             expert_parallel=expert_parallel)
     layer = FusedMoE(EXPERTS, HIDDEN, INTERMEDIATE, dtype, parallel)
     generator = torch.Generator().manual_seed(rank)
     for weight in (layer.w13_weight, layer.w2_weight):
@@ -49,8 +52,9 @@ def _definition(layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: to
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("tp, rank", [(1, 0), (2, 0), (2, 1), (4, 3)])
 @pytest.mark.parametrize("tokens", [0, 1, 3, 16, 70])
-def test_loop_and_grouped_give_the_definition(dtype, tolerance, tp, rank, tokens):
-    layer = _experts(tp, rank, dtype)
+@pytest.mark.parametrize("expert_parallel", [True, False])
+def test_loop_and_grouped_give_the_definition(dtype, tolerance, tp, rank, tokens, expert_parallel):
+    layer = _experts(tp, rank, dtype, expert_parallel)
     weights, ids = _routing(tokens, seed=tokens + 10 * tp + rank)
     x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).to(dtype)
     want = _definition(layer, x, weights, ids)
@@ -60,6 +64,65 @@ def test_loop_and_grouped_give_the_definition(dtype, tolerance, tp, rank, tokens
         assert got.dtype == dtype and got.shape == x.shape
         torch.testing.assert_close(got.double(), want, atol=atol, rtol=0, msg=f"{path} path")
     torch.testing.assert_close(results["grouped"], results["loop"], atol=atol / 10, rtol=0)
+
+
+def _checkpoint(seed: int) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """A layer's experts as a checkpoint stores them: expert -> (gate_proj [I, D], up_proj [I, D], down_proj [D, I])."""
+    generator = torch.Generator().manual_seed(seed)
+    return {e: tuple(torch.randn(shape, generator=generator) * 0.2
+                     for shape in ((INTERMEDIATE, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)))
+            for e in range(EXPERTS)}
+
+
+def _loaded(tp: int, rank: int, expert_parallel: bool, checkpoint) -> FusedMoE:
+    parallel = ParallelState(rank=rank, world_size=tp, dcp_rank=0, dcp_size=1, dcp_group_index=0,
+                             expert_parallel=expert_parallel)
+    layer = FusedMoE(EXPERTS, HIDDEN, INTERMEDIATE, torch.float32, parallel)
+    for expert, (gate, up, down) in checkpoint.items():
+        layer.weight_loader(layer.w13_weight, gate, (expert, 0))
+        layer.weight_loader(layer.w13_weight, up, (expert, 1))
+        layer.weight_loader(layer.w2_weight, down, (expert, None))
+    return layer
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("expert_parallel", [True, False])
+def test_the_ranks_partial_sums_add_up_to_the_unsplit_layer(tp, expert_parallel):
+    """Each rank's share of whole checkpoint tensors (its experts, or its rows of every expert's width), run on
+    every token, sums over the ranks to the layer on one rank: the all-reduce's input is right in both splits."""
+    checkpoint = _checkpoint(seed=7)
+    whole = _loaded(1, 0, expert_parallel, checkpoint)
+    tokens = 40
+    weights, ids = _routing(tokens, seed=11)
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(12))
+    want = _definition(whole, x, weights, ids)
+    ranks = [_loaded(tp, rank, expert_parallel, checkpoint) for rank in range(tp)]
+    if expert_parallel:
+        assert [r.w13_weight.shape for r in ranks] == [(EXPERTS // tp, 2 * INTERMEDIATE, HIDDEN)] * tp
+    else:
+        assert [r.w13_weight.shape for r in ranks] == [(EXPERTS, 2 * INTERMEDIATE // tp, HIDDEN)] * tp
+        assert [r.w2_weight.shape for r in ranks] == [(EXPERTS, HIDDEN, INTERMEDIATE // tp)] * tp
+    for path in ("loop", "grouped"):
+        got = sum(r(x, weights, ids, path=path).double() for r in ranks)
+        torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=0, msg=path)
+    if not expert_parallel:  # split by width, every rank runs every token: a rank's share is no rank's whole
+        assert all(r(x, weights, ids).abs().max() > 0 for r in ranks)
+
+
+def test_a_checkpoint_expert_of_another_width_is_refused():
+    checkpoint = _checkpoint(seed=1)
+    layer = _loaded(2, 1, False, checkpoint)
+    with pytest.raises(ValueError, match=r"shape \(16, 64\) does not have the experts' intermediate size 32"):
+        layer.weight_loader(layer.w13_weight, torch.zeros(INTERMEDIATE // 2, HIDDEN), (0, 0))
+
+
+@pytest.mark.parametrize("expert_parallel, message", [
+    (True, "routed experts do not divide over tensor_parallel_size=3 ranks with --enable-expert-parallel"),
+    (False, "intermediate size 32 does not divide over tensor_parallel_size=3"),
+])
+def test_a_split_that_does_not_divide_is_refused(expert_parallel, message):
+    with pytest.raises(ValueError, match=message):
+        _experts(3, 0, torch.float32, expert_parallel)
 
 
 def test_every_token_on_one_expert_and_none_on_this_rank():

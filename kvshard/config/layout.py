@@ -10,14 +10,20 @@ from kvshard.config.model import ModelConfig
 from kvshard.errors import ConfigError
 
 
-def attention_refusal(model: ModelConfig, tp: int, dcp: int) -> str | None:
-    """Why `model` cannot run on tp ranks in DCP groups of dcp in any attention layout, or None."""
+def attention_refusal(model: ModelConfig, tp: int, dcp: int, expert_parallel: bool = False) -> str | None:
+    """Why `model` cannot run on tp ranks in DCP groups of dcp in any attention layout, or None (its MLP and
+    routed experts split over the tp ranks too: by their count with `expert_parallel`)."""
     reason = rules.attention_refusal(model.attention_shape, tp, dcp)
     if reason is not None and reason.rule == "dcp-divides-tp":
         return reason.engine_message()
-    for what, size in model.tp_split_sizes().items():
+    for what, size in model.tp_split_sizes(expert_parallel).items():
         if size % tp:
-            return f"the model's {what} {size:,} does not split over tensor_parallel_size={tp}"
+            hint = ""
+            other_splits = all(s % tp == 0 for s in model.tp_split_sizes(not expert_parallel).values())
+            if what.startswith("routed experts") and other_splits:
+                hint = (" (--enable-expert-parallel splits them by their count, which does)" if not expert_parallel
+                        else " with --enable-expert-parallel (without it they split by their width, which does)")
+            return f"the model's {what} {size:,} does not split over tensor_parallel_size={tp}{hint}"
     return None if reason is None else reason.engine_message()
 
 
@@ -49,15 +55,16 @@ def replicated_query_bytes_per_layer(model: ModelConfig, tp: int, dcp: int) -> i
     return extra * model.dtype.itemsize
 
 
-def choose_attention_layout(model: ModelConfig, tp: int, dcp: int, requested: str = "auto") -> str:
+def choose_attention_layout(model: ModelConfig, tp: int, dcp: int, requested: str = "auto",
+                            expert_parallel: bool = False) -> str:
     """The layout asked for; with `auto`, REPLICATED where head-split does not apply or where
     replicating the queries costs at most auto_replicate_max_bytes() per layer, else HEAD_SPLIT.
     ConfigError saying what to change when no layout runs this model at this tp and dcp."""
     if requested not in ATTENTION_LAYOUTS:
         raise ConfigError(f"dcp_attention_layout={requested!r} is not one of {', '.join(ATTENTION_LAYOUTS)}")
-    reason = attention_refusal(model, tp, dcp)
+    reason = attention_refusal(model, tp, dcp, expert_parallel)
     if reason is not None:
-        raise ConfigError(f"{reason}: {_what_works(model, tp)}")
+        raise ConfigError(f"{reason}: {_what_works(model, tp, expert_parallel)}")
     head_split = head_split_refusal(model, tp, dcp)
     if requested == HEAD_SPLIT and head_split is not None:
         raise ConfigError(f"{head_split}: use --dcp-attention-layout replicated (or auto)")
@@ -70,12 +77,12 @@ def choose_attention_layout(model: ModelConfig, tp: int, dcp: int, requested: st
     return HEAD_SPLIT
 
 
-def _what_works(model: ModelConfig, tp: int) -> str:
-    dcps = [d for d in range(1, tp + 1) if tp % d == 0 and attention_refusal(model, tp, d) is None]
+def _what_works(model: ModelConfig, tp: int, expert_parallel: bool) -> str:
+    dcps = [d for d in range(1, tp + 1) if tp % d == 0 and attention_refusal(model, tp, d, expert_parallel) is None]
     if dcps:
         return f"at tensor_parallel_size={tp} use --dcp {' or '.join(map(str, dcps))}"
     tps = [(t, d) for t in range(1, 65) for d in range(1, t + 1)
-           if t % d == 0 and attention_refusal(model, t, d) is None and t > 1]
+           if t % d == 0 and attention_refusal(model, t, d, expert_parallel) is None and t > 1]
     examples = ", ".join(f"tp={t} dcp={d}" for t, d in tps[:6])
     return f"no dcp works at tensor_parallel_size={tp}; choose another tp ({examples or 'tp=1'})"
 

@@ -88,8 +88,9 @@ class ModelConfig:
                     + (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank)
         return query_heads * per_head
 
-    def tp_split_sizes(self) -> dict[str, int]:
-        """Sizes the MLP / experts split over all T ranks, by what they are (for error messages)."""
+    def tp_split_sizes(self, expert_parallel: bool = False) -> dict[str, int]:
+        """Sizes the MLP / experts split over all T ranks, by what they are (for error messages). The routed
+        experts split by their count with expert parallelism (whole experts on each rank), else by their width."""
         cfg = self.hf_config
         routed = getattr(cfg, "n_routed_experts", None) or 0
         has_moe = routed and getattr(cfg, "first_k_dense_replace", 0) < cfg.num_hidden_layers
@@ -97,7 +98,10 @@ class ModelConfig:
         if not has_moe or getattr(cfg, "first_k_dense_replace", 0) > 0:
             sizes["MLP width (intermediate_size)"] = cfg.intermediate_size
         if has_moe:
-            sizes["routed experts (n_routed_experts)"] = routed
+            if expert_parallel:
+                sizes["routed experts (n_routed_experts)"] = routed
+            else:
+                sizes["routed experts' width (moe_intermediate_size)"] = cfg.moe_intermediate_size
             if cfg.n_shared_experts:
                 sizes["shared-expert width"] = cfg.moe_intermediate_size * cfg.n_shared_experts
         return sizes

@@ -59,11 +59,28 @@ def startup_report(config: EngineConfig, compile_seconds: float | None = None) -
     ]
     if config.model.is_mla:
         lines.append(_mla_context_line(config))
+    experts = _experts_line(config)
+    if experts is not None:
+        lines.append(experts)
     if config.speculative is not None:
         lines.append(config.speculative.describe())
     lines.extend(f"accepted, changes nothing: {note}" for note in config.notes)
     lines.append(envs.numerics_report())  # last: which KVSHARD_* settings that change numerics are set
     return "\n".join(lines)
+
+
+def _experts_line(config: EngineConfig) -> str | None:
+    """How a MoE model's routed experts split over the ranks; None for a model without them."""
+    cfg, tp = config.model.hf_config, config.parallel.tensor_parallel_size
+    routed = getattr(cfg, "n_routed_experts", None) or 0
+    if not routed or getattr(cfg, "first_k_dense_replace", 0) >= cfg.num_hidden_layers:
+        return None
+    width = cfg.moe_intermediate_size
+    if config.parallel.enable_expert_parallel:
+        return (f"routed experts: expert parallel, {routed // tp} whole experts of the {routed} per rank "
+                "(--enable-expert-parallel; a step waits for the rank whose experts got the most tokens)")
+    return (f"routed experts: each of the {routed} split over the {tp} rank(s) by width ({width // tp} of its "
+            f"{width} intermediate rows per rank; --enable-expert-parallel puts whole experts on each rank)")
 
 
 def _mla_context_line(config: EngineConfig) -> str:

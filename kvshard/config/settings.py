@@ -20,6 +20,9 @@ class ParallelConfig:
     dcp_kv_interleave_size: int
     attention_layout: str = HEAD_SPLIT  # resolved: HEAD_SPLIT or REPLICATED
     dcp_comm_backend: str = "auto"  # one of DCP_COMM_BACKENDS: how a DCP group merges its partial attentions
+    # a MoE layer's routed experts: False, each expert split over the ranks by its intermediate dimension
+    # (vLLM's default); True, whole experts on each rank (vLLM's --enable-expert-parallel)
+    enable_expert_parallel: bool = False
 
     @property
     def world_size(self) -> int:

@@ -81,6 +81,10 @@ class EngineArgs:
                 "all-gather of [output|lse] for small outputs), a2a (one all-to-all of each rank's share of "
                 "[output|lse], merged locally), auto: chosen per layer by message size",
         choices=DCP_COMM_BACKENDS)
+    enable_expert_parallel: bool = _setting(
+        False, "a MoE model's routed experts: whole experts on each rank (tp must divide their count); by default "
+               "every expert is split over the ranks by its intermediate dimension, so each rank does an equal "
+               "share of every token's expert work (vLLM's flag and default)")
     attention_backend: str = _setting(
         "auto", "what attends to the paged KV cache: paged (a C++ kernel reading the blocks in place; CPU, built "
                 "once per machine on first use), gather (the blocks copied out, then PyTorch's flash kernel), "
@@ -271,8 +275,8 @@ class EngineArgs:
                                               self.override_generation_config)
         interleave = _resolve_interleave(self.dcp_kv_interleave_size)
         tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
-        layout = choose_attention_layout(model_config, tp, dcp, self.dcp_attention_layout)
-        parallel = ParallelConfig(tp, dcp, interleave, layout, self.dcp_comm_backend)
+        layout = choose_attention_layout(model_config, tp, dcp, self.dcp_attention_layout, self.enable_expert_parallel)
+        parallel = ParallelConfig(tp, dcp, interleave, layout, self.dcp_comm_backend, self.enable_expert_parallel)
         attention_backend = resolve_backend_name(self.attention_backend)  # auto builds the kernel here, once
         if speculative is not None and speculative.method == "draft_model":
             speculative = _with_draft_model(speculative, model_config, parallel, self.dtype)
@@ -454,7 +458,7 @@ def _with_draft_model(speculative, target: ModelConfig, parallel: ParallelConfig
         )
     tp, dcp = parallel.tensor_parallel_size, parallel.decode_context_parallel_size
     try:
-        layout = choose_attention_layout(draft, tp, dcp, parallel.attention_layout)
+        layout = choose_attention_layout(draft, tp, dcp, parallel.attention_layout, parallel.enable_expert_parallel)
     except ConfigError as error:
         raise ConfigError(f"draft model {speculative.model}: {error}") from None
     if layout != parallel.attention_layout:

@@ -1,10 +1,21 @@
 """Mixture of experts under tensor parallelism: DeepSeek's top-k router and the routed experts.
 
 Hidden states are replicated over TP, so every rank routes every token the same
-way. The routed experts are partitioned over the ranks (rank r holds experts
-[r*E_l, (r+1)*E_l), each whole) and every rank runs only the tokens sent to its
-own experts. Its output is a partial sum: the MoE block adds the shared experts'
-partial (split by intermediate dim) and all-reduces once.
+way. The routed experts split over the ranks in one of two ways:
+
+- by width (the default, as vLLM's): every rank holds every expert's rows
+  [r*I/T, (r+1)*I/T) of its intermediate dimension and runs every token, so each
+  rank does 1/T of every token's expert work, whichever experts it picks;
+- by count (`--enable-expert-parallel`): rank r holds experts [r*E_l, (r+1)*E_l),
+  each whole, and runs only the tokens sent to them. A step then waits for the
+  rank whose experts got the most tokens; with group-limited routing whose groups
+  fall one to a rank (DeepSeek-V3's n_group = T), a token's experts are all on
+  one rank (BENCHMARKS.md section 30: the demo's prompt chunks put 1.18x half the
+  work on the busier rank). The width split pays for its balance by gathering
+  every token's pairs on every rank: on the demo the two ran level.
+
+Either way a rank's output is a partial sum: the MoE block adds the shared
+experts' partial (split by intermediate dim) and all-reduces once.
 """
 
 from __future__ import annotations
@@ -89,40 +100,70 @@ class TopKRouter(nn.Module):
         return grouped.masked_fill(~keep.unsqueeze(-1), fill).flatten(1)
 
 
-class FusedMoE(nn.Module):
-    """The routed experts of one layer, partitioned over the TP ranks; forward returns this rank's partial sum.
+def _slice(loaded: torch.Tensor, dim: int, full: int, start: int, length: int) -> torch.Tensor:
+    """This rank's `length` rows (dim 0) or columns (dim 1) from `start` of an expert's checkpoint projection
+    whose intermediate dimension `dim` is `full` long; a ValueError naming the shape for any other tensor."""
+    if loaded.dim() != 2 or loaded.shape[dim] != full:
+        raise ValueError(f"checkpoint expert tensor of shape {tuple(loaded.shape)} does not have the experts' "
+                         f"intermediate size {full} along dim {dim}")
+    return loaded.narrow(dim, start, length)
 
-    Parameters hold this rank's experts stacked: w13_weight [E_l, 2*I, D] (gate rows, then up rows)
-    and w2_weight [E_l, D, I]. The loader takes checkpoint tensors one expert at a time.
+
+class FusedMoE(nn.Module):
+    """The routed experts of one layer, split over the TP ranks; forward returns this rank's partial sum.
+
+    Parameters hold this rank's experts stacked: w13_weight [E_l, 2*I_l, D] (gate rows, then up rows)
+    and w2_weight [E_l, D, I_l]: every expert's 1/T of the width (E_l = E, I_l = I/T), or with expert
+    parallelism E/T whole experts (E_l = E/T, I_l = I). The loader takes checkpoint tensors one expert
+    at a time and cuts this rank's part.
     """
 
     def __init__(
         self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype, parallel: ParallelState
     ) -> None:
         super().__init__()
-        if num_experts % parallel.tp_size:
-            raise ValueError(
-                f"the model's {num_experts} routed experts do not divide over tensor_parallel_size={parallel.tp_size}: "
-                "choose a tp that divides the expert count"
-            )
-        self.num_local_experts = num_experts // parallel.tp_size
-        self.first_expert = parallel.tp_rank * self.num_local_experts
-        self.intermediate_size = intermediate_size
-        e_l, i, d = self.num_local_experts, intermediate_size, hidden_size
+        tp, rank = parallel.tp_size, parallel.tp_rank
+        self.expert_parallel = expert_parallel = parallel.expert_parallel
+        if expert_parallel:
+            if num_experts % tp:
+                raise ValueError(
+                    f"the model's {num_experts} routed experts do not divide over tensor_parallel_size={tp} "
+                    "ranks with --enable-expert-parallel: choose a tp that divides the expert count, or leave "
+                    "expert parallelism off (each expert split over the ranks)"
+                )
+            self.num_local_experts, self.first_expert = num_experts // tp, rank * (num_experts // tp)
+            self.intermediate_size, self.first_row = intermediate_size, 0
+        else:
+            if intermediate_size % tp:
+                raise ValueError(
+                    f"the routed experts' intermediate size {intermediate_size} does not divide over "
+                    f"tensor_parallel_size={tp}: choose a tp that divides it, or --enable-expert-parallel "
+                    "(whole experts on each rank)"
+                )
+            self.num_local_experts, self.first_expert = num_experts, 0
+            self.intermediate_size = intermediate_size // tp
+            self.first_row = rank * self.intermediate_size  # this rank's rows of each expert's intermediate
+        self.full_intermediate_size = intermediate_size
+        e_l, i, d = self.num_local_experts, self.intermediate_size, hidden_size
         self.w13_weight = nn.Parameter(torch.empty(e_l, 2 * i, d, dtype=dtype), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(e_l, d, i, dtype=dtype), requires_grad=False)
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int | None]) -> None:
-        """shard_id = (expert, 0 for gate_proj / 1 for up_proj / None for down_proj); other ranks' experts are skipped."""
+        """shard_id = (expert, 0 for gate_proj / 1 for up_proj / None for down_proj). Expert parallel: other
+        ranks' experts are skipped; otherwise this rank's rows of the intermediate dimension are cut out."""
         expert, part = shard_id
         local = expert - self.first_expert
         if not 0 <= local < self.num_local_experts:
             return
-        target = param.data[local]
-        if part is not None:
-            target = target.narrow(0, part * self.intermediate_size, self.intermediate_size)
+        target, i = param.data[local], self.intermediate_size
+        if part is not None:  # gate_proj / up_proj [I, D]: rows
+            target = target.narrow(0, part * i, i)
+            if not self.expert_parallel:
+                loaded = _slice(loaded, 0, self.full_intermediate_size, self.first_row, i)
+        elif not self.expert_parallel:  # down_proj [D, I]: columns
+            loaded = _slice(loaded, 1, self.full_intermediate_size, self.first_row, i)
         copy_whole(target, loaded)
 
     def opaque_forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
