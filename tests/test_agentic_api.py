@@ -103,6 +103,61 @@ def test_parser_leaves_text_without_calls_alone(name):
     assert chat_message(text[: len(text) // 2], "length", parser, "auto", None)[1] == "length"
 
 
+# calls whose JSON the model left open before it ended them, then more text: (the text, the calls' arguments)
+LEFT_OPEN = {
+    "hermes": ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"\n</tool_call>\nDone.\n'
+               '<tool_call>\n{"name": "get_time", "arguments": {"city": "Rome"}\n</tool_call>',
+               ['{"city": "Paris"', '{"city": "Rome"}']),
+    "deepseek_v3": ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+                    '```json\n{"city": "Paris"\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>'
+                    'get_time\n```json\n{"city": "Rome"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+                    ['{"city": "Paris"', '{"city": "Rome"}']),
+    "kimi_k2": ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+                '{"city": "Paris<|tool_call_end|><|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>'
+                '{"city": "Rome"}<|tool_call_end|><|tool_calls_section_end|>',
+                ['{"city": "Paris', '{"city": "Rome"}']),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LEFT_OPEN))
+def test_a_call_left_open_ends_at_its_end_marker(name):
+    """Before: a call whose arguments' JSON the model did not close before ending the call (hermes'
+    `</tool_call>`, DeepSeek's fence and end token, Kimi's end token) took the marker and everything after it,
+    later calls too, as its arguments. Now the call ends at its marker, with the arguments as written up to it,
+    and the calls after it are read; streamed, the fragments add up to the same."""
+    parser = get_tool_parser(name)
+    text, arguments = LEFT_OPEN[name]
+    message, finish = chat_message(text, "stop", parser, "auto", None)
+    assert finish == "tool_calls"
+    got = [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+    assert got == list(zip(["get_weather", "get_time"], arguments))
+    _, streamed_calls, _ = streamed(parser, text)
+    assert [(c["name"], c["arguments"]) for c in streamed_calls] == got
+
+
+def test_a_hermes_call_whose_object_is_left_open_ends_at_its_tag():
+    parser = get_tool_parser("hermes")
+    text = '<tool_call>\n{"name": "get_time", "arguments": {"city": "Rome"}\n</tool_call>'
+    message, finish = chat_message(text, "stop", parser, "auto", None)
+    assert finish == "tool_calls" and message["tool_calls"][0]["function"]["arguments"] == '{"city": "Rome"}'
+    # a call cut by max_tokens in its end tag: the tag's first characters are no part of the arguments
+    for cut in ('{"city": "Rome"\n</tool', '{"city": "Rome"\n<'):
+        text = '<tool_call>\n{"name": "get_time", "arguments": ' + cut
+        message, finish = chat_message(text, "length", parser, "auto", None)
+        assert message["tool_calls"][0]["function"]["arguments"] == '{"city": "Rome"', cut
+        assert [c["arguments"] for c in streamed(parser, text)[1]] == ['{"city": "Rome"'], cut
+
+
+def test_streamed_arguments_never_carry_whitespace_the_whole_answer_strips():
+    """Fragments once sent cannot be taken back: arguments still being written are sent without whitespace at
+    their end, so that a call cut there adds up to the whole answer's stripped arguments."""
+    for parser, text in ((NamedToolParser("get_weather"), '{ \r\n  "city"  :  "Os lo" \t'),
+                         (get_tool_parser("hermes"), '<tool_call>\n{"name": "get_weather", "arguments": {  "city" \n')):
+        message, _ = chat_message(text, "length", parser, "named" if parser.name == "named" else "auto", None)
+        _, calls, _ = streamed(parser, text)
+        assert [c["arguments"] for c in calls] == [c["function"]["arguments"] for c in message["tool_calls"]], text
+
+
 def test_required_and_named_outputs():
     array = '[{"name": "get_weather", "parameters": {"city": "Oslo", "days": 2}}, {"name": "get_time", ' \
             '"parameters": {"city": "Rome"}}]'

@@ -173,6 +173,39 @@ def test_a_call_cut_by_max_tokens_keeps_what_was_written_of_its_arguments(client
             break
     assert cuts[0] == "" and cuts[-1], cuts  # cut before the arguments began, and inside them
 
+
+def test_cut_calls_stream_the_arguments_the_whole_answer_gives(client):
+    """Before: a call cut by max_tokens where its constraint let the model write whitespace streamed that trailing
+    whitespace in its argument fragments, which the whole answer strips: the fragments added up to '{   \r'
+    against '{', and the Responses API's final object, built from what it streamed, said the same. Now a stream
+    holds back whitespace at the end of arguments still being written: streamed and whole answers agree at every
+    budget, chat and Responses, a named tool and "required"."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    trailing = 0  # budgets at which the named call's raw output (its arguments) ended in whitespace
+    for tool_choice in (named, "required"):
+        for max_tokens in range(1, 13):
+            request = dict(tools=[CHAT_TOOL], tool_choice=tool_choice, max_tokens=max_tokens)
+            whole = chat(client, **request).json()["choices"][0]
+            calls = {i: {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                     for i, c in enumerate(whole["message"].get("tool_calls") or [])}
+            streamed, finish = chat_stream_calls(client, **request)
+            assert (streamed, finish) == (calls, whole["finish_reason"]), (tool_choice, max_tokens)
+            if tool_choice is named:  # the same tokens as text: a named call's constraint is its parameters' schema
+                raw = chat(client, max_tokens=max_tokens, response_format={
+                    "type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}).json()
+                raw = raw["choices"][0]["message"]["content"]
+                assert raw.strip() == calls[0]["arguments"], (max_tokens, raw, calls)
+                trailing += raw != raw.rstrip()
+    for max_output_tokens in range(1, 13):
+        request = dict(input="Weather in Oslo?", tools=[RESPONSES_TOOL], max_output_tokens=max_output_tokens,
+                       tool_choice={"type": "function", "name": "get_weather"})
+        whole = [(item["type"], item.get("arguments")) for item in responses(client, **request).json()["output"]]
+        streamed = events(client, **request)
+        final = [(item["type"], item.get("arguments")) for item in streamed[-1]["response"]["output"]]
+        done = [e["arguments"] for e in streamed if e["type"] == "response.function_call_arguments.done"]
+        assert final == whole and done == [a for kind, a in whole if kind == "function_call"], max_output_tokens
+    assert trailing, "no budget cut a call in whitespace: the case this test is for did not occur"
+
 # --- Responses fields that would otherwise be ignored --------------------------------------------------------
 
 @pytest.mark.parametrize("fields, param", [

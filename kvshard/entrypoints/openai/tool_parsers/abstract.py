@@ -101,10 +101,30 @@ def value_end(text: str, i: int) -> int | None:
     return j if j < len(text) else None
 
 
+def _first_marker(text: str, i: int, markers: tuple[str, ...]) -> int:
+    """The index of the first of `markers` at or after text[i], or -1."""
+    found = [at for at in (text.find(marker, i) for marker in markers) if at >= 0]
+    return min(found) if found else -1
+
+
+def unclosed_value(text: str, i: int, call_end: tuple[str, ...]) -> tuple[str, int | None]:
+    """A JSON value that starts at text[i] and is not closed: its text as far as it goes, and where the call ends
+    if one of `call_end` (the format's end-of-call markers) follows, else None. A call the model ended without
+    closing its JSON ends at the marker (the marker and the text after it are not the value's); while no marker
+    is whole, the first characters of one at the end are held back, so that a stream never sends them."""
+    stop = _first_marker(text, i, call_end) if call_end else -1
+    if stop >= 0:
+        return text[i:stop].rstrip(), stop
+    return text[i:max(i, held_back(text, call_end))] if call_end else text[i:], None
+
+
 def scan_call_object(text: str, i: int, name_keys: tuple[str, ...] = ("name",),
-                     argument_keys: tuple[str, ...] = ("arguments", "parameters")) -> tuple[ParsedCall | None, int | None]:
+                     argument_keys: tuple[str, ...] = ("arguments", "parameters"),
+                     call_end: tuple[str, ...] = ()) -> tuple[ParsedCall | None, int | None]:
     """A call written as one JSON object at text[i] ({"name": ..., "arguments": {...}}): the call as far as it
-    is written (None if nothing of it is yet) and the index after the object, or None while it is open."""
+    is written (None if nothing of it is yet) and the index after the object, or None while it is open. With
+    `call_end` (the format's end-of-call markers), a marker met where the object is still open ends the call
+    there: the index returned is the marker's."""
     assert text[i] == "{"
     name: str | None = None
     arguments = ""
@@ -115,37 +135,51 @@ def scan_call_object(text: str, i: int, name_keys: tuple[str, ...] = ("name",),
         if text[j] == ",":
             j = skip_ws(text, j + 1)
             continue
+        if any(text.startswith(marker, j) for marker in call_end):
+            return ParsedCall(name, arguments, complete=True), j  # the object left open, the call ended
         if text[j] != '"':
             return None, None  # not a JSON object after all
         key_end = _string_end(text, j)
         if key_end is None:
+            _, stop = unclosed_value(text, j, call_end)
+            if stop is not None:
+                return ParsedCall(name, arguments, complete=True), stop
             break
         key = json.loads(text[j:key_end])
         j = skip_ws(text, key_end)
         if j >= len(text):
             break
+        if any(text.startswith(marker, j) for marker in call_end):
+            return ParsedCall(name, arguments, complete=True), j
         if text[j] != ":":
             return None, None
         j = skip_ws(text, j + 1)
         if j >= len(text):
             break
         end = value_end(text, j)
-        if key in argument_keys:
-            arguments = text[j:end] if end is not None else text[j:]
         if end is None:
+            written, stop = unclosed_value(text, j, call_end)
+            if key in argument_keys:
+                arguments = written
+            if stop is not None:
+                return ParsedCall(name, arguments, complete=True), stop
             break
+        if key in argument_keys:
+            arguments = text[j:end]
         if key in name_keys and text[j] == '"':
             name = json.loads(text[j:end])
         j = skip_ws(text, end)
     return ParsedCall(name, arguments), None
 
 
-def scan_call_objects(text: str, i: int, next_start: Callable[[str, int], int]) -> list[ParsedCall]:
-    """Calls written as JSON objects one after another from text[i] (`scan_call_object`), as far as they are
-    written; `next_start(text, end)`: where the call after one that ends at `end` begins (its `{`), or -1."""
+def scan_call_objects(text: str, i: int, next_start: Callable[[str, int], int],
+                      call_end: tuple[str, ...] = ()) -> list[ParsedCall]:
+    """Calls written as JSON objects one after another from text[i] (`scan_call_object`, ended early by one of
+    `call_end`), as far as they are written; `next_start(text, end)`: where the call after one that ends at `end`
+    begins (its `{`), or -1."""
     calls: list[ParsedCall] = []
     while 0 <= i < len(text) and text[i] == "{":
-        call, end = scan_call_object(text, i)
+        call, end = scan_call_object(text, i, call_end=call_end)
         if call is None:
             break
         calls.append(call)
@@ -172,10 +206,12 @@ def after_marker(marker: str) -> Callable[[str, int], int]:
 
 
 def scan_marked_calls(text: str, section: int, call_begin: str,
-                      header: Callable[[str, int], tuple[ParsedCall, int] | None]) -> list[ParsedCall]:
+                      header: Callable[[str, int], tuple[ParsedCall, int] | None],
+                      call_end: tuple[str, ...] = ()) -> list[ParsedCall]:
     """Calls each opened by `call_begin` after the section marker at `section` (-1: none), as far as they are
     written: `header(text, at)` reads the call's name (and id) from the call opened at `at` and says where its
-    arguments' JSON begins, or None while that is not written yet; the arguments end with their JSON value."""
+    arguments' JSON begins, or None while that is not written yet; the arguments end with their JSON value, or
+    at one of `call_end` where the model ended the call with its JSON still open."""
     calls: list[ParsedCall] = []
     at = text.find(call_begin, section) if section >= 0 else -1
     while at >= 0:
@@ -187,9 +223,14 @@ def scan_marked_calls(text: str, section: int, call_begin: str,
         if i >= len(text):
             break
         end = value_end(text, i)
-        call.arguments = text[i:end] if end is not None else text[i:]
         if end is None:
-            break
+            call.arguments, stop = unclosed_value(text, i, call_end)
+            if stop is None:
+                break
+            call.complete = True
+            at = text.find(call_begin, stop)
+            continue
+        call.arguments = text[i:end]
         call.complete = True
         at = text.find(call_begin, end)
     return calls
@@ -283,5 +324,8 @@ class ToolCallStream:
 
 
 def _streamable(raw: str) -> str:
-    """Arguments still being written: a JSON-string form is decoded only once whole, so send none of it."""
-    return "" if raw.lstrip().startswith('"') else raw.lstrip()
+    """Arguments still being written, as far as a stream may send them: without the whitespace at either end
+    (the final arguments are stripped, and a fragment once sent cannot be taken back); a JSON-string form is
+    decoded only once whole, so none of it."""
+    raw = raw.strip()
+    return "" if raw.startswith('"') else raw

@@ -15,6 +15,7 @@ from kvshard.entrypoints.openai.tool_parsers.abstract import (Parsed, ParsedCall
 
 SECTION_BEGIN = "<｜tool▁calls▁begin｜>"
 CALL_BEGIN, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+FENCE_END = "```"  # closes the arguments' block: where a call whose JSON was left open ends
 
 
 class DeepSeekV3ToolParser(ToolParser):
@@ -22,8 +23,8 @@ class DeepSeekV3ToolParser(ToolParser):
 
     def parse(self, text: str, final: bool) -> Parsed:
         section = text.find(SECTION_BEGIN)
-        return section_parse(text, section, SECTION_BEGIN, scan_marked_calls(text, section, CALL_BEGIN, _header),
-                             final)
+        calls = scan_marked_calls(text, section, CALL_BEGIN, _header, call_end=(FENCE_END, CALL_END))
+        return section_parse(text, section, SECTION_BEGIN, calls, final)
 
 
 def _header(text: str, at: int) -> tuple[ParsedCall, int] | None:

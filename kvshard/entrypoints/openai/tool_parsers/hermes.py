@@ -5,7 +5,7 @@ object between tags,
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-with any content before the first call.
+with any content before the first call. A call whose JSON the model left open ends at its `</tool_call>`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,6 @@ class HermesToolParser(ToolParser):
     def parse(self, text: str, final: bool) -> Parsed:
         first = text.find(START)
         next_call = after_marker(START)
-        calls = scan_call_objects(text, next_call(text, 0), next_call)
+        calls = scan_call_objects(text, next_call(text, 0), next_call, call_end=(END,))
         return no_call_is_content(text, calls, final,
                                   content_before(text, first if first >= 0 else None, (START,), final))

@@ -13,7 +13,7 @@ from kvshard.entrypoints.openai.tool_parsers.abstract import (Parsed, ParsedCall
                                                               section_parse, skip_ws)
 
 SECTION_BEGIN = "<|tool_calls_section_begin|>"
-CALL_BEGIN, ARGUMENT_BEGIN = "<|tool_call_begin|>", "<|tool_call_argument_begin|>"
+CALL_BEGIN, ARGUMENT_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 
 
 class KimiK2ToolParser(ToolParser):
@@ -21,8 +21,8 @@ class KimiK2ToolParser(ToolParser):
 
     def parse(self, text: str, final: bool) -> Parsed:
         section = text.find(SECTION_BEGIN)
-        return section_parse(text, section, SECTION_BEGIN, scan_marked_calls(text, section, CALL_BEGIN, _header),
-                             final)
+        calls = scan_marked_calls(text, section, CALL_BEGIN, _header, call_end=(CALL_END,))
+        return section_parse(text, section, SECTION_BEGIN, calls, final)
 
 
 def _header(text: str, at: int) -> tuple[ParsedCall, int] | None:
