@@ -239,3 +239,12 @@ def test_llm_chat_renders_as_the_chat_route_and_answers_the_same(served, llm):
         llm.chat([], params, use_tqdm=False)
     # the LLM serves on after a refused conversation
     assert llm.chat(conversations[0], params, use_tqdm=False)[0].outputs[0].token_ids == one.outputs[0].token_ids
+    # continue_final_message: the last message left open, as the chat route renders it
+    prefilled = [{"role": "user", "content": "Name a city."}, {"role": "assistant", "content": "The city is"}]
+    (cont,) = llm.chat(prefilled, params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+    assert cont.prompt.endswith("The city is")
+    tokenized = served.http.post("/tokenize", json={"model": MODEL, "messages": prefilled, "add_generation_prompt": False,
+                                                    "continue_final_message": True}).json()
+    assert cont.prompt_token_ids == tokenized["tokens"]
+    with pytest.raises(ValueError, match="add_generation_prompt false"):
+        llm.chat(prefilled, params, use_tqdm=False, continue_final_message=True)

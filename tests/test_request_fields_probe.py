@@ -106,16 +106,16 @@ def test_an_unknown_completions_field_is_named_and_the_answer_is_unchanged(clien
 def test_an_unknown_chat_field_is_named_once_streamed_or_not_and_the_answer_is_unchanged(client, caplog):
     plain, _ = post(client, caplog, "/v1/chat/completions", CHAT)
     # OpenAI's deprecated `functions` is one of them (docs/serving.md: ignored, as any unknown field)
-    odd, logged = post(client, caplog, "/v1/chat/completions", {**CHAT, "functions": [], "user": "u1"})
+    odd, logged = post(client, caplog, "/v1/chat/completions", {**CHAT, "functions": [], "verbosity": "low"})
     assert len(logged) == 1 and logged[0].startswith("POST /v1/chat/completions: ")
-    assert "unknown fields 'functions', 'user' " in logged[0]
+    assert "unknown fields 'functions', 'verbosity' " in logged[0]
     assert odd["choices"][0]["message"] == plain["choices"][0]["message"]
 
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        streamed = client.post("/v1/chat/completions", json={**CHAT, "stream": True, "user": "u1"})
+        streamed = client.post("/v1/chat/completions", json={**CHAT, "stream": True, "verbosity": "low"})
     assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
-    assert warnings_of(caplog) == ["POST /v1/chat/completions: ignored the request's unknown field 'user' "
+    assert warnings_of(caplog) == ["POST /v1/chat/completions: ignored the request's unknown field 'verbosity' "
                                    "(not taken by this route: check the spelling)"]
 
 
@@ -142,14 +142,36 @@ def test_known_fields_and_kvshards_aliases_are_not_named(client, caplog):
              "logprobs": 1, "echo": False, "best_of": 1, "min_p": 0.0, "min_tokens": 0, "repetition_penalty": 1.0,
              "ignore_eos": False, "include_stop_str_in_output": False, "skip_special_tokens": True,
              "use_beam_search": False, "guided_choice": ["Paris", "Rome"]}  # guided_*: vLLM's removed fields
-    assert post(client, caplog, "/v1/completions", known)[1] == []
+    # OpenAI's end-user identifiers (the SDKs' `user=`), which vLLM takes without a word, on every route
+    identifiers = {"user": "user-1234", "safety_identifier": "h-5678"}
+    assert post(client, caplog, "/v1/completions", {**known, **identifiers})[1] == []
     chat = {**CHAT, "max_tokens": None, "max_completion_tokens": 6, "logprobs": True, "top_logprobs": 2,
-            "add_generation_prompt": True, "structured_outputs": {"regex": "[a-z]{1,4}"}, "presence_penalty": 0.0}
-    assert post(client, caplog, "/v1/chat/completions", chat)[1] == []
+            "add_generation_prompt": True, "structured_outputs": {"regex": "[a-z]{1,4}"}, "presence_penalty": 0.0,
+            "continue_final_message": False}
+    assert post(client, caplog, "/v1/chat/completions", {**chat, **identifiers})[1] == []
     # declared Responses fields that are accepted (and checked) rather than unknown
     responses = {**RESPONSE, "metadata": {"k": "v"}, "reasoning": {"effort": "low"}, "include": [],
                  "truncation": "disabled", "parallel_tool_calls": True, "top_p": 1.0, "seed": 1}
-    assert post(client, caplog, "/v1/responses", responses)[1] == []
+    assert post(client, caplog, "/v1/responses", {**responses, **identifiers})[1] == []
+
+
+def test_continue_final_message_leaves_the_last_message_open(client, caplog):
+    """vLLM's continue_final_message: the conversation rendered without the end of its last message, so that the
+    answer continues it (an agent's prefilled reply); with add_generation_prompt also true, a 400 naming it, on
+    /v1/chat/completions and /tokenize alike."""
+    messages = [{"role": "user", "content": "Name a city."}, {"role": "assistant", "content": "The city is"}]
+    body = {"model": MODEL, "messages": messages, "add_generation_prompt": False}
+    closed = post(client, caplog, "/tokenize", body)[0]["tokens"]
+    open_ = post(client, caplog, "/tokenize", {**body, "continue_final_message": True})[0]["tokens"]
+    answer = client.post("/detokenize", json={"tokens": open_}).json()["prompt"]
+    assert answer.endswith("The city is") and len(open_) < len(closed) and closed[:len(open_)] == open_
+    chat, _ = post(client, caplog, "/v1/chat/completions", {**CHAT, **body, "continue_final_message": True})
+    assert chat["usage"]["prompt_tokens"] == len(open_)
+    for route in ("/v1/chat/completions", "/tokenize"):
+        both = client.post(route, json={**CHAT, "messages": messages, "continue_final_message": True})
+        assert both.status_code == 400, both.text
+        error = both.json()["error"]
+        assert error["param"] == "continue_final_message" and "add_generation_prompt false" in error["message"]
 
 
 def test_unknown_fields_of_nested_objects_are_ignored_without_a_warning(client, caplog):

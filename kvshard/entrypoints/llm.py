@@ -100,12 +100,15 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Generate a reply to one conversation (a list of `{"role", "content"}` messages) or to each of a list of
         them, as vLLM's `LLM.chat`: each is rendered with the chat template the server uses (`chat_template`, else
         the tokenizer's own, else a plain `role: content` one) and generated from as `generate` does; an output's
-        `prompt` is the rendered conversation."""
-        from kvshard.entrypoints.openai.protocol import APIError, ChatMessage, ChatTool, check_messages
+        `prompt` is the rendered conversation. `continue_final_message` (with add_generation_prompt False) leaves
+        the last message open for the model to continue, as vLLM's."""
+        from kvshard.entrypoints.openai.protocol import (APIError, ChatMessage, ChatTool, check_continue_final_message,
+                                                         check_messages)
         from kvshard.entrypoints.openai.serving_chat import chat_template_for
         from pydantic import ValidationError
 
@@ -117,6 +120,7 @@ class LLM:
         conversations = messages if all(isinstance(m, list) for m in messages) else [messages]
         tool_specs = None
         try:
+            check_continue_final_message(continue_final_message, add_generation_prompt)
             if tools is not None:
                 tool_specs = [ChatTool.model_validate(tool).function.for_template() for tool in tools] or None
             rendered_conversations = []
@@ -134,7 +138,8 @@ class LLM:
         for conversation in rendered_conversations:
             template = chat_template_for(chat_template, tokenizer, conversation, tool_specs)
             text = tokenizer.apply_chat_template(conversation, tools=tool_specs, chat_template=template,
-                                                 tokenize=False, add_generation_prompt=add_generation_prompt)
+                                                 tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                 continue_final_message=continue_final_message)
             texts.append(text)
             prompts.append(tokenizer.encode(text, add_special_tokens=False))  # the template wrote them
         outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

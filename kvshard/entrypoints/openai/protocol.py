@@ -129,6 +129,10 @@ class _GenerationRequest(_RequestBody):
     min_tokens: int = 0
     bad_words: list[str] | None = None
     kv_transfer_params: dict[str, Any] | None = None  # disaggregated prefill/decode, set by `kvshard proxy`
+    # OpenAI's end-user identifiers: labels for the provider's own monitoring, which change nothing here (vLLM
+    # takes `user` the same way)
+    user: str | None = None
+    safety_identifier: str | None = None
     # vLLM fields kvshard does not implement: declared so that a value other than their no-op one is
     # refused (check_supported) rather than silently ignored
     use_beam_search: Any = None
@@ -462,6 +466,7 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the last message left open, the answer continues it
     best_of: int | None = None
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None
@@ -471,6 +476,7 @@ class ChatCompletionRequest(_GenerationRequest):
         super().check_supported()
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(400, "best_of other than n is not supported by kvshard", "best_of")
+        check_continue_final_message(self.continue_final_message, self.add_generation_prompt)
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
@@ -625,6 +631,8 @@ class ResponsesRequest(_RequestBody):
     previous_response_id: str | None = None
     store: bool = True
     metadata: dict[str, Any] | None = None
+    user: str | None = None  # OpenAI's end-user identifiers, as on the other routes: they change nothing here
+    safety_identifier: str | None = None
     truncation: Literal["disabled", "auto"] | None = None
     seed: int | None = None  # vLLM's extension
     structured_outputs: dict[str, Any] | None = None  # vLLM's: here only {"disable_any_whitespace": bool}
@@ -667,6 +675,13 @@ class ResponsesRequest(_RequestBody):
         check_tools(self.tools, self.tool_choice, "tools", "tool_choice")
 
 
+def check_continue_final_message(continue_final_message: bool, add_generation_prompt: bool) -> None:
+    """vLLM's rule: the last message left open for the model to continue, or a new turn begun, not both."""
+    if continue_final_message and add_generation_prompt:
+        raise APIError(400, "continue_final_message continues the last message, add_generation_prompt begins a new "
+                            "one: send add_generation_prompt false with it", "continue_final_message")
+
+
 # --- /tokenize, /detokenize (vLLM's) ---------------------------------------------------------------
 
 class TokenizeRequest(_RequestBody):
@@ -678,6 +693,7 @@ class TokenizeRequest(_RequestBody):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     tools: list[ChatTool] | None = None
     return_token_strs: bool = False
 

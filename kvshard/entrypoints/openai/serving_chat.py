@@ -139,7 +139,7 @@ class ChatServing:
             raise
         tools = [tool.function.for_template() for tool in body.tools] if body.tools else None
         rendered = await self._render_chat([m.for_template() for m in body.messages], tools,
-                                           body.add_generation_prompt)
+                                           body.add_generation_prompt, body.continue_final_message)
         # a max_tokens the request did not give (the generation config's max_new_tokens) is a limit, as vLLM's: it
         # leaves the prompt the room it needs rather than refusing it
         default_cap = params.max_tokens if max_tokens is None else None
@@ -219,8 +219,9 @@ class ChatServing:
         return JSONResponse({**envelope, "object": "chat.completion", "choices": choices, "usage": usage})
 
     async def _render_chat(self, conversation: list[dict[str, Any]], tools: list[dict] | None,
-                           add_generation_prompt: bool) -> list[int]:
-        """The conversation templated and tokenized, off the event loop; one too long to fit is refused first."""
+                           add_generation_prompt: bool, continue_final_message: bool = False) -> list[int]:
+        """The conversation templated and tokenized, off the event loop; one too long to fit is refused first.
+        With `continue_final_message` the last message is left open (transformers' option of the same name)."""
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it cannot chat: use /v1/completions with token ids",
                            "messages")
@@ -233,7 +234,8 @@ class ChatServing:
         def render() -> str:
             try:
                 text = self.tokenizer.apply_chat_template(conversation, tools=tools, chat_template=template,
-                                                          tokenize=False, add_generation_prompt=add_generation_prompt)
+                                                          tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                          continue_final_message=continue_final_message)
             except Exception as error:  # the template rejected the conversation (e.g. role order)
                 raise APIError(400, f"the chat template cannot render these messages: {error}", "messages") from None
             self._check_prompt_length(text, "messages")

@@ -7,7 +7,8 @@ import asyncio
 
 from fastapi import Request
 
-from kvshard.entrypoints.openai.protocol import APIError, DetokenizeRequest, TokenizeRequest, _parse, check_messages
+from kvshard.entrypoints.openai.protocol import (APIError, DetokenizeRequest, TokenizeRequest, _parse,
+                                                 check_continue_final_message, check_messages)
 
 
 class TokenizationServing:
@@ -27,8 +28,9 @@ class TokenizationServing:
         if body.messages is not None:
             check_messages(body.messages)  # as chat renders them
             tools = [tool.function.for_template() for tool in body.tools] if body.tools else None
+            check_continue_final_message(body.continue_final_message, body.add_generation_prompt)
             tokens = await self._render_chat([m.for_template() for m in body.messages], tools,
-                                             body.add_generation_prompt)
+                                             body.add_generation_prompt, body.continue_final_message)
         else:
             self._check_prompt_length(body.prompt, "prompt")
             tokens = await asyncio.to_thread(self.tokenizer.encode, body.prompt,
