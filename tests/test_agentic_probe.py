@@ -206,6 +206,28 @@ def test_cut_calls_stream_the_arguments_the_whole_answer_gives(client):
         assert final == whole and done == [a for kind, a in whole if kind == "function_call"], max_output_tokens
     assert trailing, "no budget cut a call in whitespace: the case this test is for did not occur"
 
+def test_required_calls_cut_before_a_name_answer_no_text(client):
+    """Before: under tool_choice "required", an output cut before its first call was named answered the
+    constraint's beginning as the assistant's text (content '[{"nam'). Now such a message has no content and no
+    tool_calls, finish_reason "length", streamed or not; the Responses API gives no message item."""
+    seen = 0
+    for max_tokens in range(1, 8):
+        request = dict(tools=[CHAT_TOOL], tool_choice="required", max_tokens=max_tokens)
+        choice = chat(client, **request).json()["choices"][0]
+        if choice["message"].get("tool_calls"):
+            continue
+        seen += 1
+        assert choice["finish_reason"] == "length" and choice["message"]["content"] is None, choice
+        with client.stream("POST", "/v1/chat/completions", json={"model": DEMO, "messages": MESSAGES,
+                                                                 "temperature": 0, "stream": True, **request}) as answer:
+            text = "".join(c["delta"].get("content") or "" for line in answer.iter_lines()
+                           if line.startswith("data: {") for c in json.loads(line[6:])["choices"])
+        assert text == "", (max_tokens, text)
+        output = responses(client, input="Weather in Oslo?", tools=[RESPONSES_TOOL], tool_choice="required",
+                           max_output_tokens=max_tokens).json()["output"]
+        assert [item["type"] for item in output] in ([], ["function_call"]), output
+    assert seen, "every budget named a call: the case this test is for did not occur"
+
 # --- Responses fields that would otherwise be ignored --------------------------------------------------------
 
 @pytest.mark.parametrize("fields, param", [

@@ -90,8 +90,8 @@ def chat_message(text: str, finish_reason: str | None, parser: ToolParser | None
         return {"role": "assistant", "content": text}, finish_reason
     parsed = parser.parse(text, final=True)
     calls = [call for call in parsed.calls if call.name][:max_calls]
-    if not calls:
-        return {"role": "assistant", "content": text}, finish_reason
+    if not calls:  # "required" writes no text for the user: an output cut before a call was named has none
+        return {"role": "assistant", "content": (parsed.content or None) if mode == "required" else text}, finish_reason
     tool_calls = [{"id": call.id or new_call_id(), "type": "function",
                    "function": {"name": call.name, "arguments": arguments_json(call)}} for call in calls]
     if finish_reason == "stop" and mode != "named":

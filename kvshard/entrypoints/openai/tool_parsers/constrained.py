@@ -6,8 +6,7 @@ tools' JSON schemas writes (serving_chat.tool_constraint): for a named tool its 
 from __future__ import annotations
 
 from kvshard.entrypoints.openai.tool_parsers.abstract import (Parsed, ParsedCall, ToolParser, after_separator,
-                                                              no_call_is_content, scan_call_objects, skip_ws,
-                                                              value_end)
+                                                              scan_call_objects, skip_ws, value_end)
 
 
 class NamedToolParser(ToolParser):
@@ -26,12 +25,13 @@ class NamedToolParser(ToolParser):
 
 
 class RequiredToolParser(ToolParser):
-    """A JSON array of call objects."""
+    """A JSON array of call objects, and nothing else: the constraint writes no text for the user, so an output
+    cut before its first call was named (`[{"nam`) has no content either, rather than the array's beginning."""
 
     name = "required"
 
     def parse(self, text: str, final: bool) -> Parsed:
         i = skip_ws(text, 0)
         if i >= len(text) or text[i] != "[":
-            return Parsed(text if final else "")
-        return no_call_is_content(text, scan_call_objects(text, skip_ws(text, i + 1), after_separator(",")), final)
+            return Parsed("")
+        return Parsed("", scan_call_objects(text, skip_ws(text, i + 1), after_separator(",")))
