@@ -155,6 +155,18 @@ def test_known_fields_and_kvshards_aliases_are_not_named(client, caplog):
     assert post(client, caplog, "/v1/responses", {**responses, **identifiers})[1] == []
 
 
+@pytest.mark.parametrize("escape", ["\\ud800", "x\\udc00y"])
+def test_a_lone_surrogate_escape_is_a_400_that_says_so(client, escape):
+    """A body whose string holds a lone surrogate escape (JSON's grammar allows it; it is no character) was refused
+    with the parser's "unexpected end of hex escape", which reads as a typo; now the 400 says what is wrong."""
+    body = json.dumps(CHAT).replace('"Hello"', f'"{escape}"')
+    answer = client.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    assert answer.status_code == 400, answer.text
+    message = answer.json()["error"]["message"]
+    assert message.startswith("the request body is not valid JSON") and "half of a surrogate pair" in message
+    assert client.post("/v1/chat/completions", json=CHAT).status_code == 200  # the server answers on
+
+
 def test_continue_final_message_leaves_the_last_message_open(client, caplog):
     """vLLM's continue_final_message: the conversation rendered without the end of its last message, so that the
     answer continues it (an agent's prefilled reply); with add_generation_prompt also true, a 400 naming it, on

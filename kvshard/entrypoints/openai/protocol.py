@@ -722,7 +722,11 @@ def _parse(model: type[BaseModel], body: bytes, max_items: dict[str, tuple[int, 
     except ValidationError as error:
         first = error.errors()[0]
         if first["type"] == "json_invalid":
-            raise APIError(400, f"the request body is not valid JSON: {first['ctx']['error']}") from None
+            said = first["ctx"]["error"]
+            if "hex escape" in said:  # the parser's words for a lone surrogate escape, which reads as a typo
+                said += (" (a \\uD800-\\uDFFF escape is half of a surrogate pair and needs its other half: alone it "
+                         "is no character, and cannot be UTF-8 text)")
+            raise APIError(400, f"the request body is not valid JSON: {said}") from None
         # keep field names and list indices; drop the names pydantic gives to union members
         path = [str(p) for p in first["loc"] if isinstance(p, int) or (p.isidentifier() and p.islower()
                                                                       and p not in _TYPE_NAMES)]
