@@ -140,6 +140,11 @@ def test_a_hermes_call_whose_object_is_left_open_ends_at_its_tag():
     text = '<tool_call>\n{"name": "get_time", "arguments": {"city": "Rome"}\n</tool_call>'
     message, finish = chat_message(text, "stop", parser, "auto", None)
     assert finish == "tool_calls" and message["tool_calls"][0]["function"]["arguments"] == '{"city": "Rome"}'
+    assert [c["arguments"] for c in streamed(parser, text)[1]] == ['{"city": "Rome"}']
+    # cut in that tag: the call as written, not dropped (the tag's first characters are not "not JSON")
+    message, finish = chat_message(text[:-4], "length", parser, "auto", None)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == \
+        [("get_time", '{"city": "Rome"}')] and finish == "length"
     # a call cut by max_tokens in its end tag: the tag's first characters are no part of the arguments
     for cut in ('{"city": "Rome"\n</tool', '{"city": "Rome"\n<'):
         text = '<tool_call>\n{"name": "get_time", "arguments": ' + cut

@@ -137,6 +137,8 @@ def scan_call_object(text: str, i: int, name_keys: tuple[str, ...] = ("name",),
             continue
         if any(text.startswith(marker, j) for marker in call_end):
             return ParsedCall(name, arguments, complete=True), j  # the object left open, the call ended
+        if any(marker.startswith(text[j:]) for marker in call_end):
+            break  # an end marker's first characters: the call is still open
         if text[j] != '"':
             return None, None  # not a JSON object after all
         key_end = _string_end(text, j)
@@ -151,6 +153,8 @@ def scan_call_object(text: str, i: int, name_keys: tuple[str, ...] = ("name",),
             break
         if any(text.startswith(marker, j) for marker in call_end):
             return ParsedCall(name, arguments, complete=True), j
+        if any(marker.startswith(text[j:]) for marker in call_end):
+            break
         if text[j] != ":":
             return None, None
         j = skip_ws(text, j + 1)
