@@ -239,6 +239,10 @@ def test_llm_chat_renders_as_the_chat_route_and_answers_the_same(served, llm):
         llm.chat([], params, use_tqdm=False)
     # the LLM serves on after a refused conversation
     assert llm.chat(conversations[0], params, use_tqdm=False)[0].outputs[0].token_ids == one.outputs[0].token_ids
+    # sampling params as a tuple (any sequence, as vLLM takes), one per prompt
+    prompts = ["The capital of France is", "Hello"]
+    pair = (SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), params)
+    assert [len(o.outputs[0].token_ids) for o in llm.generate(prompts, pair, use_tqdm=False)] == [3, 6]
     # continue_final_message: the last message left open, as the chat route renders it
     prefilled = [{"role": "user", "content": "Name a city."}, {"role": "assistant", "content": "The city is"}]
     (cont,) = llm.chat(prefilled, params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)

@@ -147,3 +147,14 @@ def test_kv_caches_that_fit_one_rank_but_not_every_rank_on_the_host_are_refused_
     with pytest.raises(ConfigError, match="each of the 2 ranks on this host"):
         LLM(MODEL, **settings)
     assert not started
+
+
+@pytest.mark.parametrize("flag", ["--version", "-v"])
+def test_the_version_flag_prints_the_version(capsys, flag):
+    """`kvshard --version`, as `vllm --version`: the package's version and exit 0 (it was a usage error)."""
+    import kvshard
+
+    with pytest.raises(SystemExit) as ended:
+        main([flag])
+    assert ended.value.code == 0
+    assert capsys.readouterr().out.strip() == f"kvshard {kvshard.__version__}"

@@ -10,6 +10,7 @@ import argparse
 import sys
 from dataclasses import asdict
 
+import kvshard
 from kvshard.config import ConfigError
 from kvshard.engine.arg_utils import EngineArgs
 
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvshard.planner.cli import add_plan_parser
 
     parser = argparse.ArgumentParser(prog="kvshard", description="LLM serving with Decode Context Parallelism")
+    parser.add_argument("-v", "--version", action="version", version=f"%(prog)s {kvshard.__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_generate_parser(subparsers)
     add_serve_parser(subparsers)

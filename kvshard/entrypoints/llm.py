@@ -65,7 +65,9 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        # a list or any other sequence of them, one per prompt (vLLM takes any Sequence), else one for all
+        params = (list(sampling_params) if isinstance(sampling_params, (list, tuple)) else
+                  [sampling_params] * len(prompts))
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
         for p in params:

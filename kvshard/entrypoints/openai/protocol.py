@@ -162,13 +162,16 @@ class _GenerationRequest(_RequestBody):
         "logits_processors": (None,), "return_tokens_as_token_ids": (None, False),
     }
 
+    _PYTHON_API_ONLY: ClassVar[frozenset[str]] = frozenset({"prompt_logprobs"})
+
     def check_supported(self) -> None:
         for name, no_op in self._NO_OP_VALUES.items():
             value = getattr(self, name)
             # (a bool is an int in Python: True must not pass for 1)
             if not any(value is v or (type(value) is type(v) and value == v) for v in no_op):
                 default = "leave it out" if no_op == (None,) else f"leave it at {no_op[-1]!r} or out"
-                raise APIError(400, f"{name} is not supported by kvshard; {default}", name)
+                where = " over HTTP (the Python API's SamplingParams has it)" if name in self._PYTHON_API_ONLY else ""
+                raise APIError(400, f"{name} is not supported by kvshard{where}; {default}", name)
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
         if self.n > MAX_N:
