@@ -12,6 +12,10 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort", "error" or None while running
     logprobs: list[dict[int, float]] | None = None  # one {token_id: logprob} per generated token
+    # vLLM's: the sum of the generated tokens' logprobs (with SamplingParams.logprobs, else None), and what ended
+    # the output with finish_reason "stop": the stop string, or the token of stop_token_ids (None for EOS)
+    cumulative_logprob: float | None = None
+    stop_reason: int | str | None = None
 
     @property
     def finished(self) -> bool:

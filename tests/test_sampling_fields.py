@@ -269,6 +269,31 @@ def test_each_field_changes_the_greedy_output_as_it_should(llm):
     assert greedy(llm, min_p=0.5) == base
 
 
+def test_outputs_say_their_cumulative_logprob_and_stop_reason(llm):
+    """vLLM's CompletionOutput.cumulative_logprob (the generated tokens' logprobs summed, with logprobs asked) and
+    stop_reason (the stop string or stop_token_ids token that ended the output; None for EOS and for length)."""
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=2)
+    base = llm.generate(PROMPTS, params, use_tqdm=False)
+    for output in base:
+        out = output.outputs[0]
+        want = sum(entry[token] for entry, token in zip(out.logprobs, out.token_ids))
+        assert out.cumulative_logprob == pytest.approx(want) and out.cumulative_logprob < 0
+        assert out.finish_reason == "length" and out.stop_reason is None
+    assert llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=4),
+                        use_tqdm=False)[0].outputs[0].cumulative_logprob is None
+    first = base[0].outputs[0]
+    by_token = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[first.token_ids[2]]),
+                            use_tqdm=False)[0].outputs[0]
+    assert (by_token.finish_reason, by_token.stop_reason) == ("stop", first.token_ids[2])
+    stop = first.text[len(first.text) // 2:][:3]
+    by_string = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, stop=[stop]),
+                             use_tqdm=False)[0].outputs[0]
+    assert (by_string.finish_reason, by_string.stop_reason) == ("stop", stop)
+    by_eos = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, logit_bias={EOS: 100.0}),
+                          use_tqdm=False)[0].outputs[0]
+    assert (by_eos.finish_reason, by_eos.stop_reason) == ("stop", None)
+
+
 def test_the_fields_match_transformers_generate(llm):
     """The same checkpoint run by transformers' generate with its logits processors gives the same tokens."""
     from transformers import AutoModelForCausalLM

@@ -304,7 +304,9 @@ class LLMEngine:
         """logits[row] [V]: the row that gave `token` (read only for logprobs). Returns why `seq` finishes
         with this token, or None; the caller finishes it (after counting the drafts the step accepted)."""
         if seq.params.logprobs is not None:
-            seq.output_logprobs.append(top_logprobs(logits[row : row + 1], [token], [seq.params.logprobs])[0])
+            entry = top_logprobs(logits[row : row + 1], [token], [seq.params.logprobs])[0]
+            seq.output_logprobs.append(entry)
+            seq.cumulative_logprob += entry[token]
         self.generation_tokens_total += 1
         if seq.grammar is not None and not seq.grammar.accept_token(token):
             raise ValueError(f"token {token} breaks the output's structured_outputs constraint (min_tokens, "

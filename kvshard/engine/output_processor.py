@@ -56,6 +56,8 @@ class OutputProcessor:
         seq.output_token_ids.append(token)
         params = seq.params
         stop_token = (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids
+        if stop_token and token in params.stop_token_ids:
+            seq.stop_reason = token  # vLLM's: the stop_token_ids token; None for EOS
         if stop_token and not params.include_stop_str_in_output:
             return "stop"  # its text is not part of the output (vLLM's, without include_stop_str_in_output)
         previous_len = len(seq.text)
@@ -69,6 +71,7 @@ class OutputProcessor:
             if found:
                 at, stop = min(found)
                 seq.text = seq.text[:at + len(stop)] if params.include_stop_str_in_output else seq.text[:at]
+                seq.stop_reason = stop
                 return "stop"
         if params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens:
             return "length"
@@ -92,6 +95,8 @@ class OutputProcessor:
                 index=seq.index, text=seq.text, token_ids=list(seq.output_token_ids),
                 finish_reason=seq.finish_reason,
                 logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+                cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
+                stop_reason=seq.stop_reason,
             )
             for seq in request.seqs
         ]

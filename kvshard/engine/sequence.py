@@ -31,6 +31,8 @@ class Sequence:
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[dict[int, float]] = []
+        self.cumulative_logprob = 0.0  # the generated tokens' logprobs summed (kept with output_logprobs)
+        self.stop_reason: int | str | None = None  # the stop string or stop_token_ids token that ended it
         # {token: logprob} of prompt token p + 1 given tokens 0..p, for p = 0, 1, ...: kept by the request's
         # first sequence when it asks for prompt logprobs (its siblings read the same prompt), else None
         self.prompt_logprobs: list[dict[int, float]] | None = (
