@@ -2,7 +2,39 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+
+class Logprob(float):
+    """One log-probability of an output's (or a prompt's) logprobs: the number itself, so that it adds, compares
+    and serialises as a float, with vLLM's `Logprob` fields, so that code written for vLLM reads it as it reads
+    vLLM's: `logprob`, `rank` (1 for the most likely token of the distribution) and `decoded_token` (the token's
+    text alone, decoded when first read: the engine step does not pay for it)."""
+
+    __slots__ = ("rank", "_text", "_token", "_decode")
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None,
+                token: int | None = None, decode: Callable[[int], str] | None = None) -> Logprob:
+        value = super().__new__(cls, logprob)
+        value.rank, value._text, value._token, value._decode = rank, decoded_token, token, decode
+        return value
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    @property
+    def decoded_token(self) -> str | None:
+        if self._text is None and self._decode is not None and self._token is not None:
+            self._text = self._decode(self._token)
+        return self._text
+
+    def __reduce__(self):
+        return Logprob, (float(self), self.rank, self.decoded_token)
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
 
 
 @dataclass
@@ -11,7 +43,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort", "error" or None while running
-    logprobs: list[dict[int, float]] | None = None  # one {token_id: logprob} per generated token
+    logprobs: list[dict[int, Logprob]] | None = None  # one {token_id: logprob} per generated token
     # vLLM's: the sum of the generated tokens' logprobs (with SamplingParams.logprobs, else None), and what ended
     # the output with finish_reason "stop": the stop string, or the token of stop_token_ids (None for EOS)
     cumulative_logprob: float | None = None

@@ -8,6 +8,8 @@ is refused with 400 instead of being ignored.
 
 from __future__ import annotations
 
+import json
+import pickle
 from collections import Counter
 from collections.abc import Iterator
 
@@ -281,6 +283,23 @@ def test_outputs_say_their_cumulative_logprob_and_stop_reason(llm):
         assert out.finish_reason == "length" and out.stop_reason is None
     assert llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=4),
                         use_tqdm=False)[0].outputs[0].cumulative_logprob is None
+    # each logprob reads as vLLM's Logprob (logprob, rank, decoded_token) and works as the float it is
+    tokenizer = llm.get_tokenizer()
+    for entry, token in zip(base[0].outputs[0].logprobs, base[0].outputs[0].token_ids):
+        chosen = entry[token]
+        assert isinstance(chosen, float) and chosen.logprob == float(chosen) and chosen.rank == 1  # greedy
+        alternatives = sorted((v for t, v in entry.items()), key=lambda v: v.rank)
+        assert [v.rank for v in alternatives] == [1, 2] and alternatives[0] >= alternatives[1]
+        assert all(v.decoded_token == tokenizer.decode([t]) for t, v in entry.items())
+        assert pickle.loads(pickle.dumps(entry)) == entry and json.loads(json.dumps(entry)) == {
+            str(t): float(v) for t, v in entry.items()}
+    sampled = llm.generate(PROMPTS[0], SamplingParams(temperature=1.0, seed=3, max_tokens=24, logprobs=0),
+                           use_tqdm=False)[0].outputs[0]
+    ranks = [entry[token].rank for entry, token in zip(sampled.logprobs, sampled.token_ids)]
+    assert all(r >= 1 for r in ranks) and max(ranks) > 1  # a sampled token is not always the likeliest
+    prompt = llm.generate(PROMPTS[0], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    assert all(v.decoded_token == tokenizer.decode([t]) and v.rank >= 1
+               for entry in prompt.prompt_logprobs[1:] for t, v in entry.items())
     first = base[0].outputs[0]
     by_token = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[first.token_ids[2]]),
                             use_tqdm=False)[0].outputs[0]

@@ -50,6 +50,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.pool, self.layout, config.cache.enable_prefix_caching,
                                    fixed_chunks=config.batch_invariant)
         self.output_processor = OutputProcessor(self.tokenizer, config.model.hf_config, config.scheduler.max_model_len)
+        # a logprob's token alone as text (vLLM's Logprob.decoded_token), decoded only where a caller reads it
+        tokenizer = self.tokenizer
+        self._token_text = (lambda token: tokenizer.decode([token])) if tokenizer is not None else None
         self.requests: dict[str, Request] = {}
         # structured outputs: grammars compile off this thread; requests waiting for theirs, by id
         self.structured = StructuredOutputManager(self.tokenizer, config.model.hf_config.vocab_size,
@@ -250,8 +253,8 @@ class LLMEngine:
                 # the logits at position p predict prompt token p + 1
                 next_tokens = seq.prompt_token_ids[positions.start + 1 : positions.stop + 1]
                 counts = [seq.params.prompt_logprobs] * len(positions)
-                seq.prompt_logprobs.extend(
-                    top_logprobs(logits[r.logits_start : r.logits_start + len(positions)], next_tokens, counts))
+                seq.prompt_logprobs.extend(top_logprobs(logits[r.logits_start : r.logits_start + len(positions)],
+                                                        next_tokens, counts, self._token_text))
 
     def _process_samples(self, batch: ScheduledBatch, rows: StepRows, logits: torch.Tensor | None,
                          draft_probs: dict[int, torch.Tensor | None]) -> list[RequestOutput]:
@@ -304,7 +307,7 @@ class LLMEngine:
         """logits[row] [V]: the row that gave `token` (read only for logprobs). Returns why `seq` finishes
         with this token, or None; the caller finishes it (after counting the drafts the step accepted)."""
         if seq.params.logprobs is not None:
-            entry = top_logprobs(logits[row : row + 1], [token], [seq.params.logprobs])[0]
+            entry = top_logprobs(logits[row : row + 1], [token], [seq.params.logprobs], self._token_text)[0]
             seq.output_logprobs.append(entry)
             seq.cumulative_logprob += entry[token]
         self.generation_tokens_total += 1

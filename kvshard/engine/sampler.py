@@ -15,10 +15,13 @@ draft model's own proposals, which no processor changes) are that path.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvshard.engine.sequence import Sequence
 from kvshard.errors import RequestSettingsError
+from kvshard.outputs import Logprob
 from kvshard.structured.manager import apply_masks
 
 NO_TOKEN_LEFT = ("no token is left to choose from: the request's min_tokens (with stop_token_ids and EOS), "
@@ -281,17 +284,23 @@ def rejection_sample(target_probs: torch.Tensor, drafts: list[int], draft_probs:
     return tokens + [_draw(target_probs[len(drafts)], generator)]
 
 
-def top_logprobs(logits: torch.Tensor, tokens: list[int], counts: list[int | None]) -> list[dict[int, float] | None]:
-    """Log-probabilities of the chosen token and the top-k alternatives, from the raw distribution."""
+def top_logprobs(logits: torch.Tensor, tokens: list[int], counts: list[int | None],
+                 decode: Callable[[int], str] | None = None) -> list[dict[int, Logprob] | None]:
+    """Log-probabilities of the chosen token and the top-k alternatives, from the raw distribution, as vLLM's
+    `Logprob`s: each with its rank in the distribution (1: the most likely; the alternatives 1..k) and, with
+    `decode` (a token's text alone), its `decoded_token` when read."""
     logprobs = logits.log_softmax(dim=-1)
-    result: list[dict[int, float] | None] = []
+    result: list[dict[int, Logprob] | None] = []
     for row, (token, k) in enumerate(zip(tokens, counts)):
         if k is None:
             result.append(None)
             continue
-        entry = {token: float(logprobs[row, token])}
+        chosen = logprobs[row, token]
+        entry = {token: Logprob(float(chosen), int((logprobs[row] > chosen).sum()) + 1, token=token, decode=decode)}
         if k:
             values, ids = logprobs[row].topk(k)
-            entry.update({int(i): float(v) for i, v in zip(ids, values)})
+            for rank, (i, v) in enumerate(zip(ids.tolist(), values.tolist()), start=1):
+                if i != token:
+                    entry[i] = Logprob(v, rank, token=i, decode=decode)
         result.append(entry)
     return result
