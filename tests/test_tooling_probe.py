@@ -395,6 +395,9 @@ def test_generate_checks_its_sampling_flags_before_the_engine_starts(monkeypatch
     monkeypatch.setattr(kvshard, "LLM", must_not_start)
     assert kvshard_main(["generate", MODEL, "--max-tokens", "0"]) == 2
     assert "max_tokens must be an integer >= 1" in capsys.readouterr().err
+    # and an empty prompt (it was refused once the engine had loaded the model)
+    assert kvshard_main(["generate", MODEL, "--prompt", "Hi", "--prompt", ""]) == 2
+    assert "--prompt is empty" in capsys.readouterr().err
 
 
 # --- kvshard plan -----------------------------------------------------------------------------------

@@ -30,6 +30,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     prompts = args.prompt or ["Decode context parallelism shards", "The capital of France is", "Hello, world!"]
     # checked before the engine starts, which takes a while
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    if any(not prompt for prompt in prompts):
+        raise ValueError("--prompt is empty: give the text to continue")
     with LLM(**asdict(EngineArgs.from_cli_args(args))) as llm:
         print(llm.config.layout_report(llm.engine.runner.compile_seconds))
         for output in llm.generate(prompts, params):
