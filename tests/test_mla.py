@@ -307,6 +307,23 @@ def test_per_rank_latent_bytes_are_one_nth_of_dcp1(run, dcp):
     assert sharded.kv_tokens_per_dcp_rank == [ACCOUNTING_PROMPT_LEN // dcp] * dcp
 
 
+def test_startup_report_says_how_the_routed_experts_split():
+    from kvshard.config.report import startup_report
+
+    def line(model: str = "kvshard-demo", **args) -> list[str]:
+        config = EngineArgs(model, max_model_len=2048, kv_cache_memory="8MiB", **args).create_engine_config()
+        return [text for text in startup_report(config).splitlines() if text.startswith("routed experts:")]
+
+    assert line() == ["routed experts: all 8 whole on the one rank"]
+    assert line(tensor_parallel_size=2) == [
+        "routed experts: each of the 8 split over the 2 rank(s) by width (64 of its 128 intermediate rows per rank; "
+        "--enable-expert-parallel puts whole experts on each rank)"]
+    assert line(tensor_parallel_size=2, enable_expert_parallel=True) == [
+        "routed experts: expert parallel, 4 whole experts of the 8 per rank (--enable-expert-parallel; a step waits "
+        "for the rank whose experts got the most tokens)"]
+    assert line(model="kvshard-demo-gqa") == []  # no experts, no line
+
+
 def test_tp_without_dcp_reports_a_full_latent_copy_on_every_rank(run):
     tp_only = run("v3-dense", Layout(4, 1))
     full = _latent_bytes_per_token("v3-dense")

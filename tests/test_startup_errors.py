@@ -158,3 +158,21 @@ def test_the_version_flag_prints_the_version(capsys, flag):
         main([flag])
     assert ended.value.code == 0
     assert capsys.readouterr().out.strip() == f"kvshard {kvshard.__version__}"
+
+
+@pytest.mark.parametrize("tp", ["1", "2"])
+def test_kv_caches_beyond_the_hosts_memory_are_refused_before_the_report(monkeypatch, capsys, tp):
+    """One line, before the start-up report and before any engine or rank starts, at one rank as at several (at
+    one it was refused once the engine allocated its cache, after the report)."""
+    import kvshard.engine.llm_engine as llm_engine
+
+    def must_not_start(*args, **kwargs):
+        raise AssertionError("the engine was about to start")
+
+    monkeypatch.setattr(llm_engine, "LLMEngine", must_not_start)
+    status = main(["serve", MODEL, "-tp", tp, "--max-model-len", "512", "--kv-cache-memory", "100TiB",
+                   "--port", "0"])
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert status == 2 and len(lines) == 1 and "lower --kv-cache-memory" in lines[0], captured.err
+    assert "model:" not in captured.out, captured.out

@@ -76,6 +76,8 @@ def _experts_line(config: EngineConfig) -> str | None:
     if not routed or getattr(cfg, "first_k_dense_replace", 0) >= cfg.num_hidden_layers:
         return None
     width = cfg.moe_intermediate_size
+    if tp == 1:
+        return f"routed experts: all {routed} whole on the one rank"
     if config.parallel.enable_expert_parallel:
         return (f"routed experts: expert parallel, {routed // tp} whole experts of the {routed} per rank "
                 "(--enable-expert-parallel; a step waits for the rank whose experts got the most tokens)")

@@ -39,7 +39,7 @@ import torch
 
 from kvshard.config import ConfigError, EngineConfig
 from kvshard.engine.model_runner import ModelRunner
-from kvshard.engine.process_setup import configure_process, rank_environment
+from kvshard.engine.process_setup import configure_process, pick_device, rank_environment
 from kvshard.engine.rank_messages import HEARTBEAT, SHUTDOWN, send
 from kvshard.engine.block_tables import BlockTableSender
 from kvshard.engine.step_plan import StepPlan
@@ -187,6 +187,15 @@ class StoreHeartbeats:
         return beats
 
 
+def check_local_kv_memory(config: EngineConfig, master: tuple[str, int] | None) -> None:
+    """Where every rank starts on this host and keeps its KV cache in host memory (no CUDA device), a ConfigError
+    if their caches together take more than the memory available, before any rank starts (`kvshard serve` asks
+    before it prints its start-up report)."""
+    if master is None and pick_device(0).type == "cpu":
+        world = config.parallel.world_size
+        check_host_memory(config.num_kv_blocks * config.cache.block_size * config.kv_bytes_per_slot, world)
+
+
 class Executor:
     def __init__(self, config: EngineConfig, master: tuple[str, int] | None = None) -> None:
         """Start every rank. `master` (host, port) is given when a launcher (torchrun) started the other ranks."""
@@ -206,8 +215,7 @@ class Executor:
         self._in_heartbeat = False  # whether what is in flight is the idle round trip (heartbeat_timeout)
         self.store_beats: StoreHeartbeats | None = None
         self.device = configure_process(0, world)
-        if world > 1 and master is None and self.device.type == "cpu":  # every rank's cache in this host's memory
-            check_host_memory(config.num_kv_blocks * config.cache.block_size * config.kv_bytes_per_slot, world)
+        check_local_kv_memory(config, master)
         self.local_ranks = LocalRanks(config) if world > 1 and master is None else None
         check_peers = None
         if self.local_ranks is not None:

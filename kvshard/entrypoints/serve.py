@@ -293,6 +293,7 @@ def _reserve_rendezvous(master: tuple[str, int]) -> None:
 def _serve(config: EngineConfig, master: tuple[str, int] | None, listener: socket.socket,
            model_names: list[str], api_key: str | None, kv_transfer_config: str | None,
            args: argparse.Namespace) -> int:
+    from kvshard.engine.executor import check_local_kv_memory
     from kvshard.engine.llm_engine import EngineDeadError, LLMEngine
     from kvshard.entrypoints.openai.api_server import OpenAIServer
     from kvshard.entrypoints.openai.serving_engine import with_connection_transport
@@ -302,6 +303,7 @@ def _serve(config: EngineConfig, master: tuple[str, int] | None, listener: socke
     # serves, uvicorn shuts down cleanly on either, then raises the signal again: caught below, so that the exit
     # status says whether the engine died.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    check_local_kv_memory(config, master)  # a ConfigError: one line, before the report
     print(config.layout_report(), flush=True)
     try:
         engine = LLMEngine(config, master=master)
