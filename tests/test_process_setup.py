@@ -52,3 +52,17 @@ def test_a_script_read_from_stdin_spawns_its_ranks(tmp_path):
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "tokens 3 main file <stdin>"  # given back to the script after
+
+
+def test_a_script_that_creates_its_llm_unguarded_is_told_so_by_rank_0(tmp_path):
+    """A script that creates an LLM at tp > 1 at its top level, without `if __name__ == "__main__":`, has each
+    spawned rank re-run it. Before: the error the script got was "rank 1 exited with code 1 while the ranks were
+    connecting", the reason only in the rank's traceback above it; now rank 0's error says what to do."""
+    script = tmp_path / "unguarded.py"
+    script.write_text('from kvshard import LLM\nLLM("kvshard-demo-gqa", tensor_parallel_size=2, max_model_len=128, '
+                      'kv_cache_memory="4MiB")\n')
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvshard.engine.executor.RankDiedError: rank 1 exited with code 3") and \
+        'under `if __name__ == "__main__":`' in last, out.stderr[-3000:]

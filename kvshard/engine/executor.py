@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import socket
+import sys
 import threading
 import time
 
@@ -91,16 +92,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# A rank that started by re-importing the user's script found an LLM created at its top level
+RERAN_SCRIPT = ("kvshard starts its ranks with 'spawn', which imports your script again in each rank: create LLM "
+                "(tensor_parallel_size > 1) under `if __name__ == \"__main__\":`")
+RERAN_SCRIPT_EXIT = 3
+
+
 class LocalRanks:
     """Ranks 1..N-1 as child processes of rank 0 on this machine."""
 
     def __init__(self, config: EngineConfig) -> None:
         if getattr(multiprocessing.current_process(), "_inheriting", False):
-            # a spawned rank is re-importing the user's script, which starts an engine again
-            raise RuntimeError(
-                "kvshard starts its ranks with 'spawn', which imports your script again in each rank: "
-                "create LLM (tensor_parallel_size > 1) under `if __name__ == \"__main__\":`"
-            )
+            # a spawned rank is re-importing the user's script, which starts an engine again: said here, and by
+            # the exit code to rank 0, whose error is the one the script's user reads
+            print(f"kvshard: {RERAN_SCRIPT}", file=sys.stderr, flush=True)
+            raise SystemExit(RERAN_SCRIPT_EXIT)
         self.master = ("127.0.0.1", free_port())
         context = multiprocessing.get_context(RANK_START_METHOD)
         # each rank's heartbeat counter, ticked by its own thread (workers.run_worker), read by the watchdog
@@ -134,7 +140,7 @@ class LocalRanks:
                 self._error_texts[rank] = receiver.recv() if receiver.poll() else ""
             except (EOFError, OSError):
                 self._error_texts[rank] = ""
-        error = self._error_texts[rank]
+        error = self._error_texts[rank] or (RERAN_SCRIPT if code == RERAN_SCRIPT_EXIT else "")
         return f"rank {rank} exited with code {code}" + (f" ({error})" if error else "")
 
     def heartbeats(self) -> dict[int, int]:
