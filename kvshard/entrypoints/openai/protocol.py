@@ -479,7 +479,6 @@ class ChatCompletionRequest(_GenerationRequest):
         super().check_supported()
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(400, "best_of other than n is not supported by kvshard", "best_of")
-        check_continue_final_message(self.continue_final_message, self.add_generation_prompt)
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:

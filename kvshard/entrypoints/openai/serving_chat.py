@@ -19,7 +19,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from kvshard.entrypoints.openai.protocol import (DEFAULT_CHAT_TEMPLATE, APIError, ChatCompletionRequest, ChatTool,
-                                                 _parse)
+                                                 _parse, check_continue_final_message)
 from kvshard.entrypoints.openai.serving_engine import _cached_tokens, _final_outputs, _unless_disconnected, _usage
 from kvshard.entrypoints.openai.tool_parsers import (NamedToolParser, RequiredToolParser, ToolCallStream,
                                                      ToolParser)
@@ -222,6 +222,7 @@ class ChatServing:
                            add_generation_prompt: bool, continue_final_message: bool = False) -> list[int]:
         """The conversation templated and tokenized, off the event loop; one too long to fit is refused first.
         With `continue_final_message` the last message is left open (transformers' option of the same name)."""
+        check_continue_final_message(continue_final_message, add_generation_prompt)
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it cannot chat: use /v1/completions with token ids",
                            "messages")

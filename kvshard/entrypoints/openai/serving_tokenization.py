@@ -7,8 +7,7 @@ import asyncio
 
 from fastapi import Request
 
-from kvshard.entrypoints.openai.protocol import (APIError, DetokenizeRequest, TokenizeRequest, _parse,
-                                                 check_continue_final_message, check_messages)
+from kvshard.entrypoints.openai.protocol import APIError, DetokenizeRequest, TokenizeRequest, _parse, check_messages
 
 
 class TokenizationServing:
@@ -28,7 +27,6 @@ class TokenizationServing:
         if body.messages is not None:
             check_messages(body.messages)  # as chat renders them
             tools = [tool.function.for_template() for tool in body.tools] if body.tools else None
-            check_continue_final_message(body.continue_final_message, body.add_generation_prompt)
             tokens = await self._render_chat([m.for_template() for m in body.messages], tools,
                                              body.add_generation_prompt, body.continue_final_message)
         else:
