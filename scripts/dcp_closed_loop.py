@@ -25,6 +25,7 @@ divide, holds it below that, and the script prints the W that a target ratio wou
 
     PYTHONPATH=$PWD .venv/bin/python scripts/dcp_closed_loop.py
     PYTHONPATH=$PWD .venv/bin/python scripts/dcp_closed_loop.py --rounds 3 --prompts-per-concurrency 8
+    PYTHONPATH=$PWD .venv/bin/python scripts/dcp_closed_loop.py --rounds 1 -O 3   # both engines compiled
 """
 
 from __future__ import annotations
@@ -44,12 +45,13 @@ from kvshard.bench.workloads import WorkloadSpec
 
 
 def run_point(conn, model: str, tp: int, dcp: int, requests, concurrency: int, kv_cache_memory: str,
-              max_model_len: int, max_num_seqs: int, enable_expert_parallel: bool = False) -> None:
+              max_model_len: int, max_num_seqs: int, enable_expert_parallel: bool = False,
+              compilation_config: int = 0) -> None:
     """A layout's closed loop in slices: each ("run", seconds) from `conn` runs steps for about that long and
     answers whether the point is done; at the end, its figures."""
     with LLM(model=model, tensor_parallel_size=tp, decode_context_parallel_size=dcp, kv_cache_memory=kv_cache_memory,
              max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-             enable_expert_parallel=enable_expert_parallel) as llm:
+             enable_expert_parallel=enable_expert_parallel, compilation_config=compilation_config) as llm:
         engine = llm.engine
         scheduler = engine.scheduler
         batches = []  # (decodes, prompt tokens, context tokens) of each step's batch
@@ -168,6 +170,8 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=1.6, help="the per-rank gain whose W is printed")
     parser.add_argument("--enable-expert-parallel", action="store_true",
                         help="whole routed experts on each rank (the engine's flag), not every expert split by width")
+    parser.add_argument("-O", "--compilation-config", type=int, choices=(0, 3), default=0,
+                        help="0: the eager model step (the default); 3: the compiled step, as `kvshard serve -O 3`")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
@@ -185,7 +189,8 @@ def main() -> None:
         points = compare(layouts, args.slice, model=args.model, tp=tp, requests=requests,
                          concurrency=args.concurrency, kv_cache_memory=args.kv_cache_memory,
                          max_model_len=spec.max_request_len(), max_num_seqs=args.max_num_seqs,
-                         enable_expert_parallel=args.enable_expert_parallel)
+                         enable_expert_parallel=args.enable_expert_parallel,
+                         compilation_config=args.compilation_config)
         for dcp in (1, args.dcp):
             point = points[dcp]
             fit = point["fit_ms"]
