@@ -303,6 +303,46 @@ def test_streamed_completion_and_chat_through_the_proxy_equal_a_colocated_server
     assert blocks_back_to_zero(producer, consumer) == [0, 0]
 
 
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}
+CONSTRAINED = [  # (route, body): an agent's constrained requests
+    ("/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 8, "structured_outputs": {"choice": ["alpha", "beta"]}}),
+    ("/v1/completions", {"prompt": PROMPTS[2], "max_tokens": 24, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "answer", "schema": {
+            "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[3]}], "max_tokens": 96,
+                              "tools": [WEATHER_TOOL], "tool_choice": "required"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 96,
+                              "tools": [WEATHER_TOOL],
+                              "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+]
+
+
+def without_call_ids(choice: dict) -> dict:
+    """A choice with its tool calls' ids (random for each answer) left out."""
+    message = choice.get("message") or {}
+    calls = [{k: v for k, v in call.items() if k != "id"} for call in message.get("tool_calls") or []]
+    return {**choice, "message": {**message, "tool_calls": calls}} if calls else choice
+
+
+@pytest.mark.parametrize("pair", [FIRST_PAIR, "mla_tp1_to_tp2-dcp2"], indirect=True)
+def test_constrained_answers_through_the_proxy_equal_a_colocated_server(pair, references):
+    """Structured outputs and required or named tool calls through the proxy: the consumer samples the first token
+    under the constraint, as one server does."""
+    name, model, producer, consumer, proxy = pair
+    for path, body in CONSTRAINED:
+        body = {"model": model, "temperature": 0, **body}
+        answer = proxy.http.post(path, json=body)
+        assert answer.status_code == 200, answer.text
+        got, want = answer.json()["choices"][0], references[model].post(path, body)["choices"][0]
+        assert without_call_ids(got) == without_call_ids(want)
+        if "choice" in body.get("structured_outputs", {}):
+            assert got["text"] in ("alpha", "beta")
+        if body.get("tool_choice") == "required":
+            assert got["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert blocks_back_to_zero(producer, consumer) == [0, 0]
+
+
 @pytest.mark.parametrize("pair", [CONCURRENT_PAIR], indirect=True)  # one pair keeps the suite short
 def test_16_concurrent_requests_through_the_proxy_equal_one_at_a_time(pair, references):
     name, model, producer, consumer, proxy = pair

@@ -253,10 +253,21 @@ def test_a_one_token_prompt_through_the_proxy_leaves_no_hold(servers):
     assert producer.wait_for_metric(BLOCKS_USED, lambda v: v == 0, timeout=1) == 0  # well within HOLD_TIMEOUT_S
 
 
-def test_a_constraint_on_a_remote_prefill_is_refused_naming_the_constraint(servers):
+def test_a_constraint_the_consumer_cannot_compile_costs_the_producer_nothing(servers):
+    """The consumer's check compiles the request's constraint before the producer prefills: a bad one is the
+    consumer's 400 naming the field, and the producer neither prefills nor holds; a good one is served."""
     producer, consumer, proxy = servers
-    answer = proxy.http.post("/v1/completions", json=body(structured_outputs={"json": {"type": "object"}}))
-    assert answer.status_code == 400 and answer.json()["error"]["param"] == "structured_outputs", answer.text
+    made, prompts = counter(producer, "kvshard:kv_transfer_holds_made"), counter(producer, "kvshard:prompt_tokens")
+    answer = proxy.http.post("/v1/completions", json=body(structured_outputs={"regex": "[unclosed"}))
+    error = answer.json()["error"]
+    assert answer.status_code == 400 and error["param"] == "structured_outputs", answer.text
+    assert "could not be compiled" in error["message"]
+    assert counter(producer, "kvshard:kv_transfer_holds_made") == made
+    assert counter(producer, "kvshard:prompt_tokens") == prompts
+    answer = proxy.http.post("/v1/completions", json=body(max_tokens=8, structured_outputs={"choice": ["yes", "no"]}))
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["text"] in ("yes", "no")
+    assert counter(producer, "kvshard:kv_transfer_holds_made") == made + 1
 
 
 def test_a_producer_that_answers_a_byte_at_a_time_fails_the_pull_in_its_timeout(servers):

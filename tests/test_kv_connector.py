@@ -23,7 +23,7 @@ from kvshard.engine.sequence import Sequence, SequenceStatus
 from kvshard.errors import ConfigError
 from kvshard.kv.block_pool import BlockPool
 from kvshard.kv.layout import DCPLayout
-from kvshard.sampling_params import SamplingParams
+from kvshard.sampling_params import SamplingParams, StructuredOutputsParams
 from test_imports import import_graph
 
 # --- the core imports no connector ----------------------------------------------------------------
@@ -133,6 +133,24 @@ def test_a_load_reserves_the_whole_prompt_then_runs_with_the_loaded_tokens_compu
     assert remote in batch.seqs and remote.num_computed_tokens == 9
     assert batch.query_lens[batch.seqs.index(remote)] == 1  # its last prompt token, then it samples
     assert batch.sample[batch.seqs.index(remote)]
+
+
+def test_a_load_whose_constraint_still_compiles_waits_holding_nothing_and_lets_later_ones_by():
+    """A loaded request samples its first token at its next step: its grammar must be there by then. Until it
+    compiled, the load does not start (no block reserved, nothing asked of the producer)."""
+    s, c = scheduler()
+    constrained = Sequence(uuid.uuid4().hex, 0, list(range(1, 11)), SamplingParams(
+        max_tokens=4, kv_transfer_params={"load": True}, structured_outputs=StructuredOutputsParams(regex="a+")), None)
+    later = request(6, load=True)
+    s.add(constrained)
+    s.add(later)
+    assert constrained.waits_for_grammar
+    assert s.schedule() is None
+    assert set(c.started) == {later.seq_id} and constrained.block_table == [] and s.pool.num_used == 2
+    assert s.has_unfinished()  # the engine keeps stepping (and waiting on the grammar) until it compiled
+    constrained.grammar = object()  # what LLMEngine._start_grammars gives it once its grammar compiled
+    s.schedule()
+    assert c.started[constrained.seq_id] == (constrained.block_table, 9) and s.pool.num_used == 2 + 3
 
 
 def test_a_failed_load_comes_back_to_the_engine_with_its_blocks_freed():

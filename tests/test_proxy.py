@@ -125,6 +125,17 @@ def test_unknown_routes_and_methods_answer_in_openai_s_shape(backends):
     assert wrong.status_code == 405 and "error" in wrong.json()
 
 
+@pytest.mark.parametrize("path", ["/v1/responses", "/tokenize", "/detokenize", "/metrics"])
+def test_a_server_route_the_proxy_does_not_serve_says_so_and_where_to_go(backends, path):
+    producer, consumer = backends(ok, "p0"), backends(ok)
+    with TestClient(Proxy([producer.url], [consumer.url], secret=SECRET).app) as client:
+        answer = client.post(path, json={"model": "m", "input": "hi", "prompt": "hi"})
+    assert answer.status_code == 404, answer.text
+    message = answer.json()["error"]["message"]
+    assert message.startswith(f"kvshard proxy does not serve {path}: ") and "server" in message
+    assert producer.bodies == [] and consumer.bodies == []
+
+
 def test_a_consumer_that_forgot_the_producer_is_told_again(backends):
     """A consumer restarted since the proxy registered the producer: its check names remote_engine_id."""
     forgot = {"error": {"message": "not a producer this consumer may pull from", "type": "invalid_request_error",

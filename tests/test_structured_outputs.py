@@ -385,10 +385,6 @@ def test_a_bad_constraint_is_refused_before_the_engine_loop(engines, monkeypatch
     assert not llm.engine.requests and not llm.engine.has_unfinished_requests()  # nothing was queued
     with pytest.raises(ValueError, match=r"structured_outputs\.regex could not be compiled"):
         llm.engine.check_structured_outputs(bad)
-    remote = SamplingParams(structured_outputs=SO(regex="ok"),
-                            kv_transfer_params={"do_remote_prefill": True, "remote_engine_id": "p", "transfer_id": "t"})
-    with pytest.raises(ValueError, match=r"structured_outputs cannot be combined with kv_transfer_params"):
-        llm.engine.add_request("remote", "one", remote)
     engine = AsyncLLMEngine.__new__(AsyncLLMEngine)  # its check needs no loop thread
     engine.engine = llm.engine
     with pytest.raises(ValueError, match=r"structured_outputs\.json could not be compiled"):

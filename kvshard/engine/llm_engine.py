@@ -115,9 +115,6 @@ class LLMEngine:
                 f"({len(token_ids)} in the prompt, {params.max_tokens} for the completion). "
                 "Please reduce the prompt or max_tokens."
             )
-        if params.structured_outputs is not None and (params.kv_transfer_params or {}).get("do_remote_prefill"):
-            raise ValueError("structured_outputs cannot be combined with kv_transfer_params.do_remote_prefill: "
-                             "a request whose prompt's KV comes from a producer runs unconstrained")
         if wait_for_grammar:
             self.check_structured_outputs(params)
         return token_ids

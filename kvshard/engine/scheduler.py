@@ -168,10 +168,12 @@ class Scheduler:
 
     def _start_loads(self) -> None:
         """Reserve blocks for the whole prompt of each remote request that has a sequence slot and blocks,
-        in arrival order (one that does not fit lets later ones try), and let the connector load them."""
+        in arrival order (one that does not fit lets later ones try), and let the connector load them. A request
+        whose output constraint still compiles waits here, holding nothing: a loaded request joins the running
+        batch, whose next step samples its first token, and that token must be under the constraint."""
         for item in list(self.remote):
             seq, external = item
-            if not self._can_load(seq):
+            if seq.waits_for_grammar or not self._can_load(seq):
                 continue
             self.remote.remove(item)
             seq.block_table = self.pool.allocate(self.layout.num_virtual_blocks(seq.num_tokens))

@@ -37,6 +37,15 @@ from kvshard.entrypoints.openai.door import RequestDoor
 from kvshard.entrypoints.openai.protocol import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_REQUEST_READ_TIMEOUT, APIError
 from kvshard.entrypoints.openai.serving_engine import until_disconnected
 
+# a server's routes that the proxy does not serve, and what to do instead (answered 404 with this said)
+NOT_PROXIED = {
+    "/v1/responses": "the Responses API keeps each response in the server that made it (previous_response_id), "
+                     "which a proxy spreading requests over its consumers cannot honour: send it to a server directly",
+    "/tokenize": "tokenize at a server directly (producers and consumers tokenize alike)",
+    "/detokenize": "detokenize at a server directly (producers and consumers tokenize alike)",
+    "/metrics": "each server has its own /metrics: scrape the producers and consumers",
+}
+
 logger = logging.getLogger("kvshard.proxy")
 
 
@@ -132,6 +141,8 @@ class Proxy:
         app.get("/v1/models")(self.models)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
+        for path, why in NOT_PROXIED.items():
+            app.api_route(path, methods=["GET", "POST"])(_not_proxied(path, why))
         return app
 
     async def health(self) -> Response:
@@ -342,3 +353,10 @@ def run_proxy(args: argparse.Namespace) -> int:
           f"(prefill: {', '.join(proxy.prefill)}; decode: {', '.join(proxy.decode)})", flush=True)
     uvicorn.Server(uvicorn_config(proxy.app, args, host=args.host, port=args.port, log_level="info")).run()
     return 0
+
+
+def _not_proxied(path: str, why: str):
+    async def answer() -> Response:
+        return APIError(404, f"kvshard proxy does not serve {path}: {why}").response()
+
+    return answer
