@@ -25,6 +25,7 @@ import pytest
 import torch.distributed
 from fastapi.testclient import TestClient
 
+from kvshard.disagg.params import prompt_digest
 from kvshard.disagg.secret import HEADER, deployment_secret
 from kvshard.entrypoints.proxy import Proxy
 from kvshard.models.demo import DEMO_CONFIGS, build_demo_model
@@ -387,10 +388,11 @@ def test_a_consumer_that_dies_mid_transfer_lets_the_producer_free_the_kv(pair, r
     prefill_and_hold(producer, model, transfer_id)
     # a consumer asks for the KV, then never joins the transfer (as if it died right after asking)
     signature = consumer.http.get("/kv_transfer/info", headers=WITH_SECRET).json()["signature"]
+    tokens = producer.http.post("/tokenize", json={"model": model, "prompt": PROMPTS[3]}).json()["tokens"]
     answer = producer.http.post("/kv_transfer/pull", headers=WITH_SECRET, json={
         "transfer_id": transfer_id, "consumer_id": "gone", "generation": 0, "num_tokens": 3,
         "layout": {"block_size": 4, "dcp": 1, "interleave": 1, "rank_heads": [[0, 1]]}, "blocks": [0],
-        "signature": signature})
+        "signature": signature, "prompt_digest": prompt_digest(tokens[:3])})
     assert answer.status_code == 200, answer.text
     assert blocks_back_to_zero(producer, timeout=TRANSFER_TIMEOUT_S + 15) == [0]
     # and the pair still serves

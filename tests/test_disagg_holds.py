@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvshard.disagg.config import KVTransferConfig
-from kvshard.disagg.connector import KVConnector, PullRefused
+from kvshard.disagg.connector import SAME_PROMPT, KVConnector, PullRefused
+from kvshard.disagg.params import prompt_digest
 from kvshard.kv.block_pool import BlockPool
 from kvshard.kv.layout import DCPLayout
 
@@ -94,10 +95,16 @@ class Producer(KVConnector):
             self.engine.pool.free(self.kept.pop(seq_id))
 
 
+def prompt_of(num_tokens: int) -> list[int]:
+    """The prompt of a held request of `num_tokens` tokens (what the consumer's pull must say it has)."""
+    return [7 * i % 128 for i in range(num_tokens)]
+
+
 def pull_body(connector: Producer, transfer_id: str, num_tokens: int, change: dict | None = None) -> dict:
     blocks = list(range(100, 100 + max(1, -(-num_tokens // BLOCK))))
     body = {"transfer_id": transfer_id, "consumer_id": "c0", "generation": 0, "num_tokens": num_tokens,
-            "layout": LAYOUT, "blocks": blocks, "signature": connector.signature}
+            "layout": LAYOUT, "blocks": blocks, "signature": connector.signature,
+            "prompt_digest": prompt_digest(prompt_of(num_tokens))}
     body.update(change or {})
     return {k: v for k, v in body.items() if v is not None}
 
@@ -106,6 +113,7 @@ BAD_PULLS = [  # each must be refused, and must leave the hold as it was
     {"consumer_id": None}, {"generation": "x"}, {"generation": -1}, {"num_tokens": 10**6},
     {"layout": {"block_size": 0}}, {"layout": "x"}, {"blocks": ["a"]}, {"blocks": []}, {"signature": {}},
     {"transfer_id": "nobody"}, {"transfer_id": ["x"]}, {"extra": 1}, {"layout": {**LAYOUT, "rank_heads": [[1, 0]]}},
+    {"prompt_digest": None}, {"prompt_digest": "0" * 63}, {"prompt_digest": prompt_digest([1, 2, 3])},
 ]
 
 ops = st.lists(st.one_of(
@@ -139,7 +147,8 @@ def test_no_sequence_of_events_leaks_a_held_block(ops):
             ids.append(transfer_id)
             seq = SimpleNamespace(params=SimpleNamespace(kv_transfer_params={"do_remote_decode": True,
                                                                              "transfer_id": transfer_id}),
-                                  request_id=transfer_id, block_table=blocks, num_computed_tokens=tokens)
+                                  request_id=transfer_id, block_table=blocks, num_computed_tokens=tokens,
+                                  prompt_token_ids=prompt_of(tokens))
             connector.on_finish(seq)
             engine.pool.free(blocks)  # the request's own reference, as Scheduler.finish drops it
         elif kind in ("pull", "bad_pull") and ids:
@@ -153,7 +162,7 @@ def test_no_sequence_of_events_leaks_a_held_block(ops):
             try:
                 answer = connector.serve_pull(body)
             except PullRefused as refusal:
-                assert refusal.status in (400, 404)
+                assert refusal.status in (400, 404, 409)
                 assert (hold.claimed if hold else None) == before  # a refused pull claims nothing
             else:
                 assert kind == "pull" and hold is not None and not before and hold.claimed
@@ -198,7 +207,8 @@ def test_a_hold_released_before_it_is_made_is_never_made():
     connector.before_schedule()
     blocks = engine.pool.allocate(2)
     connector.on_finish(SimpleNamespace(params=SimpleNamespace(kv_transfer_params={
-        "do_remote_decode": True, "transfer_id": "early"}), request_id="r", block_table=blocks, num_computed_tokens=8))
+        "do_remote_decode": True, "transfer_id": "early"}), request_id="r", block_table=blocks, num_computed_tokens=8,
+        prompt_token_ids=prompt_of(8)))
     engine.pool.free(blocks)
     assert engine.pool.num_used == 0 and connector.freed["released"] == 1
 
@@ -210,7 +220,8 @@ def test_a_malformed_pull_leaves_the_hold_to_its_timeout(bad):
     connector = Producer(engine)
     blocks = engine.pool.allocate(3)
     connector.on_finish(SimpleNamespace(params=SimpleNamespace(kv_transfer_params={
-        "do_remote_decode": True, "transfer_id": "x"}), request_id="r", block_table=blocks, num_computed_tokens=12))
+        "do_remote_decode": True, "transfer_id": "x"}), request_id="r", block_table=blocks, num_computed_tokens=12,
+        prompt_token_ids=prompt_of(12)))
     engine.pool.free(blocks)
     with pytest.raises(PullRefused):
         connector.serve_pull(pull_body(connector, "x", 11, bad))
@@ -218,3 +229,27 @@ def test_a_malformed_pull_leaves_the_hold_to_its_timeout(bad):
     assert connector.has_pending()
     connector.before_schedule()
     assert engine.pool.num_used == 0 and connector.freed["timeout"] == 1
+
+
+@pytest.mark.parametrize("change", ["one token", "longer"])
+def test_a_pull_for_another_prompt_is_refused_saying_both_sides_must_tokenize_alike(change):
+    """A consumer that rendered or tokenized the request differently (another chat template) asks for KV that is
+    not its prompt's: refused, the hold left as it was (its timeout or the proxy's release ends it)."""
+    engine = fake_engine()
+    connector = Producer(engine)
+    blocks = engine.pool.allocate(3)
+    connector.on_finish(SimpleNamespace(params=SimpleNamespace(kv_transfer_params={
+        "do_remote_decode": True, "transfer_id": "x"}), request_id="r", block_table=blocks, num_computed_tokens=12,
+        prompt_token_ids=prompt_of(12)))
+    engine.pool.free(blocks)
+    theirs = prompt_of(11)
+    if change == "one token":
+        theirs[5] += 1
+        body = pull_body(connector, "x", 11, {"prompt_digest": prompt_digest(theirs)})
+    else:  # the consumer's prompt is longer than the one held
+        body = pull_body(connector, "x", 13)
+    with pytest.raises(PullRefused) as refusal:
+        connector.serve_pull(body)
+    assert refusal.value.status == 409 and SAME_PROMPT in str(refusal.value)
+    assert not connector._holds["x"].claimed
+    assert connector.serve_pull(pull_body(connector, "x", 11))["blocks"] == blocks  # its own prompt's pull is served

@@ -26,6 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvshard.disagg.params import prompt_digest
 from kvshard.disagg.secret import HEADER
 from server_harness import Server, start_together, stop_all
 
@@ -76,6 +77,12 @@ def hold(producer: Server, transfer_id: str) -> None:
     answer = producer.http.post("/v1/completions", headers=WITH_SECRET, json=body(
         max_tokens=1, kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id}))
     assert answer.status_code == 200, answer.text
+
+
+def held_prompt_digest(producer: Server, num_tokens: int) -> str:
+    """What a consumer's pull says of the first `num_tokens` tokens of `hold`'s prompt."""
+    tokens = producer.http.post("/tokenize", json={"model": MODEL, "prompt": body()["prompt"]}).json()["tokens"]
+    return prompt_digest(tokens[:num_tokens])
 
 
 def counter(server: Server, name: str, **labels) -> float:
@@ -146,7 +153,8 @@ def test_a_malformed_pull_is_refused_and_the_hold_still_ends_and_a_release_ends_
     assert producer.metric(BLOCKS_USED) > 0
     signature = consumer.http.get("/kv_transfer/info", headers=WITH_SECRET).json()["signature"]
     pull = {"transfer_id": transfer_id, "consumer_id": "c", "generation": 0, "num_tokens": 3, "blocks": [0],
-            "layout": {"block_size": 16, "dcp": 1, "interleave": 1, "rank_heads": [[0, 1]]}, "signature": signature}
+            "layout": {"block_size": 16, "dcp": 1, "interleave": 1, "rank_heads": [[0, 1]]}, "signature": signature,
+            "prompt_digest": held_prompt_digest(producer, 3)}
     for bad in ({k: v for k, v in pull.items() if k != "consumer_id"}, {**pull, "generation": "x"},
                 {**pull, "blocks": "x"}, {**pull, "layout": {"block_size": -4}}):
         answer = producer.http.post("/kv_transfer/pull", headers=WITH_SECRET, json=bad)
@@ -270,6 +278,29 @@ def test_a_constraint_the_consumer_cannot_compile_costs_the_producer_nothing(ser
     assert counter(producer, "kvshard:kv_transfer_holds_made") == made + 1
 
 
+def test_a_consumer_whose_prompt_is_not_the_prefilled_one_fails_the_request_saying_so(servers):
+    """Two sides that render or tokenize a request differently (another --chat-template on one of them): the
+    consumer's first prompt tokens are not those whose KV the producer holds. The producer refuses the pull, so
+    the request fails naming the cause instead of answering from another prompt's KV; nothing stays held."""
+    producer, consumer, proxy = servers
+    assert proxy.http.post("/v1/completions", json=body()).status_code == 200  # the proxy registered the producer
+    engine_id = producer.http.get("/kv_transfer/info", headers=WITH_SECRET).json()["engine_id"]
+    for theirs in ([5, 6, 7, 8, 12, 10], [5, 6, 7, 8, 9, 10, 11, 12]):  # a token changed; a longer prompt
+        transfer_id = uuid.uuid4().hex
+        held = producer.http.post("/v1/completions", headers=WITH_SECRET, json=body(
+            prompt=[5, 6, 7, 8, 9, 10], max_tokens=1,
+            kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id}))
+        assert held.status_code == 200, held.text
+        answer = consumer.http.post("/v1/completions", headers=WITH_SECRET, json=body(prompt=theirs, kv_transfer_params={
+            "do_remote_prefill": True, "transfer_id": transfer_id, "remote_engine_id": engine_id}))
+        assert answer.status_code == 500, answer.text
+        assert "must render and tokenize a request alike" in answer.json()["error"]["message"]
+        released = producer.http.post("/kv_transfer/release", headers=WITH_SECRET, json={"transfer_id": transfer_id})
+        assert released.status_code == 200, released.text  # what the proxy does once the consumer failed it
+    assert consumer.wait_for_metric(BLOCKS_USED, lambda v: v == 0, timeout=5) == 0
+    assert producer.wait_for_metric(BLOCKS_USED, lambda v: v == 0, timeout=5) == 0
+
+
 def test_a_producer_that_answers_a_byte_at_a_time_fails_the_pull_in_its_timeout(servers):
     """httpx bounds each read; a pull is bounded as a whole: its request fails after TRANSFER_TIMEOUT_S, its
     blocks go back, and the consumer serves on."""
@@ -311,7 +342,7 @@ def test_a_consumer_that_pulls_and_never_comes_delays_no_stream_on_the_producer(
     info = consumer.http.get("/kv_transfer/info", headers=WITH_SECRET).json()
     answer = producer.http.post("/kv_transfer/pull", headers=WITH_SECRET, json={
         "transfer_id": transfer_id, "consumer_id": "gone", "generation": 0, "num_tokens": 3, "blocks": [0],
-        "layout": info["layout"], "signature": info["signature"]})
+        "layout": info["layout"], "signature": info["signature"], "prompt_digest": held_prompt_digest(producer, 3)})
     assert answer.status_code == 200, answer.text  # claimed: the producer now waits for this consumer
     started, arrivals = stream_arrivals(producer)
     assert len(arrivals) >= 10

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
 
 from kvshard.disagg.config import KVTransferConfig
-from kvshard.disagg.params import PullRequest, first_error
+from kvshard.disagg.params import PullRequest, first_error, prompt_digest
 from kvshard.disagg.secret import HEADER
 from kvshard.disagg.transfer import KVTransferPlan, PairGroups, TransferTask, bound_store, run_transfer
 from kvshard.engine import rank_messages
@@ -90,6 +90,11 @@ def _post_within(url: str, timeout: float, **kwargs) -> httpx.Response:
     return done["answer"]
 
 
+# what a producer's refusal says when the two sides' prompts differ
+SAME_PROMPT = ("the producer and the consumer must render and tokenize a request alike: the same model files, "
+               "tokenizer and --chat-template on both")
+
+
 class PullRefused(Exception):
     """A consumer asked for KV this producer cannot send (unknown, expired, other model, malformed)."""
 
@@ -103,6 +108,7 @@ class _Hold:
     seq_id: int  # the finished request's, whose blocks the scheduler keeps
     blocks: list[int]
     num_tokens: int  # tokens whose KV the blocks hold
+    token_ids: list[int]  # the request's prompt, whose first num_tokens tokens those are
     deadline: float
     claimed: bool = False  # a consumer is fetching it: the send (or its failure) frees it, not the timeout
 
@@ -117,6 +123,7 @@ class _Fetch:
     transfer_id: str
     blocks: list[int]  # the scheduler's, reserved for the whole prompt
     num_tokens: int  # whose KV comes
+    token_ids: list[int]  # the request's prompt, whose first num_tokens tokens' KV comes
     plan: KVTransferPlan | None = None  # set by the thread once the producer is there
     error: str | None = None
     abandoned: bool = False  # its request ended (aborted) while the thread ran
@@ -244,7 +251,7 @@ class KVConnector(KVConnectorBase):
     def start_load(self, seq: Sequence, blocks: list[int], num_tokens: int) -> None:
         params = seq.params.kv_transfer_params or {}
         fetch = _Fetch(seq.seq_id, seq.request_id, str(params.get("remote_engine_id")),
-                       str(params.get("transfer_id")), list(blocks), num_tokens)
+                       str(params.get("transfer_id")), list(blocks), num_tokens, seq.prompt_token_ids)
         self._fetches[seq.seq_id] = fetch
         with self._lock:
             url = self.producers.get(fetch.producer_id)
@@ -290,7 +297,7 @@ class KVConnector(KVConnectorBase):
                 self.freed["released"] += 1  # the proxy gave up on it before it finished
                 return False
             self._holds[transfer_id] = _Hold(seq.seq_id, list(seq.block_table), seq.num_computed_tokens,
-                                             self.clock() + self.config.hold_timeout_s)
+                                             seq.prompt_token_ids, self.clock() + self.config.hold_timeout_s)
         return True
 
     def get_finished(self) -> tuple[dict[int, str | None], list[int]]:
@@ -405,7 +412,11 @@ class KVConnector(KVConnectorBase):
                 raise PullRefused(404, f"no KV is held for transfer {pull.transfer_id!r} (never prefilled here, "
                                        "already fetched, released or expired)")
             if not pull.num_tokens <= hold.num_tokens:
-                raise PullRefused(400, f"asked for {pull.num_tokens} tokens, {hold.num_tokens} are held")
+                raise PullRefused(409, f"asked for {pull.num_tokens} tokens, {hold.num_tokens} are held: the "
+                                       f"consumer's prompt is longer than the one prefilled here ({SAME_PROMPT})")
+            if prompt_digest(hold.token_ids[:pull.num_tokens]) != pull.prompt_digest:
+                raise PullRefused(409, f"the consumer's first {pull.num_tokens} prompt tokens are not those "
+                                       f"prefilled here ({SAME_PROMPT})")
             nonce = self._nonces.setdefault((pull.consumer_id, pull.generation), secrets.token_hex(16))
             group_name = f"{self.config.engine_id}/{pull.consumer_id}/{pull.generation}/{nonce}"
             plan = KVTransferPlan(group_name, self.store_address, True, self.layout, hold.blocks, consumer_layout,
@@ -450,7 +461,8 @@ class KVConnector(KVConnectorBase):
                                           "transfer_id": fetch.transfer_id, "consumer_id": self.config.engine_id,
                                           "generation": generation, "num_tokens": num_tokens,
                                           "layout": _layout_json(self.layout), "blocks": fetch.blocks,
-                                          "signature": self.signature})
+                                          "signature": self.signature,
+                                          "prompt_digest": prompt_digest(fetch.token_ids[:num_tokens])})
             except httpx.HTTPError as error:
                 raise _FetchFailed(f"the producer at {url} cannot be reached: {error!r}") from None
             if answer.status_code != 200:

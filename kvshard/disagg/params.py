@@ -7,8 +7,10 @@ nothing here reaches the engine loop unchecked.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Annotated
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 # transfer and engine ids: what uuid4().hex and hand-written names use; nothing that needs quoting
@@ -39,6 +41,14 @@ class PullRequest(BaseModel):
     layout: dict
     blocks: list[Annotated[int, Field(ge=0, lt=2**31)]] = Field(max_length=2**20)
     signature: dict
+    # the consumer's first num_tokens prompt token ids (`prompt_digest`): the producer checks that it prefilled
+    # those very tokens, so that two sides that render or tokenize a request differently fail it, not answer wrong
+    prompt_digest: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+def prompt_digest(token_ids: list[int]) -> str:
+    """SHA-256 of token ids (each as 4 little-endian bytes): what a pull says of the prompt whose KV it asks for."""
+    return hashlib.sha256(np.asarray(token_ids, dtype="<u4").tobytes()).hexdigest()
 
 
 class Registration(BaseModel):
