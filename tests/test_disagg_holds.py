@@ -1,6 +1,7 @@
 """The producer's holds always end, whatever consumers and the proxy do: a property test over random
 sequences of hold / pull / bad pull / meeting or not / transfer ok or failed / timeout / release /
-shutdown against the connector in-process (a real BlockPool; threads and transfers stood in for)."""
+shutdown against the connector in-process (a real BlockPool; threads and transfers stood in for); the pulls a
+producer refuses, and how a consumer counts its fetches."""
 
 from __future__ import annotations
 
@@ -253,3 +254,30 @@ def test_a_pull_for_another_prompt_is_refused_saying_both_sides_must_tokenize_al
     assert refusal.value.status == 409 and SAME_PROMPT in str(refusal.value)
     assert not connector._holds["x"].claimed
     assert connector.serve_pull(pull_body(connector, "x", 11))["blocks"] == blocks  # its own prompt's pull is served
+
+
+class Consumer(KVConnector):
+    """The consumer's side, its pull threads never started: the test answers each fetch itself."""
+
+    def __init__(self, engine) -> None:
+        config = KVTransferConfig.from_json('{"kv_role": "kv_consumer", "kv_connector_extra_config": '
+                                            '{"producers": {"p": "http://127.0.0.1:1"}}}')
+        super().__init__(engine, config, "s" * 32, start_store=False)
+
+    def _spawn(self, target, *args) -> None:
+        pass
+
+
+@pytest.mark.parametrize("aborted", [False, True])
+def test_a_fetch_whose_request_ended_first_counts_as_abandoned_not_failed(aborted):
+    """A client that hangs up while its request's KV is on its way ends the fetch: not a transfer failure on the
+    consumer's dashboards (kvshard:kv_transfer_fetches_total{result="abandoned"})."""
+    connector = Consumer(fake_engine())
+    seq = SimpleNamespace(seq_id=1, request_id="r", prompt_token_ids=prompt_of(8), params=SimpleNamespace(
+        kv_transfer_params={"do_remote_prefill": True, "transfer_id": "t", "remote_engine_id": "p"}))
+    connector.start_load(seq, [0, 1], 7)
+    if aborted:
+        connector.abort_load(seq)
+    connector._answer(connector._fetches[1], "the producer refused: no KV is held for transfer 't'")
+    assert connector.fetches == {"ok": 0, "failed": int(not aborted), "abandoned": int(aborted)}
+    assert connector.get_finished()[0] == {1: "the producer refused: no KV is held for transfer 't'"}

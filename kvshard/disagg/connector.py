@@ -66,6 +66,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvshard.disagg")
 
 FREE_REASONS = ("fetched", "failed", "timeout", "released", "shutdown")
+FETCH_RESULTS = ("ok", "failed", "abandoned")  # a consumer's fetches end so (abandoned: its request ended first)
 
 
 def _post_within(url: str, timeout: float, **kwargs) -> httpx.Response:
@@ -211,7 +212,7 @@ class KVConnector(KVConnectorBase):
         self._received: deque[tuple[_Fetch, bool]] = deque()  # (fetch, ok) of receives over
         self._loaded: dict[int, str | None] = {}  # engine thread: loads over, for get_finished
         self._generation: dict[str, int] = {}  # per producer, bumped after a failed transfer
-        self.fetches: Counter[str] = Counter({"ok": 0, "failed": 0})
+        self.fetches: Counter[str] = Counter({result: 0 for result in FETCH_RESULTS})
         self.store = None  # the producer's rendezvous of every pair group it joins
         self.rank_store = None  # where this instance's ranks > 0 say how their share of a transfer went
         if start_store and (config.is_producer or self.world_size > 1):
@@ -510,7 +511,8 @@ class KVConnector(KVConnectorBase):
         """Engine thread: the load is over; the scheduler learns it from get_finished."""
         if self._fetches.pop(fetch.seq_id, None) is None:
             return  # answered already (at shutdown)
-        self.fetches["ok" if error is None else "failed"] += 1
+        # a fetch whose request ended while it ran (the client left) and that did not finish is not a failure
+        self.fetches["ok" if error is None else "abandoned" if fetch.abandoned else "failed"] += 1
         if error is not None and not fetch.abandoned:
             logger.warning("request %s: %s", fetch.request_id, error)
         self._loaded[fetch.seq_id] = error

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import ValidationError
 
-from kvshard.disagg.connector import FREE_REASONS, KVConnector, PullRefused
+from kvshard.disagg.connector import FETCH_RESULTS, FREE_REASONS, KVConnector, PullRefused
 from kvshard.disagg.params import KVTransferParams, Registration, first_error
 from kvshard.disagg.secret import HEADER
 from kvshard.entrypoints.openai_server import APIError, OpenAIServer
@@ -92,7 +92,7 @@ class _TransferMetrics:
             freed.add_metric([name, reason], c.freed[reason])
         fetches = CounterMetricFamily("kvshard:kv_transfer_fetches", "Fetches of a prompt's KV (consumer), by "
                                       "result.", labels=["model_name", "result"])
-        for result in ("ok", "failed"):
+        for result in FETCH_RESULTS:
             fetches.add_metric([name, result], c.fetches[result])
         return [holds, blocks, made, freed, fetches]
 
