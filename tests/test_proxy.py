@@ -125,6 +125,22 @@ def test_unknown_routes_and_methods_answer_in_openai_s_shape(backends):
     assert wrong.status_code == 405 and "error" in wrong.json()
 
 
+def test_the_producer_prefills_without_the_output_constraint_the_consumer_samples_under(backends):
+    producer, consumer = backends(ok, "p0"), backends(ok)
+    constraints = {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"},
+                   "guided_json": {"type": "object"}, "guided_regex": "b+", "guided_choice": ["x"],
+                   "guided_grammar": "root ::= \"c\""}
+    tools = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+             "tool_choice": "required"}
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9, **constraints, **tools}
+    with TestClient(Proxy([producer.url], [consumer.url], secret=SECRET).app) as client:
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
+    [prefill] = [b for p, b in zip(producer.paths[1:], producer.bodies) if p == "/v1/chat/completions"]
+    assert not set(constraints) & set(prefill) and {k: prefill[k] for k in tools} == tools  # tools render the prompt
+    check, decode = consumer.bodies[-2:]
+    assert {k: decode[k] for k in constraints} == constraints and {k: check[k] for k in constraints} == constraints
+
+
 @pytest.mark.parametrize("path", ["/v1/responses", "/tokenize", "/detokenize", "/metrics"])
 def test_a_server_route_the_proxy_does_not_serve_says_so_and_where_to_go(backends, path):
     producer, consumer = backends(ok, "p0"), backends(ok)
