@@ -340,15 +340,23 @@ def _convert_after(barrier, results, path: str) -> None:
 def test_two_processes_converting_at_once_end_with_one_checkpoint(tmp_path):
     model = random_model(tiny_config(), seed=5)
     path = write_gguf(tmp_path / "shared.gguf", model)
-    context = multiprocessing.get_context("fork")
+    # spawned, not forked: a fork copies the test worker's locks as its other threads hold them (a child
+    # deadlocked so once, its parent waited out the queue's timeout, and the children outlived the test)
+    context = multiprocessing.get_context("spawn")
     barrier, results = context.Barrier(2), context.Queue()
     processes = [context.Process(target=_convert_after, args=(barrier, results, str(path))) for _ in range(2)]
-    for process in processes:
-        process.start()
-    directories = {results.get(timeout=120) for _ in processes}
-    for process in processes:
-        process.join(timeout=60)
-        assert process.exitcode == 0
+    try:
+        for process in processes:
+            process.start()
+        directories = {results.get(timeout=120) for _ in processes}
+        for process in processes:
+            process.join(timeout=60)
+            assert process.exitcode == 0
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join(5)
     assert len(directories) == 1
     converted = Path(directories.pop())
     siblings = [p.name for p in converted.parent.iterdir() if p.name.startswith((".shared", "shared"))]
