@@ -214,16 +214,22 @@ def test_a_hold_released_before_it_is_made_is_never_made():
     assert engine.pool.num_used == 0 and connector.freed["released"] == 1
 
 
-@pytest.mark.parametrize("bad", BAD_PULLS[:3])
-def test_a_malformed_pull_leaves_the_hold_to_its_timeout(bad):
-    """The probe's case: after a bad pull, the hold still ends by its timeout (it used to stay claimed)."""
+def producer_holding_x() -> tuple[SimpleNamespace, Producer, list[int]]:
+    """A producer holding the KV of a 12-token prompt (3 blocks) under transfer id "x"."""
     engine = fake_engine()
     connector = Producer(engine)
     blocks = engine.pool.allocate(3)
     connector.on_finish(SimpleNamespace(params=SimpleNamespace(kv_transfer_params={
         "do_remote_decode": True, "transfer_id": "x"}), request_id="r", block_table=blocks, num_computed_tokens=12,
         prompt_token_ids=prompt_of(12)))
-    engine.pool.free(blocks)
+    engine.pool.free(blocks)  # the request's own reference, as Scheduler.finish drops it
+    return engine, connector, blocks
+
+
+@pytest.mark.parametrize("bad", BAD_PULLS[:3])
+def test_a_malformed_pull_leaves_the_hold_to_its_timeout(bad):
+    """The probe's case: after a bad pull, the hold still ends by its timeout (it used to stay claimed)."""
+    engine, connector, blocks = producer_holding_x()
     with pytest.raises(PullRefused):
         connector.serve_pull(pull_body(connector, "x", 11, bad))
     connector.clock_.now += HOLD_S + 1
@@ -236,13 +242,7 @@ def test_a_malformed_pull_leaves_the_hold_to_its_timeout(bad):
 def test_a_pull_for_another_prompt_is_refused_saying_both_sides_must_tokenize_alike(change):
     """A consumer that rendered or tokenized the request differently (another chat template) asks for KV that is
     not its prompt's: refused, the hold left as it was (its timeout or the proxy's release ends it)."""
-    engine = fake_engine()
-    connector = Producer(engine)
-    blocks = engine.pool.allocate(3)
-    connector.on_finish(SimpleNamespace(params=SimpleNamespace(kv_transfer_params={
-        "do_remote_decode": True, "transfer_id": "x"}), request_id="r", block_table=blocks, num_computed_tokens=12,
-        prompt_token_ids=prompt_of(12)))
-    engine.pool.free(blocks)
+    engine, connector, blocks = producer_holding_x()
     theirs = prompt_of(11)
     if change == "one token":
         theirs[5] += 1
