@@ -120,7 +120,8 @@ class ServerMetrics:
         step_seconds.add_metric([name, "prefill"], stats.prefill_step_seconds)
         step_seconds.add_metric([name, "decode"], stats.decode_step_seconds)
         yield step_seconds
-        yield counter("kvshard:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+        yield counter("kvshard:prefix_cache_queries", "Prompt tokens looked up in the prefix cache, at each admission "
+                      "(a preempted request's re-admission again).",
                       stats.prefix_cache_queries)
         yield counter("kvshard:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
         if self.config.speculative is not None:
