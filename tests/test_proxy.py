@@ -8,6 +8,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvshard.disagg.secret import HEADER
+from kvshard.entrypoints.openai.protocol import OUTPUT_CONSTRAINT_FIELDS
 from kvshard.entrypoints.proxy import Proxy
 from stand_in import Backend
 
@@ -130,6 +131,7 @@ def test_the_producer_prefills_without_the_output_constraint_the_consumer_sample
     constraints = {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"},
                    "guided_json": {"type": "object"}, "guided_regex": "b+", "guided_choice": ["x"],
                    "guided_grammar": "root ::= \"c\""}
+    assert set(constraints) == set(OUTPUT_CONSTRAINT_FIELDS)  # every field that asks for one
     tools = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
              "tool_choice": "required"}
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9, **constraints, **tools}

@@ -407,17 +407,21 @@ class KVConnector(KVConnectorBase):
             consumer_layout = _layout_from_json(pull.layout)
         except (KeyError, TypeError, ValueError) as error:
             raise PullRefused(400, f"malformed pull request: layout: {error}") from None
+        # the prompt's digest, O(its tokens), outside the lock that the engine thread takes between two steps; the
+        # hold is looked up again under it (a dict lookup is atomic), and must be the one hashed here
+        held = self._holds.get(pull.transfer_id)
+        if (held is not None and pull.num_tokens <= held.num_tokens
+                and prompt_digest(held.token_ids[:pull.num_tokens]) != pull.prompt_digest):
+            raise PullRefused(409, f"the consumer's first {pull.num_tokens} prompt tokens are not those "
+                                   f"prefilled here ({SAME_PROMPT})")
         with self._lock:
             hold = self._holds.get(pull.transfer_id)
-            if hold is None or hold.claimed:
+            if hold is None or hold.claimed or hold is not held:
                 raise PullRefused(404, f"no KV is held for transfer {pull.transfer_id!r} (never prefilled here, "
                                        "already fetched, released or expired)")
             if not pull.num_tokens <= hold.num_tokens:
                 raise PullRefused(409, f"asked for {pull.num_tokens} tokens, {hold.num_tokens} are held: the "
                                        f"consumer's prompt is longer than the one prefilled here ({SAME_PROMPT})")
-            if prompt_digest(hold.token_ids[:pull.num_tokens]) != pull.prompt_digest:
-                raise PullRefused(409, f"the consumer's first {pull.num_tokens} prompt tokens are not those "
-                                       f"prefilled here ({SAME_PROMPT})")
             nonce = self._nonces.setdefault((pull.consumer_id, pull.generation), secrets.token_hex(16))
             group_name = f"{self.config.engine_id}/{pull.consumer_id}/{pull.generation}/{nonce}"
             plan = KVTransferPlan(group_name, self.store_address, True, self.layout, hold.blocks, consumer_layout,

@@ -34,12 +34,9 @@ from kvshard.config import ConfigError
 from kvshard.disagg.secret import HEADER, deployment_secret
 from kvshard.entrypoints.openai.api_server import _http_error, _internal_error
 from kvshard.entrypoints.openai.door import RequestDoor
-from kvshard.entrypoints.openai.protocol import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_REQUEST_READ_TIMEOUT, APIError
+from kvshard.entrypoints.openai.protocol import (DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_REQUEST_READ_TIMEOUT,
+                                                 OUTPUT_CONSTRAINT_FIELDS, APIError)
 from kvshard.entrypoints.openai.serving_engine import until_disconnected
-
-# a request's output constraint: the consumer's alone (they do not change the prompt; tools, which do, stay)
-OUTPUT_CONSTRAINTS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                      "guided_grammar")
 
 # a server's routes that the proxy does not serve, and what to do instead (answered 404 with this said)
 NOT_PROXIED = {
@@ -220,8 +217,9 @@ class Proxy:
             return _relay(check)
 
         # a one-token prefill whose KV the producer keeps for the consumer
-        # (its token is thrown away: no output constraint to compile there; the consumer samples under it)
-        prefill = {k: v for k, v in body.items() if k not in ("stream", "stream_options", *OUTPUT_CONSTRAINTS)}
+        # (its token is thrown away: no output constraint to compile there, the consumer samples under it; the
+        # constraint fields do not change the prompt, and the tools, which do, stay)
+        prefill = {k: v for k, v in body.items() if k not in ("stream", "stream_options", *OUTPUT_CONSTRAINT_FIELDS)}
         prefill.update(max_tokens=1, kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id})
         if "max_completion_tokens" in prefill:
             prefill["max_completion_tokens"] = 1

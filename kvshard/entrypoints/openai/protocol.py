@@ -106,6 +106,14 @@ class _RequestBody(BaseModel):
         return self
 
 
+# vLLM's removed guided-decoding fields, each an alias of a structured_outputs kind
+GUIDED_ALIASES = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+# the fields of a generation request that ask for an output constraint (at most one may); the tools' constraint
+# ("required", a named tool) comes from tool_choice
+OUTPUT_CONSTRAINT_FIELDS = ("structured_outputs", *GUIDED_ALIASES, "response_format")
+
+
 class _GenerationRequest(_RequestBody):
     """Fields both endpoints take. Unknown fields are ignored, as vLLM does, with a warning naming them."""
 
@@ -204,8 +212,7 @@ class _GenerationRequest(_RequestBody):
                                    "structured_outputs.disable_any_whitespace")
             else:
                 found.append((_constraint("structured_outputs", **self.structured_outputs), "structured_outputs"))
-        for alias, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                            ("guided_grammar", "grammar")):
+        for alias, kind in GUIDED_ALIASES.items():
             if getattr(self, alias) is not None:
                 found.append((_constraint(alias, **{kind: getattr(self, alias)}), alias))
         if self.response_format is not None:
