@@ -96,11 +96,28 @@ def test_same_file_and_seed_give_the_same_digest_and_another_seed_does_not(share
     ('{"timestamp": 0, "input_length": 2.5, "output_length": 3, "hash_ids": []}', "must be an integer"),
     ('{"timestamp": 0, "input_length": 4, "output_length": 3, "hash_ids": [1, "x"]}', "'hash_ids' must be a list"),
     ('{"timestamp": NaN, "input_length": 4, "output_length": 3, "hash_ids": [1]}', "'timestamp' must be a number"),
+    ('{"timestamp": 0, "input_length": 1%s, "output_length": 3}' % ("0" * 400), "'input_length' is out of range"),
+    ('{"timestamp": 1%s, "input_length": 4, "output_length": 3}' % ("0" * 400), "'timestamp' is out of range"),
+    ('{"timestamp": 0, "input_length": 1%s, "output_length": 3}' % ("0" * 5000), "not a readable JSON value"),
 ])
 def test_a_malformed_line_fails_naming_its_line(tmp_path, line, message):
     trace = write_trace(tmp_path / "bad.jsonl", [record(0, 10, 1, [0]), "", line])
     with pytest.raises(TraceError, match=rf"bad\.jsonl:3: .*{message}"):
         read_trace(trace)
+
+
+def test_a_file_that_is_not_utf8_text_names_its_line_or_says_to_decompress(tmp_path):
+    trace = tmp_path / "latin1.jsonl"
+    trace.write_bytes(json.dumps(record(0, 10, 1, [0])).encode() + b"\r\n"
+                      + json.dumps(record(1, 10, 1, [1])).encode() + b"\n"
+                      + b'{"timestamp": 2, "input_length": 4, "output_length": 1, "note": "caf\xe9"}\n')
+    with pytest.raises(TraceError, match=r"latin1\.jsonl:3: not UTF-8 text"):
+        read_trace(trace)
+    import gzip
+    packed = tmp_path / "t.jsonl.gz"
+    packed.write_bytes(gzip.compress(json.dumps(record(0, 10, 1, [0])).encode()))
+    with pytest.raises(TraceError, match="gzip-compressed file: decompress it first"):
+        read_trace(packed)
 
 
 def test_a_missing_or_empty_trace_is_a_clear_error(tmp_path):
@@ -146,6 +163,23 @@ def test_conversations_join_requests_that_extend_a_latest_turn(tmp_path):
         TraceSpec(str(trace), conversations=3).build()
 
 
+@pytest.mark.parametrize("order", ["reversed", "shuffled"])
+def test_conversations_are_grouped_in_time_order_whatever_the_file_order(tmp_path, order):
+    """A file need not be sorted by time (one logged as requests finished is not): the replay groups turns as they
+    arrived, so a reordered file gives the same conversations, each sent in time order."""
+    import random
+
+    lines = SYNTHETIC_TRACE.read_text().splitlines()[:800]
+    shuffled = lines[::-1] if order == "reversed" else random.Random(3).sample(lines, len(lines))
+    trace = write_trace(tmp_path / "reordered.jsonl", shuffled)
+    spec = dict(context_scale=1 / 16, conversations=16, max_model_len=4096)
+    want = TraceSpec(str(write_trace(tmp_path / "sorted.jsonl", lines)), **spec).build()
+    got = TraceSpec(str(trace), **spec).build()
+    assert [[r.prompt_token_ids for r in s] for s in got.sessions] == \
+        [[r.prompt_token_ids for r in s] for s in want.sessions]
+    assert got.arrivals_s == want.arrivals_s
+
+
 def test_the_synthetic_trace_reads_with_its_reuse():
     records = read_trace(SYNTHETIC_TRACE)
     assert len(records) == 3993
@@ -165,6 +199,22 @@ def test_a_bad_trace_setting_is_refused():
                             ({"time_scale": 0}, "time-scale"), ({"max_turns": 1}, "trace-max-turns")]:
         with pytest.raises(ValueError, match=message):
             TraceSpec("x.jsonl", **kwargs)
+
+
+def test_trace_flags_that_would_be_ignored_and_a_bad_file_are_refused_before_the_server_is_asked(tmp_path, capsys):
+    """No server listens at the URL: each refusal is the command line's or the file's, not "connection refused"."""
+    bad = write_trace(tmp_path / "bad.jsonl", [record(0, 10, 1, [0]), "oops"])
+    nowhere = ["serve", "--base-url", "http://127.0.0.1:9", "--no-progress"]
+    for argv, message in [
+        ([*nowhere, "--trace", str(bad)], "--trace is for a trace replay: add --workload trace (the workload is random)"),
+        ([*nowhere, "--trace-skip", "2", "--trace-conversations", "3"],
+         "--trace-skip, --trace-conversations are for a trace replay"),
+        ([*nowhere, "--workload", "trace", "--trace", str(bad)], r"bad.jsonl:2: not JSON"),
+        ([*nowhere, "--workload", "trace", "--trace", str(bad), "--trace-max-turns", "2"],
+         "--trace-max-turns caps the turns of --trace-conversations: give both"),
+    ]:
+        assert bench_main(argv) == 2, argv
+        assert message in capsys.readouterr().err, argv
 
 
 def _point(throughput: float, kv: float, preemptions: int = 0) -> dict:
@@ -236,7 +286,7 @@ def test_a_replay_at_recorded_times_and_a_closed_loop_send_the_same_requests(ser
                        "--context-scale", "1/2", "--trace-timing", "closed", "--max-concurrency", "4",
                        "--no-progress"])
     out = capsys.readouterr().out
-    assert code == 0 and "cut to fit --max-model-len 512: 3 prompts, 0 outputs" in out, out
+    assert code == 0 and "cut to fit the server's max_model_len 512: 3 prompts, 0 outputs" in out, out
 
 
 def test_closed_timing_needs_a_concurrency_and_a_trace_needs_a_path(server, shared_prefix_trace, capsys):

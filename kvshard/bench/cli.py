@@ -112,7 +112,22 @@ def _add_workload_args(parser: argparse.ArgumentParser, workload: str, input_len
                        help="token ids are drawn from [0, V) (default: the model's, when MODEL is local)")
 
 
+def _trace_flags_given(args: argparse.Namespace) -> list[str]:
+    given = [("--trace", args.trace is not None), ("--trace-skip", args.trace_skip != 0),
+             ("--trace-conversations", getattr(args, "trace_conversations", None) is not None),
+             ("--trace-max-turns", getattr(args, "trace_max_turns", None) is not None)]
+    return [flag for flag, set_ in given if set_]
+
+
+def _check_trace_flags(args: argparse.Namespace) -> None:
+    """Trace flags without `--workload trace` would be ignored: say so rather than run another workload."""
+    if args.workload != TRACE and (flags := _trace_flags_given(args)):
+        raise ConfigError(f"{', '.join(flags)} {'is' if len(flags) == 1 else 'are'} for a trace replay: add "
+                          f"--workload trace (the workload is {args.workload})")
+
+
 def _workload_spec(args: argparse.Namespace, vocab_size: int) -> WorkloadSpec:
+    _check_trace_flags(args)
     return WorkloadSpec(
         kind=args.workload, vocab_size=vocab_size, seed=args.seed, input_len=args.input_len, output_len=args.output_len,
         range_ratio=args.range_ratio, context_scale=args.context_scale, output_scale=args.output_scale,
@@ -125,6 +140,8 @@ def _trace_spec(args: argparse.Namespace, vocab_size: int, max_model_len: int | 
     if not args.trace:
         raise ConfigError("--workload trace needs --trace PATH (a Mooncake-format JSON-lines file)")
     conversations = getattr(args, "trace_conversations", None)
+    if getattr(args, "trace_max_turns", None) is not None and conversations is None:
+        raise ConfigError("--trace-max-turns caps the turns of --trace-conversations: give both")
     return TraceSpec(
         path=args.trace, vocab_size=vocab_size, seed=args.seed, context_scale=args.context_scale,
         output_scale=args.output_scale, skip=args.trace_skip, num_requests=None if conversations else num_requests,
@@ -132,8 +149,9 @@ def _trace_spec(args: argparse.Namespace, vocab_size: int, max_model_len: int | 
         timing=getattr(args, "trace_timing", "closed"), time_scale=getattr(args, "time_scale", 1.0))
 
 
-def _build_trace(spec: TraceSpec) -> TraceReplay:
-    """The replay, with one line saying what it is and what had to be cut to fit."""
+def _build_trace(spec: TraceSpec, limit: str = "--max-model-len") -> TraceReplay:
+    """The replay, with one line saying what it is and what had to be cut to fit (`limit`: where the length that
+    cut it came from)."""
     try:
         replay = spec.build()
     except TraceError as error:
@@ -141,7 +159,7 @@ def _build_trace(spec: TraceSpec) -> TraceReplay:
     info = replay.info
     cut = ""
     if info["cut_prompts"] or info["cut_outputs"]:
-        cut = (f"; cut to fit --max-model-len {spec.max_model_len:,}: {info['cut_prompts']} prompts, "
+        cut = (f"; cut to fit {limit} {spec.max_model_len:,}: {info['cut_prompts']} prompts, "
                f"{info['cut_outputs']} outputs")
     print(f"workload: {spec.describe()}; {info['num_requests']:,} requests"
           + (f" in {info['num_sessions']} conversations" if spec.conversations else "")
@@ -343,14 +361,19 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     _check_result_file(args.result_file)
     _check_trace_timing(args)
+    _check_trace_flags(args)
     arrival_times, trace = None, None
     if args.workload == TRACE:
+        if args.trace_timing == "closed" and not args.max_concurrency:
+            raise ConfigError("--trace-timing closed needs --max-concurrency (the requests in flight)")
+        try:  # the file's faults before any the server could have
+            _trace_spec(args, 2, None, args.num_prompts).check_file()
+        except TraceError as error:
+            raise ConfigError(str(error)) from None
         entry = served_model_entry(args.base_url, args.model, args.api_key)
         vocab = _vocab_size(args, args.model, *([] if args.vocab_size is not None else [entry.get("root")]))
         spec = _trace_spec(args, vocab, args.max_model_len or _reported_max_model_len(entry), args.num_prompts)
-        if spec.timing == "closed" and not args.max_concurrency:
-            raise ConfigError("--trace-timing closed needs --max-concurrency (the requests in flight)")
-        replay = _build_trace(spec)
+        replay = _build_trace(spec, "--max-model-len" if args.max_model_len else "the server's max_model_len")
         sessions, described = replay.sessions, spec.describe()
         if spec.timing == "timestamps":
             arrival_times = [t / spec.time_scale for t in replay.arrivals_s]

@@ -35,7 +35,8 @@ Replay (`TraceSpec.build`):
 - `skip` and `num_requests` choose a window of the file's requests, in file
   order; the window's requests (sessions) are then sent in the order of their
   timestamps, which a file need not be sorted by, from the earliest;
-- `conversations=K` replays K multi-turn conversations instead: a request
+- `conversations=K` replays K multi-turn conversations instead: taking the
+  window's requests in timestamp order (file order where they tie), a request
   continues the conversation whose latest turn it extends (it starts with
   that turn's ids, or with all of them but the last, partial block, which the
   next turn's new text changes) and is longer than it. The first K
@@ -63,6 +64,7 @@ from kvshard.bench.workloads import MAX_REQUEST_TOKENS, BenchRequest, _fraction,
 
 TRACE_BLOCK_TOKENS = 512  # tokens per hash id in the Mooncake format
 TIMINGS = ("timestamps", "closed")
+MAX_FIELD = 2**63 - 1  # the largest number a field may hold (an int64's)
 
 
 class TraceError(ValueError):
@@ -84,8 +86,11 @@ def _field(obj: dict, name: str, where: str, *, required: bool = True, minimum: 
         if required:
             raise TraceError(f"{where}: missing field {name!r}" + (" (null)" if name in obj else ""))
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            isinstance(value, float) and not math.isfinite(value)):
         raise TraceError(f"{where}: {name!r} must be a number, got {value!r}")
+    if isinstance(value, int) and abs(value) > MAX_FIELD:  # nor could float() take it: say so, not OverflowError
+        raise TraceError(f"{where}: {name!r} is out of range ({len(str(abs(value)))} digits; at most {MAX_FIELD:,})")
     if name != "timestamp" and value != int(value):
         raise TraceError(f"{where}: {name!r} must be an integer, got {value!r}")
     if value < minimum:
@@ -108,6 +113,8 @@ def parse_trace_line(text: str, line: int, path: str | Path = "trace") -> TraceR
         obj = json.loads(text)
     except json.JSONDecodeError as error:
         raise _not_a_request(where, text, f"not JSON ({error.msg} at column {error.colno})") from None
+    except ValueError as error:  # e.g. an integer past Python's digit limit for conversion
+        raise _not_a_request(where, text, f"not a readable JSON value ({error})") from None
     except RecursionError:
         raise _not_a_request(where, text, "not JSON (nested too deeply)") from None
     if not isinstance(obj, dict):
@@ -127,15 +134,21 @@ def read_trace(path: str | Path) -> list[TraceRecord]:
     """Every request of a Mooncake-format file, in file order."""
     path = Path(path)
     try:
-        # utf-8-sig: a byte-order mark (some editors write one) is not part of the first request
-        text = path.read_text(encoding="utf-8-sig")
+        data = path.read_bytes()
     except OSError as error:
         raise TraceError(f"cannot read the trace {path}: {error.strerror or error}") from None
-    except UnicodeDecodeError:
-        raise TraceError(f"{path}: not a UTF-8 text file (a compressed trace must be decompressed first)") from None
-    # lines end at line feeds only (reading turned CRLF into LF): str.splitlines would also split at U+2028, U+2029
-    # and U+0085, which JSON allows unescaped inside a string, e.g. of an unknown field
-    lines = text.split("\n")
+    if data[:2] == b"\x1f\x8b":
+        raise TraceError(f"{path}: a gzip-compressed file: decompress it first (gunzip)")
+    try:
+        # utf-8-sig: a byte-order mark (some editors write one) is not part of the first request
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise TraceError(f"{path}:{line}: not UTF-8 text (byte {error.start:,} of the file); a trace is UTF-8 JSON "
+                         "lines, and a compressed one must be decompressed first") from None
+    # lines end at line feeds only (CRLF and CR are turned into LF first): str.splitlines would also split at U+2028,
+    # U+2029 and U+0085, which JSON allows unescaped inside a string, e.g. of an unknown field
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
     records = [r for number, line in enumerate(lines, 1) if (r := parse_trace_line(line, number, path))]
     if not records:
         raise TraceError(f"{path}: no requests in the trace")
@@ -276,6 +289,10 @@ class TraceSpec:
     def block_tokens(self) -> int:
         return _scaled(TRACE_BLOCK_TOKENS, self.context_scale)
 
+    def check_file(self) -> None:
+        """Read the file, raising TraceError for its first fault (before a server is asked anything)."""
+        read_trace(self.path)
+
     def build(self) -> TraceReplay:
         records = read_trace(self.path)
         window = records[self.skip:]
@@ -287,7 +304,9 @@ class TraceSpec:
                                  f"(the trace has {len(records):,})")
             chosen = sorted(([r] for r in window), key=_arrival)
         else:
-            multi = sorted((c for c in conversations(window) if len(c) >= 2), key=_arrival)
+            # turns grouped in the order they arrived (a file need not be sorted by time; ties keep file order)
+            by_time = sorted(window, key=lambda r: r.timestamp_ms)
+            multi = sorted((c for c in conversations(by_time) if len(c) >= 2), key=_arrival)
             if len(multi) < self.conversations:
                 raise TraceError(f"{self.path}: {len(multi)} multi-turn conversations after --trace-skip "
                                  f"{self.skip}, fewer than --trace-conversations {self.conversations}")
