@@ -52,6 +52,7 @@ def two_kv_heads(checkpoints):
         ({"batch_invariant": "false"}, "batch_invariant='false' must be True or False"),
         ({"seed": "x"}, "seed='x' must be an integer"),
         ({"seed": 1.5}, "seed=1.5 must be an integer"),
+        ({"seed": 2**70}, r"seed must be an integer in \[-9223372036854775808, 9223372036854775807\], got 1180591"),
         ({"block_size": None}, "block_size needs a value"),
     ],
 )

@@ -114,6 +114,20 @@ def test_a_rank_stopped_while_the_ranks_start_fails_the_start_within_the_heartbe
     assert multiprocessing.active_children() == []  # the stopped rank was ended, not left behind
 
 
+def test_a_start_that_fails_after_the_ranks_are_up_leaves_no_rank_running(monkeypatch):
+    """Before: an error in rank 0's set-up after the ranks had started (its tokenizer, its sampler's seed) left rank
+    1 running until the interpreter exited."""
+    from kvshard.engine import llm_engine
+
+    def broken(config):
+        raise RuntimeError("the tokenizer broke")
+
+    monkeypatch.setattr(llm_engine, "load_tokenizer", broken)
+    with pytest.raises(RuntimeError, match="the tokenizer broke"):
+        LLM(MODEL, **LLM_ARGS)
+    assert multiprocessing.active_children() == []
+
+
 def test_a_rank_that_never_finishes_loading_fails_the_start_at_the_collective_timeout(rank_that, monkeypatch):
     """A rank alive (its heartbeat ticks) but stuck in its model load is waited for as long as the ranks wait to
     join. Before: the server started with it and failed its first request at the step timeout; then, with the

@@ -39,6 +39,7 @@ from kvshard.config.generation import (AUTO_LENGTH, cli_length, load_generation_
                                       parse_length)
 from kvshard.kv.cache import resolve_kv_cache_dtype
 from kvshard.models.demo import DEFAULT_DEMO_MODEL
+from kvshard.sampling_params import INT64_MAX, INT64_MIN
 from kvshard.spec_decode.config import check_mtp_checkpoint, parse_speculative_config
 
 # Tokens per step by default (decodes first, then prompt chunks): vLLM's OpenAI server default on a CPU. On the
@@ -268,6 +269,8 @@ class EngineArgs:
                 raise ConfigError(f"{f.name}={value!r} must be True or False")
             elif kind is int and value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise ConfigError(f"{f.name}={value!r} must be an integer")
+        if not INT64_MIN <= self.seed <= INT64_MAX:  # it seeds torch generators, as a request's seed does
+            raise ConfigError(f"seed must be an integer in [{INT64_MIN}, {INT64_MAX}], got {self.seed}")
         speculative = parse_speculative_config(self.speculative_config)
         model_config = load_model_config(self.model, self.dtype)
         notes = self._check_foreign_settings(model_config)

@@ -44,6 +44,16 @@ class LLMEngine:
         """Start every rank. `master` (host, port) is given when a launcher (torchrun) started the other ranks."""
         self.config = config
         self.executor = Executor(config, master)
+        try:
+            self._set_up(config)
+        except BaseException:  # the ranks are up: nothing of a failed start is left running
+            if hasattr(self, "structured"):
+                self.structured.shutdown()
+            self.executor.shutdown()
+            raise
+
+    def _set_up(self, config: EngineConfig) -> None:
+        """What rank 0 builds once the ranks are up (`__init__`)."""
         self.tokenizer = load_tokenizer(config)
         self.layout = config.dcp_layout
         self.pool = BlockPool(config.num_kv_blocks)
