@@ -110,6 +110,11 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     bad_words: list[str] | None = None  # words never generated (tokenized with and without a leading space)
     structured_outputs: StructuredOutputsParams | None = None  # guided decoding: the output obeys this constraint
+    # vLLM's detokenizer settings, at the only values kvshard has (its text skips special tokens, with no spaces
+    # added between them, and is always made): others are refused, as the server refuses them
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
 
     # Filled by `prepare` from the engine's tokenizer and model. Never taken from the caller: a copy made with
     # SamplingParams(**vars(params)) starts unprepared (its words may differ) and is prepared again.
@@ -157,8 +162,10 @@ class SamplingParams:
               f"stop strings must be at most {MAX_STOP_LENGTH} characters long")
         check(all(_is_int(t, 0) for t in self.stop_token_ids),
               f"stop_token_ids must be integers in [0, {INT64_MAX}]")
-        check(isinstance(self.include_stop_str_in_output, bool),
-              f"include_stop_str_in_output must be true or false, got {self.include_stop_str_in_output!r}")
+        for name in ("include_stop_str_in_output", "ignore_eos"):
+            check(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("skip_special_tokens", "spaces_between_special_tokens", "detokenize"):
+            check(getattr(self, name) is True, f"{name} is not supported by kvshard; leave it at True or out")
         check(self.kv_transfer_params is None or self.n == 1, "n must be 1 when kv_transfer_params is given")
         check(self.logprobs is None or (_is_int(self.logprobs, 0) and self.logprobs <= MAX_LOGPROBS),
               f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
@@ -208,12 +215,16 @@ class SamplingParams:
         leading space, the latter only where the space makes a new first token of the same length), the EOS
         tokens `min_tokens` holds back, and `logit_bias` ids checked against the vocabulary. ValueError
         names the field."""
-        key = (id(tokenizer), vocab_size, tuple(self.bad_words or ()), max(self.logit_bias or (), default=-1))
+        key = (id(tokenizer), vocab_size, tuple(self.bad_words or ()), max(self.logit_bias or (), default=-1),
+               max(self.stop_token_ids, default=-1))
         if self._prepared_for == key:
             return
         for token in self.logit_bias or {}:
             if token >= vocab_size:
                 raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {token}")
+        if any(token >= vocab_size for token in self.stop_token_ids):  # as the server refuses them
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}), got "
+                             f"{max(self.stop_token_ids)}")
         self._eos_token_ids = frozenset(eos_token_ids)
         eos_held = 0 if self.ignore_eos else len(self._eos_token_ids)
         if self.min_tokens and len(self.stop_token_ids) + eos_held >= vocab_size:  # cheap first: enough of them

@@ -235,6 +235,11 @@ def test_llm_chat_renders_as_the_chat_route_and_answers_the_same(served, llm):
         assert reply["usage"]["prompt_tokens"] == len(output.prompt_token_ids)
     with pytest.raises(ValueError, match="messages.0.content"):
         llm.chat([{"role": "user"}], params, use_tqdm=False)
+    # one line naming the field, as the server's 400 does (before: "messages: 1 validation error for ChatTool ...")
+    with pytest.raises(ValueError, match=r"^tools\.0\.function: Field required$"):
+        llm.chat(conversations[0], params, tools=[{"type": "function"}], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^messages\.1\.0\.role: "):
+        llm.chat([conversations[0], [{"content": "hi"}]], params, use_tqdm=False)
     with pytest.raises(ValueError, match="non-empty"):
         llm.chat([], params, use_tqdm=False)
     # the LLM serves on after a refused conversation

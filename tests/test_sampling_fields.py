@@ -205,6 +205,12 @@ def test_stop_token_ids_that_cover_the_vocabulary_with_min_tokens_are_refused():
     ("logit_bias", [5], "logit_bias must be a dict"),
     ("bad_words", ["ok", " "], "bad_words must be a list of strings that are not blank"),
     ("bad_words", [5], "bad_words must be a list of strings"),
+    ("ignore_eos", "no", "ignore_eos must be true or false, got 'no'"),
+    ("ignore_eos", 1, "ignore_eos must be true or false"),
+    # vLLM's detokenizer settings: accepted at the values kvshard has, refused otherwise (as over HTTP)
+    ("skip_special_tokens", False, "skip_special_tokens is not supported by kvshard; leave it at True or out"),
+    ("spaces_between_special_tokens", False, "spaces_between_special_tokens is not supported by kvshard"),
+    ("detokenize", False, "detokenize is not supported by kvshard"),
 ])
 def test_invalid_values_are_refused_naming_the_field(field, value, message):
     with pytest.raises(ValueError) as error:
@@ -385,6 +391,10 @@ def test_a_repetition_penalty_near_zero_keeps_the_distribution_finite(llm, penal
 def test_bad_words_and_logit_bias_need_the_vocabulary(llm):
     with pytest.raises(ValueError, match=r"logit_bias keys must be token ids in \[0, 512\)"):
         llm.generate(["Hi"], SamplingParams(logit_bias={512: 1.0}), use_tqdm=False)
+    # before: accepted offline (the server refused them), a stop token that can never come
+    with pytest.raises(ValueError, match=r"stop_token_ids must be token ids in \[0, 512\), got 600"):
+        llm.generate(["Hi"], SamplingParams(stop_token_ids=[3, 600]), use_tqdm=False)
+    SamplingParams(skip_special_tokens=True, spaces_between_special_tokens=True, detokenize=True)  # vLLM's defaults
 
 
 # --- the OpenAI routes -----------------------------------------------------------------------------------

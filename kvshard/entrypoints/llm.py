@@ -110,7 +110,7 @@ class LLM:
         `prompt` is the rendered conversation. `continue_final_message` (with add_generation_prompt False) leaves
         the last message open for the model to continue, as vLLM's."""
         from kvshard.entrypoints.openai.protocol import (APIError, ChatMessage, ChatTool, check_continue_final_message,
-                                                         check_messages)
+                                                         check_messages, validation_error_message)
         from kvshard.entrypoints.openai.serving_chat import chat_template_for
         from pydantic import ValidationError
 
@@ -121,21 +121,31 @@ class LLM:
             raise ValueError("messages must be a non-empty list of messages, or a list of such lists")
         conversations = messages if all(isinstance(m, list) for m in messages) else [messages]
         tool_specs = None
+        where: tuple = ()
         try:
             check_continue_final_message(continue_final_message, add_generation_prompt)
             if tools is not None:
-                tool_specs = [ChatTool.model_validate(tool).function.for_template() for tool in tools] or None
+                if not isinstance(tools, list):
+                    raise ValueError(f"tools must be a list of tools, got {type(tools).__name__}")
+                tool_specs = []
+                for index, tool in enumerate(tools):
+                    where = ("tools", index)
+                    tool_specs.append(ChatTool.model_validate(tool).function.for_template())
+                tool_specs = tool_specs or None
             rendered_conversations = []
-            for conversation in conversations:
+            for number, conversation in enumerate(conversations):
                 if not conversation:
                     raise ValueError("a conversation needs at least one message")
-                parsed = [ChatMessage.model_validate(message) for message in conversation]
+                parsed = []
+                for index, message in enumerate(conversation):
+                    where = ("messages", number, index) if len(conversations) > 1 else ("messages", index)
+                    parsed.append(ChatMessage.model_validate(message))
                 check_messages(parsed)
                 rendered_conversations.append([message.for_template() for message in parsed])
         except APIError as error:
             raise ValueError(error.message) from None
-        except ValidationError as error:  # a ValueError naming the field
-            raise ValueError(f"messages: {error}") from None
+        except ValidationError as error:  # one line naming the field: "tools.0.function: Field required"
+            raise ValueError(validation_error_message(error, where)[0]) from None
         texts, prompts = [], []
         for conversation in rendered_conversations:
             template = chat_template_for(chat_template, tokenizer, conversation, tool_specs)

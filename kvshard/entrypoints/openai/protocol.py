@@ -718,6 +718,17 @@ class DetokenizeRequest(_RequestBody):
 PRESCAN_BODY_BYTES = 1 << 20
 
 
+def validation_error_message(error: ValidationError, where: tuple[str | int, ...] = ()) -> tuple[str, str | None]:
+    """A validation error's first fault in one line, "path.to.field: what is wrong", and the top-level field it is
+    in; `where`: the path of the validated object itself (e.g. ("tools", 0))."""
+    first = error.errors()[0]
+    # keep field names and list indices; drop the names pydantic gives to union members
+    path = [str(p) for p in (*where, *first["loc"]) if isinstance(p, int) or (p.isidentifier() and p.islower()
+                                                                             and p not in _TYPE_NAMES)]
+    message = first["msg"].removeprefix("Value error, ")
+    return (f"{'.'.join(path)}: {message}" if path else message), (path[0] if path else None)
+
+
 def _parse(model: type[BaseModel], body: bytes, max_items: dict[str, tuple[int, str]] | None = None) -> Any:
     """The body validated as `model`; a 400 naming the field otherwise. `max_items`: field -> (the most items its
     list or object can hold, what it says beyond that), checked first in a body over PRESCAN_BODY_BYTES (a plain
@@ -736,11 +747,8 @@ def _parse(model: type[BaseModel], body: bytes, max_items: dict[str, tuple[int, 
                 said += (" (a \\uD800-\\uDFFF escape is half of a surrogate pair and needs its other half: alone it "
                          "is no character, and cannot be UTF-8 text)")
             raise APIError(400, f"the request body is not valid JSON: {said}") from None
-        # keep field names and list indices; drop the names pydantic gives to union members
-        path = [str(p) for p in first["loc"] if isinstance(p, int) or (p.isidentifier() and p.islower()
-                                                                      and p not in _TYPE_NAMES)]
-        message = first["msg"].removeprefix("Value error, ")
-        raise APIError(400, f"{'.'.join(path)}: {message}" if path else message, path[0] if path else None) from None
+        message, param = validation_error_message(error)
+        raise APIError(400, message, param) from None
     unknown = getattr(parsed, "_unknown_fields", ())
     if unknown:
         logger.warning("%s: %s", model.ROUTE, unknown_fields_message(unknown))
