@@ -1,5 +1,6 @@
-"""Micro-benchmark of the routed experts' two paths (kvshard/layers/moe.py): the per-expert loop against the
-grouped batched products, and what `auto` takes, on one rank's share of a model's experts.
+"""Micro-benchmark of the routed experts' paths (kvshard/layers/moe.py): the per-expert loop, the grouped batched
+products and the kernel extension's fused call (where it runs: AVX-512), and what `auto` takes, on one rank's share
+of a model's experts.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/bench_moe.py
     PYTHONPATH=$PWD .venv/bin/python scripts/bench_moe.py --experts 8 --hidden 256 --intermediate 128 --tp 1,2
@@ -18,10 +19,11 @@ import time
 
 import torch
 
+from kvshard.layers import fused
 from kvshard.layers.moe import FusedMoE
 from kvshard.parallel import ParallelState
 
-PATHS = ("loop", "grouped", "auto")
+PATHS = ("loop", "grouped", "fused", "auto")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,8 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; experts {args.experts}, D {args.hidden}, I {args.intermediate}, "
           f"top-{args.top_k}; median of {args.repeats} calls")
-    print("| dtype | tp (experts x width here) | tokens | " + " | ".join(f"{p} ms" for p in PATHS) + " |")
-    print("|---|---|---|" + "---|" * len(PATHS))
+    paths = PATHS if fused.ops_for(torch.zeros(1), avx512=True) is not None else tuple(p for p in PATHS if p != "fused")
+    print("| dtype | tp (experts x width here) | tokens | " + " | ".join(f"{p} ms" for p in paths) + " |")
+    print("|---|---|---|" + "---|" * len(paths))
     generator = torch.Generator().manual_seed(0)
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
@@ -57,15 +60,15 @@ def main(argv: list[str] | None = None) -> int:
                 ids = torch.stack([torch.randperm(args.experts, generator=generator)[:args.top_k]
                                    for _ in range(tokens)])
                 weights = torch.rand(tokens, args.top_k, generator=generator)
-                samples: dict[str, list[float]] = {path: [] for path in PATHS}
-                for path in PATHS:  # warm-up
+                samples: dict[str, list[float]] = {path: [] for path in paths}
+                for path in paths:  # warm-up
                     layer(x, weights, ids, path=path)
                 for _ in range(args.repeats):
-                    for path in PATHS:
+                    for path in paths:
                         start = time.perf_counter()
                         layer(x, weights, ids, path=path)
                         samples[path].append(time.perf_counter() - start)
-                cells = " | ".join(f"{statistics.median(samples[p]) * 1e3:.3f}" for p in PATHS)
+                cells = " | ".join(f"{statistics.median(samples[p]) * 1e3:.3f}" for p in paths)
                 print(f"| {dtype_name} | {tp} ({layer.num_local_experts} x {layer.intermediate_size}) | {tokens} | "
                       f"{cells} |", flush=True)
     return 0

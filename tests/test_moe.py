@@ -1,19 +1,26 @@
 """The routed experts (kvshard/layers/moe.py): split over the ranks by width (the default) or by count (expert
 parallel), each rank's share loaded from whole checkpoint tensors adds up over the ranks to the unsplit layer; the
-per-expert loop and the grouped batched products give a rank's partial sum as a float64 computation of the
-definition does, and `auto` picks between them."""
+per-expert loop, the grouped batched products and the kernel extension's fused call give a rank's partial sum as a
+float64 computation of the definition does, and `auto` picks between them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kvshard.layers import fused
 from kvshard.layers import moe as moe_module
 from kvshard.layers.batch_invariant import batch_invariant_mode
 from kvshard.layers.moe import FusedMoE
 from kvshard.parallel import ParallelState
 
 EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 8, 64, 32, 2
+
+
+def _paths(dtype: torch.dtype = torch.float32) -> tuple[str, ...]:
+    """The paths this machine runs: `fused` where the kernel extension's fused operators do (AVX-512)."""
+    here = fused.ops_for(torch.zeros(1, dtype=dtype), avx512=True) is not None
+    return ("loop", "grouped", "auto") + (("fused",) if here else ())
 
 
 def _experts(tp: int, rank: int, dtype: torch.dtype, expert_parallel: bool = True) -> FusedMoE:
@@ -59,11 +66,13 @@ def test_loop_and_grouped_give_the_definition(dtype, tolerance, tp, rank, tokens
     x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).to(dtype)
     want = _definition(layer, x, weights, ids)
     atol = tolerance * max(1.0, want.abs().max().item() if tokens else 0.0)
-    results = {path: layer(x, weights, ids, path=path) for path in ("loop", "grouped", "auto")}
+    results = {path: layer(x, weights, ids, path=path) for path in _paths(dtype)}
     for path, got in results.items():
         assert got.dtype == dtype and got.shape == x.shape
         torch.testing.assert_close(got.double(), want, atol=atol, rtol=0, msg=f"{path} path")
     torch.testing.assert_close(results["grouped"], results["loop"], atol=atol / 10, rtol=0)
+    if "fused" in results:  # the loop's products on the same rows (the library's blocking may differ by thread)
+        torch.testing.assert_close(results["fused"], results["loop"], atol=atol / 10, rtol=0)
 
 
 def _checkpoint(seed: int) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -102,7 +111,7 @@ def test_the_ranks_partial_sums_add_up_to_the_unsplit_layer(tp, expert_parallel)
     else:
         assert [r.w13_weight.shape for r in ranks] == [(EXPERTS, 2 * INTERMEDIATE // tp, HIDDEN)] * tp
         assert [r.w2_weight.shape for r in ranks] == [(EXPERTS, HIDDEN, INTERMEDIATE // tp)] * tp
-    for path in ("loop", "grouped"):
+    for path in _paths():
         got = sum(r(x, weights, ids, path=path).double() for r in ranks)
         torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=0, msg=path)
     if not expert_parallel:  # split by width, every rank runs every token: a rank's share is no rank's whole
@@ -129,17 +138,17 @@ def test_every_token_on_one_expert_and_none_on_this_rank():
     layer = _experts(2, 1, torch.float32)  # experts 4..7
     x = torch.randn(9, HIDDEN)
     weights, ids = _routing(9, seed=3, experts=[5, 1])  # every token: expert 5 (here) and 1 (elsewhere)
-    for path in ("loop", "grouped"):
+    for path in _paths():
         torch.testing.assert_close(layer(x, weights, ids, path=path).double(), _definition(layer, x, weights, ids),
                                    atol=1e-5, rtol=0)
     weights, ids = _routing(9, seed=4, experts=[0, 1, 2, 3])  # none here: zeros
-    for path in ("loop", "grouped"):
+    for path in _paths():
         assert torch.equal(layer(x, weights, ids, path=path), torch.zeros_like(x))
 
 
 def _paths_taken(monkeypatch, layer: FusedMoE, x, weights, ids) -> list[str]:
     taken: list[str] = []
-    for name in ("_loop", "_grouped"):
+    for name in ("_loop", "_grouped", "_fused"):
         original = getattr(layer, name)
 
         def spy(*args, _original=original, _name=name, **kwargs):
@@ -153,7 +162,27 @@ def _paths_taken(monkeypatch, layer: FusedMoE, x, weights, ids) -> list[str]:
     return taken
 
 
+def test_auto_takes_the_fused_call_wherever_the_extension_runs(monkeypatch):
+    if "fused" not in _paths():
+        pytest.skip("the kernel extension's fused operators do not run here (no AVX-512 or no compiler)")
+    layer = _experts(1, 0, torch.float32)
+    for tokens in (1, 3, 16, 200):
+        weights, ids = _routing(tokens, seed=tokens)
+        assert _paths_taken(monkeypatch, layer, torch.randn(tokens, HIDDEN), weights, ids) == ["fused"], tokens
+    with batch_invariant_mode():  # no choice that depends on the batch
+        assert _paths_taken(monkeypatch, layer, torch.randn(16, HIDDEN), weights[:16], ids[:16]) == ["loop"]
+
+
+def test_the_fused_path_asked_for_where_it_cannot_run_is_refused(monkeypatch):
+    monkeypatch.setattr(fused, "ops_for", lambda *args, **kwargs: None)
+    layer = _experts(1, 0, torch.float32)
+    weights, ids = _routing(3, seed=3)
+    with pytest.raises(ValueError, match="the fused MoE path needs the kernel extension's fused operators"):
+        layer(torch.randn(3, HIDDEN), weights, ids, path="fused")
+
+
 def test_auto_groups_decode_sized_steps_and_loops_otherwise(monkeypatch):
+    monkeypatch.setattr(fused, "ops_for", lambda *args, **kwargs: None)  # where the fused call does not run
     layer = _experts(1, 0, torch.float32)
     for tokens, want in ((1, "loop"), (3, "grouped"), (16, "grouped")):
         weights, ids = _routing(tokens, seed=tokens)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kvshard.layers import fused
 from kvshard.layers.activation import silu_and_mul
 from kvshard.layers.batch_invariant import batch_invariant_active
 from kvshard.layers.linear import copy_whole
@@ -35,7 +36,7 @@ ROUTING_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
 # The MLA demo's experts: grouped is faster up to a few hundred tokens (70M), slower from ~1,000 (220M), where
 # the experts' own products outweigh the loop's dispatch (scripts/bench_moe.py; BENCHMARKS.md section 18).
 GROUPED_MAX_MACS = 1 << 27
-MOE_PATHS = ("auto", "loop", "grouped")
+MOE_PATHS = ("auto", "loop", "grouped", "fused")
 
 
 @dataclass(frozen=True)
@@ -174,15 +175,22 @@ class FusedMoE(nn.Module):
         """x [t, D], topk_weights / topk_ids [t, k] -> [t, D], the sum over this rank's experts only
         (outside a compiled graph: its experts are picked on the host; kvshard/compilation.py).
 
-        Two paths give the same sums: `loop`, one pair of products per expert that has tokens, and
+        Three paths give the same sums: `loop`, one pair of products per expert that has tokens;
         `grouped`, every expert's tokens at once in two batched products over a [E_l, m, D] buffer
-        (m: the most tokens any one expert got, the others' rows zero). A decode step's few tokens
-        make the loop a dozen small operators per expert, whose dispatch outweighs the arithmetic;
-        `auto` takes `grouped` where more than two experts have tokens and the padded products stay
-        under GROUPED_MAX_MACS, and `loop` otherwise and under batch_invariant_mode (where no choice
-        may depend on the batch)."""
+        (m: the most tokens any one expert got, the others' rows zero); and `fused`, the loop's
+        products on the same rows in one C++ call of the kernel extension (`moe_experts`: the pairs
+        sorted by expert, each expert's rows gathered once, the experts spread over the threads).
+        A decode step's few tokens make the loop a dozen small operators per expert, whose dispatch
+        outweighs the arithmetic. `auto` takes `fused` where the extension's fused operators run (a
+        CPU with AVX-512, float32 or bfloat16: `fused.ops_for`); elsewhere `grouped` where more than
+        two experts have tokens and the padded products stay under GROUPED_MAX_MACS, and `loop`
+        otherwise; under batch_invariant_mode (where no choice may depend on the batch) `loop`."""
         if path not in MOE_PATHS:
             raise ValueError(f"MoE path {path!r}: one of {', '.join(MOE_PATHS)}")
+        if path == "fused" or (path == "auto" and not batch_invariant_active()):
+            out = self._fused(x, topk_weights, topk_ids, always=path == "fused")
+            if out is not None:
+                return out
         local_ids = topk_ids - self.first_expert  # [t, k]
         mine = (local_ids >= 0) & (local_ids < self.num_local_experts)
         if path == "grouped" or (path == "auto" and not batch_invariant_active()):
@@ -190,6 +198,17 @@ class FusedMoE(nn.Module):
             if grouped is not None:
                 return grouped
         return self._loop(x, topk_weights, local_ids, mine)
+
+    def _fused(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+               always: bool) -> torch.Tensor | None:
+        ops = fused.ops_for(x, avx512=True)  # where the extension's SiLU-and-multiply is the layers' own
+        if ops is None or topk_weights.dtype != torch.float32:
+            if always:
+                raise ValueError("the fused MoE path needs the kernel extension's fused operators (a CPU with "
+                                 "AVX-512, float32 or bfloat16, KVSHARD_FUSED_ELEMENTWISE on) and float32 weights")
+            return None
+        local_ids = topk_ids - self.first_expert if self.first_expert else topk_ids
+        return ops.moe_experts(x, topk_weights, local_ids, self.w13_weight, self.w2_weight)
 
     def _grouped(self, x: torch.Tensor, topk_weights: torch.Tensor, local_ids: torch.Tensor, mine: torch.Tensor,
                  always: bool) -> torch.Tensor | None:

@@ -17,6 +17,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
 #include <torch/csrc/utils/pybind.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
@@ -1679,6 +1681,115 @@ at::Tensor merge_stacked(const at::Tensor& outputs, const at::Tensor& lses) {
   return merge_states(o, l);
 }
 
+// The routed experts of one MoE layer in one call (layers/moe.py, its `fused` path): x [t, D], weights [t, k]
+// float32 and ids [t, k] int64 (the expert of each (token, slot) pair among this rank's E; any other id is another
+// rank's), w13 [E, 2I, D] (gate rows, then up rows) and w2 [E, D, I] in x's dtype (float32 or bfloat16) -> [t, D]:
+// the sum over this rank's experts. The pairs are sorted by expert (tokens ascending within one), each expert's rows
+// gathered once and run through ATen's products (the ones `loop` calls, on the same rows), the experts spread over
+// the threads when there are enough of them (each product then on one thread); every token's experts are added in
+// ascending order, each term rounded to x's dtype first and each sum rounded to it: what the eager `loop` computes,
+// without its dozen operators per expert.
+template <typename T>
+void moe_scale_rows(const at::Tensor& y, const float* w, const int64_t* order, int64_t n, int64_t d, T* ys) {
+  const T* yp = y.data_ptr<T>();
+  for (int64_t r = 0; r < n; ++r) {
+    const float f = w[order[r]];
+    for (int64_t c = 0; c < d; ++c) ys[r * d + c] = static_cast<T>(static_cast<float>(yp[r * d + c]) * f);
+  }
+}
+
+template <typename T>
+void moe_add_up(T* out, const T* ys, const int64_t* id, const int64_t* position, int64_t t, int64_t k, int64_t experts,
+                int64_t d) {
+  const int64_t grain = std::max<int64_t>(1, kElementwiseGrain / std::max<int64_t>(k * d, 1));
+  at::parallel_for(0, t, grain, [&](int64_t begin, int64_t end) {
+    std::vector<std::pair<int64_t, int64_t>> mine(k);  // (expert, sorted position) of a token's pairs
+    for (int64_t i = begin; i < end; ++i) {
+      int64_t m = 0;
+      for (int64_t s = 0; s < k; ++s) {
+        const int64_t p = i * k + s;
+        if (id[p] >= 0 && id[p] < experts) mine[m++] = {id[p], position[p]};
+      }
+      std::sort(mine.begin(), mine.begin() + m);
+      T* o = out + i * d;
+      for (int64_t j = 0; j < m; ++j) {
+        const T* y = ys + mine[j].second * d;
+        for (int64_t c = 0; c < d; ++c) o[c] = static_cast<T>(static_cast<float>(o[c]) + static_cast<float>(y[c]));
+      }
+    }
+  });
+}
+
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids, const at::Tensor& w13,
+                       const at::Tensor& w2) {
+  TORCH_CHECK(x.device().is_cpu() && weights.device().is_cpu() && ids.device().is_cpu() && w13.device().is_cpu() &&
+                  w2.device().is_cpu(),
+              "moe_experts: CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && ids.dim() == 2 && weights.sizes() == ids.sizes() && ids.size(0) == x.size(0),
+              "moe_experts: x [t, D], weights and ids [t, k]");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && weights.scalar_type() == at::kFloat,
+              "moe_experts: int64 ids and float32 weights");
+  TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.size(0) == w2.size(0) && w13.size(2) == x.size(1) &&
+                  w2.size(1) == x.size(1) && w13.size(1) == 2 * w2.size(2),
+              "moe_experts: w13 [E, 2I, D] and w2 [E, D, I]");
+  TORCH_CHECK(x.scalar_type() == w13.scalar_type() && x.scalar_type() == w2.scalar_type() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "moe_experts: x and the weights float32 or bfloat16 alike");
+  const int64_t t = ids.size(0), k = ids.size(1), experts = w13.size(0), d = x.size(1);
+  const at::Tensor xc = x.contiguous(), idc = ids.contiguous(), wc = weights.contiguous();
+  const int64_t* id = idc.data_ptr<int64_t>();
+  auto out = at::zeros({t, d}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  std::vector<int64_t> start(experts + 1, 0);
+  for (int64_t p = 0; p < t * k; ++p) {
+    if (id[p] >= 0 && id[p] < experts) ++start[id[p] + 1];
+  }
+  for (int64_t e = 0; e < experts; ++e) start[e + 1] += start[e];
+  const int64_t pairs = start[experts];
+  if (pairs == 0) return out;
+  // the pairs in expert order, (token, slot) ascending within one expert; where each pair went
+  std::vector<int64_t> order(pairs), position(t * k, -1), next(start.begin(), start.end() - 1), active;
+  for (int64_t p = 0; p < t * k; ++p) {
+    if (id[p] >= 0 && id[p] < experts) {
+      position[p] = next[id[p]];
+      order[next[id[p]]++] = p;
+    }
+  }
+  for (int64_t e = 0; e < experts; ++e) {
+    if (start[e + 1] > start[e]) active.push_back(e);
+  }
+  auto xs = at::empty({pairs, d}, xc.options());
+  const size_t row_bytes = d * xc.element_size();
+  const char* xp = static_cast<const char*>(xc.data_ptr());
+  char* xsp = static_cast<char*>(xs.data_ptr());
+  for (int64_t i = 0; i < pairs; ++i) std::memcpy(xsp + i * row_bytes, xp + (order[i] / k) * row_bytes, row_bytes);
+  auto ys = at::empty({pairs, d}, xc.options());  // each pair's term, weighted and rounded to x's dtype
+  const float* w = wc.data_ptr<float>();
+  auto run = [&](int64_t e) {
+    const int64_t off = start[e], n = start[e + 1] - off;
+    const at::Tensor y = at::mm(silu_and_mul(at::mm(xs.narrow(0, off, n), w13.select(0, e).t())),
+                                w2.select(0, e).t()).contiguous();
+    if (x.scalar_type() == at::kFloat) {
+      moe_scale_rows(y, w, order.data() + off, n, d, ys.data_ptr<float>() + off * d);
+    } else {
+      moe_scale_rows(y, w, order.data() + off, n, d, ys.data_ptr<c10::BFloat16>() + off * d);
+    }
+  };
+  const int64_t count = active.size();
+  if (count >= at::get_num_threads()) {  // one expert a thread at a time, each product on its thread
+    at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j) run(active[j]);
+    });
+  } else {  // fewer experts than threads: the products take the threads
+    for (int64_t e : active) run(e);
+  }
+  if (x.scalar_type() == at::kFloat) {
+    moe_add_up(out.data_ptr<float>(), ys.data_ptr<float>(), id, position.data(), t, k, experts, d);
+  } else {
+    moe_add_up(out.data_ptr<c10::BFloat16>(), ys.data_ptr<c10::BFloat16>(), id, position.data(), t, k, experts, d);
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("parallel_threads", &parallel_threads, "Threads at::parallel_for runs n items on");
   m.def("paged_attention", &paged_attention, "Paged attention with LSE over kvshard's KV cache (CPU)");
@@ -1687,6 +1798,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "Rotary embedding of [t, h, d] by [t, d / 2] angles, fused (CPU)");
   m.def("merge_states", &merge_states, "Partial attentions merged by their LSE, fused (CPU)");
   m.def("merge_stacked", &merge_stacked, "merge_states of parts stacked along a first dimension (CPU)");
+  m.def("moe_experts", &moe_experts, "The routed experts of one MoE layer: sorted, gathered, ATen's products (CPU)");
 #if defined(KVSHARD_TILED)
   m.attr("tiled") = true;
 #else
