@@ -151,3 +151,30 @@ def test_the_lm_head_multiplies_by_a_reordered_copy_and_keeps_its_weight(dtype):
     torch.testing.assert_close(got, want, atol=tolerance * want.abs().max().item(), rtol=0)
     # what a step reads: the copy, not the weight
     assert weight_bytes_per_step(model, batch_size=4) == head.packed_weight.numel() * head.packed_weight.element_size()
+
+
+def test_products_run_on_few_shapes_whatever_the_token_count(monkeypatch):
+    """oneDNN keeps a primitive for every shape it meets (a few hundred KB each): before, an engine meeting every
+    token count grew by some 330 MB per 1,000 requests (BENCHMARKS.md section 32). Decode-sized products keep their
+    rows; larger ones run on a bucket's rows, zeros padding the rest, and give the unpadded product's rows."""
+    weight, bias = torch.randn(96, 64), torch.randn(96)
+    packed = linear.onednn_reordered(weight)
+    shapes = set()
+    original = linear.ONEDNN_LINEAR
+
+    def spy(x, *args):
+        shapes.add(tuple(x.shape))
+        return original(x, *args)
+
+    monkeypatch.setattr(linear, "ONEDNN_LINEAR", spy)
+    for rows in range(1, 2049):
+        x = torch.randn(rows, 64)
+        got = linear.packed_linear(x, packed, bias)
+        assert got.shape == (rows, 96)
+        if rows in (1, 64, 65, 100, 2048) or rows % 97 == 0:
+            torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+    assert len(shapes) <= 64 + 62, len(shapes)
+    assert {(rows, 64) for rows in range(1, 65)} <= shapes  # a decode step's rows as they are
+    x = torch.randn(3, 70, 64)  # leading dimensions flattened, padded, restored
+    torch.testing.assert_close(linear.packed_linear(x, packed), torch.nn.functional.linear(x, weight),
+                               atol=1e-4, rtol=1e-5)

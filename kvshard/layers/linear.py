@@ -66,16 +66,37 @@ def onednn_reordered(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(product), ONEDNN_REORDER_ROWS)
 
 
+def onednn_rows(rows: int) -> int:
+    """The rows a product from a reordered weight runs with: `rows` itself up to 64 (a decode step's, where padding
+    cost the MLA demo's step 3-15%), else rounded up to a multiple of 32 up to 2,048 and of 128 beyond. oneDNN
+    builds a primitive for every shape it meets and keeps it (1,024 at most), a few hundred KB each: an engine
+    meeting every token count from 1 to 2,048 grew by some 330 MB per 1,000 requests on SmolLM2 and had not
+    levelled off after 1,000 (BENCHMARKS.md section 32). With these buckets a weight meets at most 126 shapes up to
+    2,048 rows; the padded rows cost at most 31 of 96 rows (a prompt chunk's) and 6% from 512."""
+    if rows <= 64:
+        return rows
+    step = 32 if rows <= 2048 else 128
+    return -(-rows // step) * step
+
+
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) by oneDNN from its reordered copy of the weight, returned in x's dtype (a half-precision
-    x with a float32 copy, on AVX2: the float32 product, rounded once)."""
+    x with a float32 copy, on AVX2: the float32 product, rounded once); run on `onednn_rows` rows, zeros padding
+    the rest (a row's result does not depend on the others)."""
     dtype = x.dtype
     if packed_weight.dtype != dtype:
         x, bias = x.float(), None if bias is None else bias.float()
     if torch.compiler.is_compiling():  # inductor cannot lower it from a runtime weight: an opaque op
         out = torch.ops.kvshard.onednn_linear(x, packed_weight, bias)
     else:
-        out = ONEDNN_LINEAR(x, packed_weight, bias, "none", [], "")
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        padded = onednn_rows(rows)
+        if padded != rows and rows:
+            flat = x.reshape(rows, x.shape[-1])
+            flat = torch.cat([flat, flat.new_zeros(padded - rows, flat.shape[1])])
+            out = ONEDNN_LINEAR(flat, packed_weight, bias, "none", [], "")[:rows].unflatten(0, x.shape[:-1])
+        else:
+            out = ONEDNN_LINEAR(x, packed_weight, bias, "none", [], "")
     return out.to(dtype)
 
 
