@@ -122,8 +122,10 @@ def _(x):
 
 @torch.library.custom_op("kvshard::onednn_linear", mutates_args=())
 def onednn_linear_op(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """oneDNN's product with a weight reordered at load (layers/linear.py)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    """oneDNN's product with a weight reordered at load (layers/linear.py's, on its bucketed rows)."""
+    from kvshard.layers.linear import onednn_product
+
+    return onednn_product(x, packed_weight, bias)
 
 
 @onednn_linear_op.register_fake

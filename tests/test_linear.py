@@ -178,3 +178,11 @@ def test_products_run_on_few_shapes_whatever_the_token_count(monkeypatch):
     x = torch.randn(3, 70, 64)  # leading dimensions flattened, padded, restored
     torch.testing.assert_close(linear.packed_linear(x, packed), torch.nn.functional.linear(x, weight),
                                atol=1e-4, rtol=1e-5)
+    # the compiled step's opaque product takes the same buckets
+    import kvshard.compilation  # noqa: F401 (registers torch.ops.kvshard.onednn_linear)
+
+    shapes.clear()
+    x = torch.randn(70, 64)
+    torch.testing.assert_close(torch.ops.kvshard.onednn_linear(x, packed, bias),
+                               torch.nn.functional.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+    assert shapes == {(96, 64)}, shapes

@@ -16,7 +16,7 @@ from datetime import datetime
 from pathlib import Path
 
 from kvshard.bench.text_workload import REPEAT, describe_repeat, repeat_requests
-from kvshard.bench.traces import TIMINGS, TraceError, TraceReplay, TraceSpec
+from kvshard.bench.traces import TIMINGS, TraceError, TraceReplay, TraceSpec, read_trace
 from kvshard.bench.workloads import MAX_REQUEST_TOKENS, SESSIONS, WORKLOADS, BenchRequest, WorkloadSpec
 
 TRACE = "trace"
@@ -39,6 +39,8 @@ def _reporting_errors(run):
         from kvshard.bench.serve import BenchmarkError
         from kvshard.bench.server import ServerStartError
 
+        if hasattr(args, "workload"):  # before anything runs: trace flags another workload would ignore
+            _check_trace_flags(args)
         try:
             return run(args)
         except (BenchmarkError, ServerStartError) as error:
@@ -127,7 +129,6 @@ def _check_trace_flags(args: argparse.Namespace) -> None:
 
 
 def _workload_spec(args: argparse.Namespace, vocab_size: int) -> WorkloadSpec:
-    _check_trace_flags(args)
     return WorkloadSpec(
         kind=args.workload, vocab_size=vocab_size, seed=args.seed, input_len=args.input_len, output_len=args.output_len,
         range_ratio=args.range_ratio, context_scale=args.context_scale, output_scale=args.output_scale,
@@ -361,13 +362,13 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     _check_result_file(args.result_file)
     _check_trace_timing(args)
-    _check_trace_flags(args)
     arrival_times, trace = None, None
     if args.workload == TRACE:
         if args.trace_timing == "closed" and not args.max_concurrency:
             raise ConfigError("--trace-timing closed needs --max-concurrency (the requests in flight)")
-        try:  # the file's faults before any the server could have
-            _trace_spec(args, 2, None, args.num_prompts).check_file()
+        _trace_spec(args, 2, None, args.num_prompts)  # the settings (the vocabulary, the server's, aside)
+        try:  # and the file's faults, before any the server could have
+            read_trace(args.trace)
         except TraceError as error:
             raise ConfigError(str(error)) from None
         entry = served_model_entry(args.base_url, args.model, args.api_key)

@@ -289,10 +289,6 @@ class TraceSpec:
     def block_tokens(self) -> int:
         return _scaled(TRACE_BLOCK_TOKENS, self.context_scale)
 
-    def check_file(self) -> None:
-        """Read the file, raising TraceError for its first fault (before a server is asked anything)."""
-        read_trace(self.path)
-
     def build(self) -> TraceReplay:
         records = read_trace(self.path)
         window = records[self.skip:]

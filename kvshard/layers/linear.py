@@ -79,24 +79,28 @@ def onednn_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
+def onednn_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's x @ weight.T (+ bias) from the reordered weight, run on `onednn_rows` rows, zeros padding the rest
+    (a row's result does not depend on the others): the eager layers' product and the compiled graph's opaque one."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    padded = onednn_rows(rows)
+    if padded == rows or not rows:
+        return ONEDNN_LINEAR(x, packed_weight, bias, "none", [], "")
+    flat = x.reshape(rows, x.shape[-1])
+    flat = torch.cat([flat, flat.new_zeros(padded - rows, flat.shape[1])])
+    return ONEDNN_LINEAR(flat, packed_weight, bias, "none", [], "")[:rows].unflatten(0, x.shape[:-1])
+
+
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) by oneDNN from its reordered copy of the weight, returned in x's dtype (a half-precision
-    x with a float32 copy, on AVX2: the float32 product, rounded once); run on `onednn_rows` rows, zeros padding
-    the rest (a row's result does not depend on the others)."""
+    """x @ weight.T (+ bias) by oneDNN from its reordered copy of the weight (`onednn_product`), returned in x's
+    dtype (a half-precision x with a float32 copy, on AVX2: the float32 product, rounded once)."""
     dtype = x.dtype
     if packed_weight.dtype != dtype:
         x, bias = x.float(), None if bias is None else bias.float()
     if torch.compiler.is_compiling():  # inductor cannot lower it from a runtime weight: an opaque op
         out = torch.ops.kvshard.onednn_linear(x, packed_weight, bias)
     else:
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        padded = onednn_rows(rows)
-        if padded != rows and rows:
-            flat = x.reshape(rows, x.shape[-1])
-            flat = torch.cat([flat, flat.new_zeros(padded - rows, flat.shape[1])])
-            out = ONEDNN_LINEAR(flat, packed_weight, bias, "none", [], "")[:rows].unflatten(0, x.shape[:-1])
-        else:
-            out = ONEDNN_LINEAR(x, packed_weight, bias, "none", [], "")
+        out = onednn_product(x, packed_weight, bias)
     return out.to(dtype)
 
 

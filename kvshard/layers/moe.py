@@ -207,8 +207,7 @@ class FusedMoE(nn.Module):
                 raise ValueError("the fused MoE path needs the kernel extension's fused operators (a CPU with "
                                  "AVX-512, float32 or bfloat16, KVSHARD_FUSED_ELEMENTWISE on) and float32 weights")
             return None
-        local_ids = topk_ids - self.first_expert if self.first_expert else topk_ids
-        return ops.moe_experts(x, topk_weights, local_ids, self.w13_weight, self.w2_weight)
+        return ops.moe_experts(x, topk_weights, topk_ids - self.first_expert, self.w13_weight, self.w2_weight)
 
     def _grouped(self, x: torch.Tensor, topk_weights: torch.Tensor, local_ids: torch.Tensor, mine: torch.Tensor,
                  always: bool) -> torch.Tensor | None:

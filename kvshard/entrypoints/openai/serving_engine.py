@@ -282,8 +282,6 @@ class ServingBase:
                                "kv_transfer_params")
             request.kv_transfer_params = self.check_kv_transfer(request.kv_transfer_params,
                                                                 http.headers if http is not None else {})
-        if any(not 0 <= t < self.vocab_size for t in request.stop_token_ids or []):
-            raise APIError(400, f"stop_token_ids must be token ids in [0, {self.vocab_size})", "stop_token_ids")
 
     def _check_choices(self, num_prompts: int, n: int) -> None:
         if num_prompts * n > self.max_choices_per_request:
@@ -319,7 +317,7 @@ class ServingBase:
             return await asyncio.to_thread(lambda: [self.validate_prompt(p, params) for p in prompts])
         except ValueError as error:
             field = str(error).split()[0].rstrip(":")  # the fields checked against the model (or the KV transfer)
-            named = ("logit_bias", "bad_words", "min_tokens", "structured_outputs")  # name themselves
+            named = ("logit_bias", "bad_words", "min_tokens", "structured_outputs", "stop_token_ids")  # name themselves
             raise APIError(400, str(error), field if field in named else param) from None
 
     def _check_alive(self) -> None:
