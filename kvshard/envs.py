@@ -87,7 +87,7 @@ class EnvVar:
             if text.lower() in _ON:
                 return True
             raise _error(f"{name}={text!r} is not 0 or 1: set 0 (off) or 1 (on), or unset it for "
-                         f"{int(self.default)}")
+                         f"{self.default_text()}")
         if self.type == PATH:
             return Path(text).expanduser()
         return text
@@ -138,6 +138,10 @@ REGISTRY: dict[str, EnvVar] = _declare(
     EnvVar("KVSHARD_MLA_EXPANDED_PIECE_BYTES", POSITIVE_INT, 64 << 20,
            "an MLA chunk expands its cached latents into per-head keys and values in pieces of at most this many "
            "bytes, merged by LSE (every rank of a DCP group must have the same)", numerics=True),
+    EnvVar("KVSHARD_FLASH_CHUNKS", SWITCH, None,
+           "the paged backend: 1 runs a long prefill chunk's attention (to itself and to its cached context) in "
+           "PyTorch's flash kernel, 0 in the paged kernel", numerics=True,
+           shown_default="flash for bfloat16 queries on a CPU with AMX tiles, else the kernel"),
     EnvVar("KVSHARD_DECODE_GROUP_SPREAD", NON_NEGATIVE_INT, 1024,
            "decodes attend in groups padded to their longest member, spanning at most this many tokens of "
            "local context; 0 gives each local length a group of its own", numerics=True),

@@ -105,8 +105,12 @@ def _step(backend_name: str, cache, q, k, v, attention):
 
 
 @needs_kernel
+@pytest.mark.parametrize("flash_chunks", ["0", "1"])
 @pytest.mark.parametrize("kind", ["gqa", "mla"])
-def test_rows_read_in_the_cache_give_what_chunk_attention_and_the_merge_give(kind):
+def test_rows_read_in_the_cache_give_what_chunk_attention_and_the_merge_give(kind, flash_chunks, monkeypatch):
+    """With KVSHARD_FLASH_CHUNKS=1 the paged backend runs the 20-row chunk's attention to itself and to its
+    cached context in PyTorch's flash kernel (as on a CPU with AMX tiles in bfloat16), the rest in its kernel."""
+    monkeypatch.setenv("KVSHARD_FLASH_CHUNKS", flash_chunks)
     g = torch.Generator().manual_seed(3)
     state = single_rank_state()
     t = sum(QUERY_LENS)
@@ -148,6 +152,21 @@ def test_verification_rows_read_in_the_cache_are_the_decodes_of_their_tokens_bit
     decodes = AttentionMetadata.build([9, 10, 11], [1, 1, 1], [[3, 1, 6]] * 3, layout, 0, cpu, backend=paged_backend)
     for a, b in zip(paged_backend.attend_context(q, cache, chunk, 0.25), paged_backend.attend_context(q, cache, decodes, 0.25)):
         assert torch.equal(a, b)
+
+
+def test_long_chunks_take_the_flash_kernel_in_bfloat16_where_the_cpu_has_amx_tiles(monkeypatch):
+    monkeypatch.delenv("KVSHARD_FLASH_CHUNKS", raising=False)
+    for amx in (True, False):
+        monkeypatch.setattr(backends, "_amx_tiles", lambda amx=amx: amx)
+        assert backends.flash_for_chunks(torch.bfloat16) is amx
+        assert not backends.flash_for_chunks(torch.float32) and not backends.flash_for_chunks(torch.float16)
+        if paged.kernel_available():  # the start-up report says where the long chunks go
+            line = backends.describe_backend("paged", torch.bfloat16)
+            assert ("prefill chunks of more than 16 rows in PyTorch's flash kernel" in line) is amx, line
+            assert "flash" not in backends.describe_backend("paged", torch.float32)
+    for forced, want in (("1", True), ("0", False)):
+        monkeypatch.setenv("KVSHARD_FLASH_CHUNKS", forced)
+        assert all(backends.flash_for_chunks(dtype) is want for dtype in (torch.bfloat16, torch.float32))
 
 
 # --- representative engines with --attention-backend gather -------------------------------------
@@ -199,6 +218,39 @@ def test_gather_mla_under_dcp_matches_transformers(tmp_path):
              block_size=BLOCK, max_model_len=64, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=12) as llm:
         got = _generate(llm, PROMPTS)
     assert_same_generation(*got, want_tokens, want_logprobs, atol=1e-3, same_candidates=False)
+
+
+# prompts of 37-45 tokens in chunks of 24 rows: every prompt's second chunk (13-21 rows after 24 cached
+# tokens) and, on the second pass, the 24 new tokens after each prompt's cached blocks are long chunks
+# after cached context
+LONG_PROMPTS = [[(17 * i + 5 * p) % 97 + 2 for i in range(37 + 4 * p)] for p in range(3)]
+LONG_AGAIN = [prompt + [(13 * i + p) % 89 + 3 for i in range(24)] for p, prompt in enumerate(LONG_PROMPTS)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["gqa", "mla-absorbed", "mla-expanded"])
+def test_long_chunks_in_the_flash_kernel_match_transformers(kind, checkpoints, tmp_path, monkeypatch):
+    """The paged backend with a long chunk's attention in PyTorch's flash kernel (KVSHARD_FLASH_CHUNKS=1, the
+    default for bfloat16 on a CPU with AMX tiles) at tp=2 dcp=2, chunked prefill and prefix hits: transformers'
+    tokens and logprobs. MLA reads a long chunk's cached context in the absorbed form, or in the expanded form
+    with KVSHARD_MLA_EXPANDED_MIN_ROWS=8."""
+    monkeypatch.setenv("KVSHARD_FLASH_CHUNKS", "1")
+    if kind == "gqa":
+        path = checkpoints("backends-9q3kv", tiny_llama_config(num_attention_heads=9, num_key_value_heads=3,
+                                                               head_dim=8, hidden_size=72, intermediate_size=144))
+    else:
+        path = save_hf_checkpoint(DeepseekV3Config(**MLA_CONFIG), tmp_path / "mla", seed=4, off_neutral=True)
+        if kind == "mla-expanded":
+            monkeypatch.setenv("KVSHARD_MLA_EXPANDED_MIN_ROWS", "8")
+    engine = dict(attention_backend="paged", dtype="float32", tensor_parallel_size=2, decode_context_parallel_size=2,
+                  block_size=BLOCK, max_model_len=96, num_kv_blocks=96, max_num_seqs=4, max_num_batched_tokens=24)
+    with LLM(str(path), **engine) as llm:
+        first = _generate(llm, LONG_PROMPTS)
+        again = _generate(llm, LONG_AGAIN)
+        assert llm.engine.stats().prefix_cache_hits > 0
+    for prompts, got in ((LONG_PROMPTS, first), (LONG_AGAIN, again)):
+        assert_same_generation(*got, *_transformers(path, prompts), atol=1e-3 if kind != "gqa" else 1e-4,
+                               same_candidates=False)
 
 
 @needs_kernel

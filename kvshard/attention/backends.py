@@ -38,11 +38,13 @@ attention or merge is left for them.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from kvshard import envs
 from kvshard.attention import paged
 from kvshard.attention.kernels import attention_with_lse, reference_attention_with_lse
 from kvshard.errors import ConfigError
@@ -212,16 +214,38 @@ class PagedBackend(_Backend):
     def attend_context(self, q, cache, meta, scale):
         # every context row in the kernel, a long chunk's rows too (they all see the same cached context): prompts
         # of two chunks prefilled 1.1-1.6x faster than with those rows' blocks gathered for the flash kernel
-        # (BENCHMARKS.md section 20; in section 10, before the kernel's tiles, the kernel had been 2.5x slower)
+        # (BENCHMARKS.md section 20; in section 10, before the kernel's tiles, the kernel had been 2.5x slower),
+        # except where the flash kernel multiplies on AMX tiles (`flash_for_chunks`): there a long chunk's rows
+        # read their gathered context in it (3.4x the kernel in bfloat16, section 33), decodes stay in the kernel
         c = q.shape[0]
-        return self._paged(q, cache, meta, scale, slice(0, c), batch_invariant_active())
+        invariant = batch_invariant_active()
+        if invariant or not flash_for_chunks(q.dtype):
+            return self._paged(q, cache, meta, scale, slice(0, c), invariant)
+        out, lse = paged.empty_packed(c, q.shape[1], cache.value.shape[-1], q.device)
+        run = 0  # the first row of the kernel's current run of rows
+        for group in meta.groups:
+            if group.start >= c:
+                break
+            if not group.attends_itself:
+                continue
+            if run < group.start:
+                out[run:group.start], lse[run:group.start] = self._paged(
+                    q[run:group.start], cache, meta, scale, slice(run, group.start), invariant)
+            rows = slice(group.start, group.end)
+            if group.context_blocks is not None:  # else this rank holds none of these requests' tokens yet
+                out[rows], lse[rows] = _gathered_context(q[rows], cache, group, scale)
+            run = group.end
+        if run < c:
+            out[run:c], lse[run:c] = self._paged(q[run:c], cache, meta, scale, slice(run, c), invariant)
+        return out, lse
 
     def attend_chunks(self, q, k, v, meta, scale):
         """Each chunk's causal attention to itself in the kernel too (the chunk's K/V read in place, one
         request's rows each up to its own position), no V padded to K's width: 1.4-2.2x PyTorch's flash kernel on
         MLA's expanded chunks in float32 on one thread (BENCHMARKS.md section 20). The batch-invariant mode keeps the
-        flash kernel for them."""
-        if batch_invariant_active() or q.dtype not in _KERNEL_DTYPES or k.dtype != v.dtype:
+        flash kernel for them, as does a CPU where that kernel multiplies on AMX tiles (`flash_for_chunks`)."""
+        if (batch_invariant_active() or q.dtype not in _KERNEL_DTYPES or k.dtype != v.dtype
+                or flash_for_chunks(q.dtype)):
             return super().attend_chunks(q, k, v, meta, scale)
         out, lse = paged.empty_packed(q.shape[0], q.shape[1], v.shape[-1], q.device)
         for group in meta.groups:
@@ -231,7 +255,7 @@ class PagedBackend(_Backend):
         return out, lse
 
     def attend_keys(self, q, k, v, scale):
-        if q.dtype not in _KERNEL_DTYPES or not (k.dtype == v.dtype == q.dtype):
+        if q.dtype not in _KERNEL_DTYPES or not (k.dtype == v.dtype == q.dtype) or flash_for_chunks(q.dtype):
             return super().attend_keys(q, k, v, scale)
         return paged.full_attention(q, k, v, scale)
 
@@ -274,6 +298,30 @@ class TritonBackend(_Backend):
 
 BACKENDS: dict[str, type[_Backend]] = {REFERENCE: ReferenceBackend, GATHER: GatherBackend, PAGED: PagedBackend,
                                         TRITON: TritonBackend}
+
+
+def amx_tiles() -> bool:
+    """Whether this CPU has AMX tiles (bfloat16 tile products), which PyTorch's CPU flash kernel multiplies on."""
+    supported = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(supported()) if supported is not None else False
+
+
+def flash_for_chunks(dtype: torch.dtype) -> bool:
+    """Whether the paged backend runs a long prefill chunk's attention (to itself, to its cached context, MLA's
+    expanded context) in PyTorch's flash kernel rather than its own: `KVSHARD_FLASH_CHUNKS` where set, else for
+    bfloat16 queries on a CPU with AMX tiles, where that kernel's tile products ran a chunk 1.5-4.3x faster than the
+    paged kernel's vector loops (BENCHMARKS.md section 33). Decodes and short chunks stay in the paged kernel, which
+    reads their blocks in place. float16 has no AMX products on such a CPU (AMX-FP16 aside) and float32 none at all:
+    there the kernel is as fast or faster."""
+    forced = envs.get("KVSHARD_FLASH_CHUNKS")
+    if forced is not None:
+        return bool(forced)
+    return dtype == torch.bfloat16 and _amx_tiles()
+
+
+@functools.cache
+def _amx_tiles() -> bool:
+    return amx_tiles()
 
 
 def _triton_unavailable() -> str | None:
@@ -331,10 +379,16 @@ def resolve_backend_name(requested: str = AUTO, device_type: str | None = None) 
     return requested
 
 
-def describe_backend(name: str) -> str:
-    """One line of the start-up report."""
+def describe_backend(name: str, dtype: torch.dtype | None = None) -> str:
+    """One line of the start-up report (`dtype`: the model's, which decides where the paged backend's long chunks
+    attend)."""
     if name == PAGED:
-        return f"attention backend: paged (C++ kernel reading the paged KV cache in place: {paged.kernel_path()})"
+        line = f"attention backend: paged (C++ kernel reading the paged KV cache in place: {paged.kernel_path()})"
+        if dtype is not None and flash_for_chunks(dtype):
+            line += ("; prefill chunks of more than 16 rows in PyTorch's flash kernel"
+                     + (" (KVSHARD_FLASH_CHUNKS=1)" if envs.get("KVSHARD_FLASH_CHUNKS") else
+                        " (its AMX tile products; KVSHARD_FLASH_CHUNKS=0 keeps them in the kernel)"))
+        return line
     if name == TRITON:
         return "attention backend: triton (Triton kernels reading the paged KV cache in place)"
     if name == GATHER:

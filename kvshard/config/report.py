@@ -39,7 +39,7 @@ def startup_report(config: EngineConfig, compile_seconds: float | None = None) -
         f"ranks: {p.world_size} (tp={p.tensor_parallel_size}, dcp={p.decode_context_parallel_size}, "
         f"interleave={p.dcp_kv_interleave_size}); DCP groups: {p.dcp_groups()}",
         _attention_line(config),
-        _attention_backend_line(config.attention_backend),
+        _attention_backend_line(config.attention_backend, config.model.dtype),
         _decode_graphs_line(config),
         _compilation_line(config, compile_seconds),
         _elementwise_line(config),
@@ -115,10 +115,10 @@ def _decode_graphs_line(config: EngineConfig) -> str:
     return describe_decode_graphs(config)
 
 
-def _attention_backend_line(name: str) -> str:
+def _attention_backend_line(name: str, dtype) -> str:
     from kvshard.attention.backends import describe_backend
 
-    return describe_backend(name)
+    return describe_backend(name, dtype)
 
 
 def _attention_line(config: EngineConfig) -> str:
