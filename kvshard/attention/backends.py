@@ -216,7 +216,7 @@ class PagedBackend(_Backend):
         # of two chunks prefilled 1.1-1.6x faster than with those rows' blocks gathered for the flash kernel
         # (BENCHMARKS.md section 20; in section 10, before the kernel's tiles, the kernel had been 2.5x slower),
         # except where the flash kernel multiplies on AMX tiles (`flash_for_chunks`): there a long chunk's rows
-        # read their gathered context in it (3.4x the kernel in bfloat16, section 33), decodes stay in the kernel
+        # read their gathered context in it (3.0-3.6x the kernel in bfloat16, section 33), decodes stay in the kernel
         c = q.shape[0]
         invariant = batch_invariant_active()
         if invariant or not flash_for_chunks(q.dtype):
