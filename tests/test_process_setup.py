@@ -66,3 +66,61 @@ def test_a_script_that_creates_its_llm_unguarded_is_told_so_by_rank_0(tmp_path):
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("kvshard.engine.executor.RankDiedError: rank 1 exited with code 3") and \
         'under `if __name__ == "__main__":`' in last, out.stderr[-3000:]
+
+
+# --- the building thread's OpenMP workers, handed back before the engine loop starts -----------------
+
+POOL_SCRIPT = """
+import os, threading, torch
+from kvshard.engine.process_setup import release_openmp_threads
+torch.set_num_threads(2)
+def threads():
+    return len(os.listdir("/proc/self/task"))
+x = torch.randn(1024, 1024)
+before = threads()
+(x @ x).sum()  # a parallel region: this thread's pool gets its worker
+with_pool = threads()
+released = release_openmp_threads()
+after = threads()
+(x @ x).sum()  # a new region makes a new pool
+print(before, with_pool, released, after, threads())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="libgomp's pool, as torch's Linux wheels load it")
+def test_release_openmp_threads_hands_back_the_calling_threads_workers():
+    """A thread that ran parallel regions keeps a pool of OpenMP workers; libgomp counts them against the cores and
+    stops spinning in every other thread's team once they outnumber the cores (the server's engine loop, BENCHMARKS.md
+    section 33). Released, the pool's worker exits; a later region makes a new one."""
+    out = subprocess.run([sys.executable, "-c", POOL_SCRIPT], capture_output=True, text=True, check=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "2"})
+    before, with_pool, released, after, again = out.stdout.split()
+    assert released == "True", out.stdout
+    assert int(with_pool) == int(before) + 1 and int(after) == int(before) and int(again) == int(before) + 1, out.stdout
+
+
+def test_the_server_hands_back_the_building_threads_workers_before_its_engine_loop_starts(monkeypatch):
+    """The engine is built on the event loop's thread and stepped on the engine-loop thread: `AsyncLLMEngine.start`
+    releases the building thread's OpenMP workers first, on that thread."""
+    import asyncio
+    import threading
+
+    from kvshard.engine import async_engine
+    from kvshard.engine.arg_utils import EngineArgs
+    from kvshard.engine.llm_engine import LLMEngine
+    from kvshard.metrics import ServerMetrics
+
+    calls = []
+    monkeypatch.setattr(async_engine, "release_openmp_threads", lambda: calls.append(
+        (threading.current_thread(), [t.name for t in threading.enumerate()])) or True)
+    config = EngineArgs.from_kwargs("kvshard-demo-gqa", max_model_len=64, kv_cache_memory="1MiB").create_engine_config()
+    engine = async_engine.AsyncLLMEngine(LLMEngine(config), ServerMetrics(config, "kvshard-demo-gqa"))
+
+    async def start_and_stop():
+        engine.start()
+        engine.shutdown()
+
+    asyncio.run(start_and_stop())
+    assert len(calls) == 1
+    thread, names = calls[0]
+    assert thread is threading.main_thread() and "kvshard-engine-loop" not in names

@@ -124,6 +124,38 @@ def _main_without_a_file():
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 
 
+_OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: free the runtime's threads, keep its settings
+
+
+def release_openmp_threads() -> bool:
+    """Hand back the OpenMP worker threads of the calling thread (libgomp's thread pool of this thread's
+    parallel regions), so that the engine loop, on another thread, is the only one whose team the runtime counts.
+
+    libgomp spins at a barrier only while the threads it manages are no more than the cores; past them it
+    spins 1,000 rounds and sleeps. The server builds the engine on its main thread (whose parallel regions leave a
+    pool of workers behind) and steps it on the engine-loop thread (which gets a pool of its own): on a 2-core
+    machine 4 managed threads, every operator of every step waking its partner from sleep. Measured on 2 cores,
+    bfloat16 products of 64 rows ran 3.3x slower on such a second thread, and the GQA demo's trace replay took 1.6x
+    the step time served than in one thread (BENCHMARKS.md section 33). `omp_pause_resource_all` (OpenMP 5.0)
+    frees the calling thread's pool; a later parallel region of that thread makes a new one. Returns whether the
+    runtime freed it: False where torch's OpenMP is not libgomp, or not loaded, or not on Linux."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libgomp" in line and line.rstrip().endswith(".so.1")}
+    except OSError:
+        return False
+    for path in sorted(paths):
+        try:
+            pause = ctypes.CDLL(path).omp_pause_resource_all
+        except (OSError, AttributeError):
+            continue
+        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+        return pause(_OMP_PAUSE_SOFT) == 0
+    return False
+
+
 def keep_freed_memory() -> None:
     """Stop glibc from handing freed memory back to the kernel between steps.
 
