@@ -157,7 +157,7 @@ def test_verification_rows_read_in_the_cache_are_the_decodes_of_their_tokens_bit
 def test_long_chunks_take_the_flash_kernel_in_bfloat16_where_the_cpu_has_amx_tiles(monkeypatch):
     monkeypatch.delenv("KVSHARD_FLASH_CHUNKS", raising=False)
     for amx in (True, False):
-        monkeypatch.setattr(backends, "_amx_tiles", lambda amx=amx: amx)
+        monkeypatch.setattr(backends, "amx_tiles", lambda amx=amx: amx)
         assert backends.flash_for_chunks(torch.bfloat16) is amx
         assert not backends.flash_for_chunks(torch.float32) and not backends.flash_for_chunks(torch.float16)
         if paged.kernel_available():  # the start-up report says where the long chunks go

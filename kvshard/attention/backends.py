@@ -300,6 +300,7 @@ BACKENDS: dict[str, type[_Backend]] = {REFERENCE: ReferenceBackend, GATHER: Gath
                                         TRITON: TritonBackend}
 
 
+@functools.cache
 def amx_tiles() -> bool:
     """Whether this CPU has AMX tiles (bfloat16 tile products), which PyTorch's CPU flash kernel multiplies on."""
     supported = getattr(torch.cpu, "_is_amx_tile_supported", None)
@@ -316,12 +317,7 @@ def flash_for_chunks(dtype: torch.dtype) -> bool:
     forced = envs.get("KVSHARD_FLASH_CHUNKS")
     if forced is not None:
         return bool(forced)
-    return dtype == torch.bfloat16 and _amx_tiles()
-
-
-@functools.cache
-def _amx_tiles() -> bool:
-    return amx_tiles()
+    return dtype == torch.bfloat16 and amx_tiles()
 
 
 def _triton_unavailable() -> str | None:
