@@ -124,3 +124,21 @@ def test_the_server_hands_back_the_building_threads_workers_before_its_engine_lo
     assert len(calls) == 1
     thread, names = calls[0]
     assert thread is threading.main_thread() and "kvshard-engine-loop" not in names
+
+
+def test_a_built_engine_hands_back_its_building_threads_workers(monkeypatch):
+    """Whichever thread then steps it (the `LLM` API from a caller's worker thread), loading must not leave the
+    building thread's OpenMP workers beside the stepping thread's: `LLMEngine` releases them once built."""
+    import threading
+
+    from kvshard.engine import llm_engine
+    from kvshard.engine.arg_utils import EngineArgs
+
+    calls = []
+    monkeypatch.setattr(llm_engine, "release_openmp_threads", lambda: calls.append(threading.current_thread()) or True)
+    config = EngineArgs.from_kwargs("kvshard-demo-gqa", max_model_len=64, kv_cache_memory="1MiB").create_engine_config()
+    engine = llm_engine.LLMEngine(config)
+    try:
+        assert calls == [threading.current_thread()] and engine.scheduler is not None
+    finally:
+        engine.shutdown()

@@ -23,6 +23,7 @@ from kvshard.config import EngineConfig
 from kvshard.engine.executor import EngineDeadError, Executor
 from kvshard.engine.kv_connector import KVConnectorBase
 from kvshard.engine.output_processor import OutputProcessor, Request
+from kvshard.engine.process_setup import release_openmp_threads
 from kvshard.engine.sampler import top_logprobs, verify_drafts
 from kvshard.engine.scheduler import ScheduledBatch, Scheduler
 from kvshard.engine.sequence import Sequence
@@ -51,6 +52,9 @@ class LLMEngine:
                 self.structured.shutdown()
             self.executor.shutdown()
             raise
+        # loading left this thread OpenMP workers; whichever thread steps the engine (the server's loop, a caller's
+        # worker thread), its operators' barriers must not sleep beside them (process_setup.release_openmp_threads)
+        release_openmp_threads()
 
     def _set_up(self, config: EngineConfig) -> None:
         """What rank 0 builds once the ranks are up (`__init__`)."""
