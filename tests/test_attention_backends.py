@@ -122,6 +122,10 @@ def test_rows_read_in_the_cache_give_what_chunk_attention_and_the_merge_give(kin
     k = torch.randn(t, kv_heads, spec.key_dim, generator=g)
     v = k[..., : spec.value_dim] if kind == "mla" else torch.randn(t, kv_heads, spec.value_dim, generator=g)
     attention = Attention(state.attention_heads(heads, kv_heads), 1 / math.sqrt(spec.key_dim), state)
+    gathered = []  # the rows each group's gathered context was attended for
+    original = backends._gathered_context
+    monkeypatch.setattr(backends, "_gathered_context",
+                        lambda q, *args: gathered.append(q.shape[0]) or original(q, *args))
     results = {}
     for name in ("reference", "gather", "paged"):
         (cache,) = allocate_kv_cache(spec, 18, BLOCK, torch.float32, torch.device("cpu"))
@@ -129,9 +133,12 @@ def test_rows_read_in_the_cache_give_what_chunk_attention_and_the_merge_give(kin
         cache.key.normal_()  # the cached context, the same for every backend
         if not cache.value_is_view:
             cache.value.normal_()
+        gathered.clear()
         meta, results[name] = _step(name, cache, q, k, v, attention)
         in_cache = [group.rows_in_cache for group in meta.groups]
         assert in_cache == ([False, True, False, False] if name != "gather" else [False] * 4), (name, in_cache)
+        if name == "paged":  # the 20-row chunk's context in the flash kernel, the rest in the paged kernel
+            assert gathered == ([20] if flash_chunks == "1" else []), gathered
     torch.testing.assert_close(results["paged"], results["reference"], atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(results["gather"], results["reference"], atol=2e-5, rtol=2e-5)
 

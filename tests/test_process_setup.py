@@ -99,36 +99,10 @@ def test_release_openmp_threads_hands_back_the_calling_threads_workers():
     assert int(with_pool) == int(before) + 1 and int(after) == int(before) and int(again) == int(before) + 1, out.stdout
 
 
-def test_the_server_hands_back_the_building_threads_workers_before_its_engine_loop_starts(monkeypatch):
-    """The engine is built on the event loop's thread and stepped on the engine-loop thread: `AsyncLLMEngine.start`
-    releases the building thread's OpenMP workers first, on that thread."""
-    import asyncio
-    import threading
-
-    from kvshard.engine import async_engine
-    from kvshard.engine.arg_utils import EngineArgs
-    from kvshard.engine.llm_engine import LLMEngine
-    from kvshard.metrics import ServerMetrics
-
-    calls = []
-    monkeypatch.setattr(async_engine, "release_openmp_threads", lambda: calls.append(
-        (threading.current_thread(), [t.name for t in threading.enumerate()])) or True)
-    config = EngineArgs.from_kwargs("kvshard-demo-gqa", max_model_len=64, kv_cache_memory="1MiB").create_engine_config()
-    engine = async_engine.AsyncLLMEngine(LLMEngine(config), ServerMetrics(config, "kvshard-demo-gqa"))
-
-    async def start_and_stop():
-        engine.start()
-        engine.shutdown()
-
-    asyncio.run(start_and_stop())
-    assert len(calls) == 1
-    thread, names = calls[0]
-    assert thread is threading.main_thread() and "kvshard-engine-loop" not in names
-
-
 def test_a_built_engine_hands_back_its_building_threads_workers(monkeypatch):
-    """Whichever thread then steps it (the `LLM` API from a caller's worker thread), loading must not leave the
-    building thread's OpenMP workers beside the stepping thread's: `LLMEngine` releases them once built."""
+    """Whichever thread then steps it (the server's engine loop, the `LLM` API from a caller's worker thread),
+    loading must not leave the building thread's OpenMP workers beside the stepping thread's: `LLMEngine` releases
+    them once built, on the building thread."""
     import threading
 
     from kvshard.engine import llm_engine

@@ -219,15 +219,13 @@ class PagedBackend(_Backend):
         # read their gathered context in it (3.0-3.6x the kernel in bfloat16, section 33), decodes stay in the kernel
         c = q.shape[0]
         invariant = batch_invariant_active()
-        if invariant or not flash_for_chunks(q.dtype):
+        long = ([] if invariant or not flash_for_chunks(q.dtype) else
+                [group for group in meta.groups if group.start < c and group.attends_itself])
+        if not long:  # a step of decodes and short chunks: one kernel call, its packed output as it is
             return self._paged(q, cache, meta, scale, slice(0, c), invariant)
         out, lse = paged.empty_packed(c, q.shape[1], cache.value.shape[-1], q.device)
         run = 0  # the first row of the kernel's current run of rows
-        for group in meta.groups:
-            if group.start >= c:
-                break
-            if not group.attends_itself:
-                continue
+        for group in long:
             if run < group.start:
                 out[run:group.start], lse[run:group.start] = self._paged(
                     q[run:group.start], cache, meta, scale, slice(run, group.start), invariant)

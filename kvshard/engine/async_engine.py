@@ -28,7 +28,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from kvshard.engine.llm_engine import EngineDeadError, LLMEngine
-from kvshard.engine.process_setup import release_openmp_threads
 from kvshard.errors import SERVER_STOPPING
 from kvshard.metrics import ServerMetrics
 from kvshard.outputs import RequestOutput
@@ -95,8 +94,6 @@ class AsyncLLMEngine:
     def start(self) -> None:
         """Start the engine-loop thread; call from the event loop the handlers run on."""
         self._loop = asyncio.get_running_loop()
-        # the engine was built on this thread: its OpenMP workers would make the loop's team sleep between operators
-        release_openmp_threads()
         self._thread = threading.Thread(target=self._run, name="kvshard-engine-loop", daemon=True)
         self._thread.start()
         self._watchdog = asyncio.create_task(self._watch_ranks())

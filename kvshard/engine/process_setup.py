@@ -129,7 +129,8 @@ _OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: free the runtime's threads, keep it
 
 def release_openmp_threads() -> bool:
     """Hand back the OpenMP worker threads of the calling thread (libgomp's thread pool of this thread's
-    parallel regions), so that the engine loop, on another thread, is the only one whose team the runtime counts.
+    parallel regions), so that the thread that steps an engine built here is the only one whose team the runtime
+    counts (`LLMEngine` calls it once built).
 
     libgomp spins at a barrier only while the threads it manages are no more than the cores; past them it
     spins 1,000 rounds and sleeps. The server builds the engine on its main thread (whose parallel regions leave a
