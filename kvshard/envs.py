@@ -142,6 +142,10 @@ REGISTRY: dict[str, EnvVar] = _declare(
            "the paged backend: 1 runs a long prefill chunk's attention (to itself and to its cached context) in "
            "PyTorch's flash kernel, 0 in the paged kernel", numerics=True,
            shown_default="flash for bfloat16 queries on a CPU with AMX tiles, else the kernel"),
+    EnvVar("KVSHARD_AMX_ATTENTION", SWITCH, True,
+           "bfloat16 attention of head size 32 or 64 with no mask (a long prefill chunk's to itself and to its "
+           "cached context) in the paged kernel's AMX path where the CPU has AMX tiles; 0 keeps PyTorch's flash "
+           "kernel", numerics=True),
     EnvVar("KVSHARD_DECODE_GROUP_SPREAD", NON_NEGATIVE_INT, 1024,
            "decodes attend in groups padded to their longest member, spanning at most this many tokens of "
            "local context; 0 gives each local length a group of its own", numerics=True),

@@ -19,9 +19,13 @@ memory, as an engine's do (a step reads every layer's and every request's cache 
 without it, a case's blocks stay in the caches from call to call.
 
 `--chunks` times a prefill chunk's causal attention to its own K/V instead (chunks of --contexts tokens): the
-paged backend's kernel call against PyTorch's flash kernel, for the MLA demo's expanded chunk and the GQA shapes.
+paged backend's kernel call against PyTorch's flash kernel, for the MLA demo's expanded chunk and the GQA shapes,
+and in bfloat16 on a CPU with AMX tiles the kernel's AMX path too; `--over-context C` times the chunk's rows over C
+cached keys with no mask (flash against the AMX path).
 
     PYTHONPATH=$PWD .venv/bin/python scripts/bench_paged_attention.py --chunks --contexts 300 1024 2048
+    PYTHONPATH=$PWD .venv/bin/python scripts/bench_paged_attention.py --chunks --chunk-shapes gqa-demo gqa9 \
+        --dtypes bf16 --contexts 512 2048 --over-context 4096
 
 The default shapes are gqa8, gqa9 and mla; mla8 (the latent at 8 heads a rank), mla-demo (the MLA demo's
 160-channel latent at 8 heads, a TP=2 + DCP=2 rank's) and mla-demo4 (at 4 heads, a TP=2 rank's) are there to be
@@ -45,7 +49,9 @@ import time
 import torch
 
 from kvshard.attention import paged
-from kvshard.attention.kernels import attention_with_lse, reference_attention_with_lse
+from kvshard.attention.kernels import (
+    AMX_HEAD_SIZES, _flash_attention_with_lse, attention_with_lse, reference_attention_with_lse,
+)
 from kvshard.kv.cache import GatherBuffers, KVCacheLayer, kv_buffer
 
 # name: (query heads, KV heads, key dim, value dim, value is the key's prefix)
@@ -63,30 +69,53 @@ CHUNK_SHAPES = {
     "mla-expanded": (4, 4, 64, 32),  # the MLA demo's expanded chunk at a rank of tp=2: keys n 32 + r 32, values 32
     "gqa8": (8, 1, 64, 64),
     "gqa9": (9, 3, 64, 64),
+    "gqa-demo": (8, 1, 32, 32),  # kvshard-demo-gqa: 8 query heads over 1 KV head of 32 channels
 }
 
 
 def run_chunks(args) -> int:
-    """The paged backend's chunk attention (paged.causal_attention: the chunk read in place by the kernel) against
-    PyTorch's flash kernel (attention_with_lse, causal), one chunk of each length, median of --repeat in turn."""
-    print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads; a chunk's causal attention to itself")
-    print(f"{'shape':12} {'dtype':5} {'chunk':>6} | {'kernel ms':>9} | {'flash ms':>9} | {'speedup':>7} {'max|do|':>8}")
+    """A prefill chunk's causal attention to its own K/V (or, with --over-context C, its rows over C cached keys with
+    no mask, as after a gather): the paged kernel's vector loops (paged.causal_attention; chunks only), PyTorch's
+    flash kernel, and in bfloat16 at head sizes 32 and 64 on a CPU with AMX tiles the kernel's AMX path
+    (paged.amx_attention); median of --repeat, taken in turn. max|do|: the largest output difference from flash."""
+    over = args.over_context
+    what = f"its rows over {over} cached keys" if over else "a chunk's causal attention to itself"
+    print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads; {what}")
+    print(f"{'shape':12} {'dtype':5} {'chunk':>6} | {'kernel ms':>9} | {'flash ms':>9} | {'AMX ms':>9} | "
+          f"{'flash/kernel':>12} {'flash/AMX':>9} | {'kernel max|do|':>14} {'AMX max|do|':>11}")
     for shape in args.chunk_shapes:
         heads, kv_heads, dk, dv = CHUNK_SHAPES[shape]
         for dname in args.dtypes:
             for length in args.contexts:
                 g = torch.Generator().manual_seed(0)
-                q, k, v = (torch.randn(length, h, d, generator=g).to(DTYPES[dname])
-                           for h, d in ((heads, dk), (kv_heads, dk), (kv_heads, dv)))
-                scale = dk ** -0.5
-                t_kernel, t_flash = timed_together(
-                    [lambda: paged.causal_attention(q, k, v, scale),
-                     lambda: attention_with_lse(q[None], k[None], v[None], None, scale, causal=True)], args.repeat)
-                diff = float((paged.causal_attention(q, k, v, scale)[0]
-                              - attention_with_lse(q[None], k[None], v[None], None, scale, causal=True)[0][0]).abs().max())
-                print(f"{shape:12} {dname:5} {length:6} | {t_kernel * 1e3:9.2f} | {t_flash * 1e3:9.2f} | "
-                      f"{t_flash / t_kernel:6.2f}x {diff:8.1e}", flush=True)
+                keys = over or length
+                q = torch.randn(length, heads, dk, generator=g).to(DTYPES[dname])
+                k, v = (torch.randn(keys, kv_heads, d, generator=g).to(DTYPES[dname]) for d in (dk, dv))
+                scale, causal = dk ** -0.5, not over
+                runs = {"flash": lambda: _flash_attention_with_lse(q[None], k[None], v[None], None, scale, causal)}
+                if causal:
+                    runs["kernel"] = lambda: paged.causal_attention(q, k, v, scale)
+                if DTYPES[dname] == torch.bfloat16 and dk == dv and dk in AMX_HEAD_SIZES and paged.amx_ready():
+                    runs["AMX"] = lambda: paged.amx_attention(q[None], k[None], v[None], scale, causal)
+                times = dict(zip(runs, timed_together(list(runs.values()), args.repeat)))
+                flash = runs["flash"]()[0][0]
+                diffs = {name: float((run()[0].reshape(flash.shape) - flash).abs().max())
+                         for name, run in runs.items() if name != "flash"}
+
+                def ms(name):
+                    return f"{times[name] * 1e3:9.2f}" if name in times else f"{'-':>9}"
+
+                def ratio(name, width):
+                    return f"{times['flash'] / times[name]:{width - 1}.2f}x" if name in times else f"{'-':>{width}}"
+
+                def diff(name, width):
+                    return f"{diffs[name]:{width}.1e}" if name in diffs else f"{'-':>{width}}"
+
+                print(f"{shape:12} {dname:5} {length:6} | {ms('kernel')} | {ms('flash')} | {ms('AMX')} | "
+                      f"{ratio('kernel', 12)} {ratio('AMX', 9)} | {diff('kernel', 14)} {diff('AMX', 11)}", flush=True)
     return 0
+
+
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -211,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                         "latents come from memory, as in an engine's step (the gather and reference paths keep one)")
     parser.add_argument("--max-reference-tokens", type=int, default=64 * 8192)
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--over-context", type=int, default=0, metavar="C",
+                        help="with --chunks: the chunk's rows over C cached keys with no mask, not causal")
     parser.add_argument("--chunks", action="store_true", help="time a prefill chunk's causal attention to itself "
                         "instead (the kernel against PyTorch's flash), chunks of --contexts tokens")
     parser.add_argument("--chunk-shapes", nargs="+", default=list(CHUNK_SHAPES), choices=list(CHUNK_SHAPES))

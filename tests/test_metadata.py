@@ -45,6 +45,8 @@ def summary(group: AttentionGroup) -> tuple:
     lens = (bias == 0).sum(-1)
     # attendable tokens are a prefix of the gathered blocks: -inf from each request's length on
     assert torch.equal(torch.isneginf(bias), torch.arange(bias.shape[1]) >= lens.unsqueeze(1))
+    # where every request holds as many, the gathered keys are cut to that length and attended with no bias
+    assert group.shared_context_len == (int(lens[0]) if bool((lens == lens[0]).all()) else None)
     return (group.start, group.end), group.query_len, group.context_blocks.tolist(), lens.tolist()
 
 

@@ -197,7 +197,12 @@ def _gathered_context(q, cache, group, scale):
     buffers (reused by the step's layers), then PyTorch's flash kernel; (out, lse) per row."""
     keys, values = cache.gather(group.context_blocks, group.buffers)  # [g, L, Hk, dk], [g, L, Hk, dv]
     queries = q.unflatten(0, (group.num_seqs, group.query_len))  # [g, s, H, dk]
-    o, l = attention_with_lse(queries, keys, values, group.context_bias, scale)
+    length = group.shared_context_len
+    if length is not None:  # every request holds `length` tokens here: no bias to add to each score (a fifth of
+        # the flash kernel's time over such a context, BENCHMARKS.md section 34)
+        o, l = attention_with_lse(queries, keys[:, :length], values[:, :length], None, scale)
+    else:
+        o, l = attention_with_lse(queries, keys, values, group.context_bias, scale)
     return o.flatten(0, 1), l.flatten(0, 1)
 
 
@@ -379,9 +384,17 @@ def describe_backend(name: str, dtype: torch.dtype | None = None) -> str:
     if name == PAGED:
         line = f"attention backend: paged (C++ kernel reading the paged KV cache in place: {paged.kernel_path()})"
         if dtype is not None and flash_for_chunks(dtype):
-            line += ("; prefill chunks of more than 16 rows in PyTorch's flash kernel"
-                     + (" (KVSHARD_FLASH_CHUNKS=1)" if envs.get("KVSHARD_FLASH_CHUNKS") else
-                        " (its AMX tile products; KVSHARD_FLASH_CHUNKS=0 keeps them in the kernel)"))
+            forced = envs.get("KVSHARD_FLASH_CHUNKS")
+            notes = ["KVSHARD_FLASH_CHUNKS=1"] if forced else []
+            if dtype == torch.bfloat16 and paged.amx_ready():
+                where = ("on AMX tiles: the kernel's AMX path at head sizes 32 and 64 with no mask, else PyTorch's "
+                         "flash kernel")
+                notes.append("KVSHARD_AMX_ATTENTION=0: flash for all")
+            else:
+                where = "in PyTorch's flash kernel"
+                notes += [] if forced else ["its AMX tile products"]
+            notes += [] if forced else ["KVSHARD_FLASH_CHUNKS=0 keeps them in the kernel's vector loops"]
+            line += f"; prefill chunks of more than 16 rows {where} ({'; '.join(notes)})"
         return line
     if name == TRITON:
         return "attention backend: triton (Triton kernels reading the paged KV cache in place)"

@@ -7,9 +7,12 @@ attend to no key gets output 0 and `lse = -inf`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvshard.attention.merge import merge_attention_states
+from kvshard.layers.batch_invariant import batch_invariant_active
 from kvshard.layers.linear import cpu_product_dtype
 
 # PyTorch's fused CPU attention (flash-style, tiled, one pass) returns the log-sum-exp with the
@@ -34,6 +37,8 @@ def attention_with_lse(
     Returns o [g, s, H, dv], lse [g, s, H], float32; a query with no allowed key gets o = 0,
     lse = -inf.
     """
+    if bias is None and _amx_applies(q, k, v):
+        return _amx_attention_with_lse(q, k, v, scale, causal)
     if _flash_applies(q, k, v):
         return _flash_attention_with_lse(q, k, v, bias, scale, causal)
     if bias is None and q.device.type == "cuda" and k.dtype == q.dtype == v.dtype:
@@ -76,6 +81,34 @@ def _flash_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return k.dtype == q.dtype and v.dtype == q.dtype
 
 
+AMX_HEAD_SIZES = (32, 64)
+# The paged kernel's AMX path, registered by kvshard.attention.paged (which builds the kernel and imports this
+# module): (whether it runs here, the call), or None where that module is not loaded.
+_amx_path: tuple[Callable[[], bool], Callable[..., tuple[torch.Tensor, torch.Tensor]]] | None = None
+
+
+def register_amx_path(ready: Callable[[], bool], run: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> None:
+    global _amx_path
+    _amx_path = (ready, run)
+
+
+def _amx_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """bfloat16 on a CPU with bfloat16 arithmetic whose kernel build has the AMX path (`paged.amx_ready`), one head
+    size of 32 or 64, the batch-invariant mode off (it keeps the flash kernel's order of sums)."""
+    if _amx_path is None or q.device.type != "cpu" or not (q.dtype == k.dtype == v.dtype == torch.bfloat16):
+        return False
+    if q.shape[-1] not in AMX_HEAD_SIZES or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
+        return False
+    return cpu_product_dtype(q.dtype) == q.dtype and not batch_invariant_active() and _amx_path[0]()
+
+
+def _amx_attention_with_lse(q, k, v, scale, causal):
+    """The paged kernel's AMX path (csrc/paged_attention.cpp): the query heads that share a KV head as rows of
+    one group, Q·Kᵀ and P·V on the tiles, the softmax in float32; o [g, s, H, d], lse [g, s, H] float32."""
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    return _amx_path[1](q, k, v, scale, causal)
+
+
 def _is_prefix_view(v: torch.Tensor, k: torch.Tensor) -> bool:
     """v is k[..., :dv] (MLA reads its latent cache's leading channels as V)."""
     return v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and v.shape[:-1] == k.shape[:-1]
@@ -97,7 +130,7 @@ def _flash_attention_with_lse(q, k, v, bias, scale, causal):
         v = k if shared else v.float()
     # When every query row sees the same keys (decodes, cached context), the query heads that share
     # a KV head become rows of one "head": each K/V block is then read once, not once per query head.
-    fold = bias is not None and bias.shape[1] == 1 and num_heads > num_kv_heads
+    fold = not causal and (bias is None or bias.shape[1] == 1) and num_heads > num_kv_heads
     if fold:
         rep = num_heads // num_kv_heads
         qh = q.view(g, s, num_kv_heads, rep, dk).permute(0, 2, 3, 1, 4).reshape(g, num_kv_heads, rep * s, dk)

@@ -99,6 +99,14 @@ class AttentionGroup:
         """[g, 1, nb * B]: 0 for this rank's cached tokens, -inf past them."""
         return self._context[1]
 
+    @cached_property
+    def shared_context_len(self) -> int | None:
+        """This rank's cached tokens of each of the group's requests where they all hold as many (a long chunk's
+        group is one request): the gathered keys cut to it need no bias; None where the lengths differ."""
+        lens = self.local_lens
+        first = int(lens[0])
+        return first if first > 0 and bool((lens == first).all()) else None
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:

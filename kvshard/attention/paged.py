@@ -22,6 +22,7 @@ rows of one request each see up to their own position).
 from __future__ import annotations
 
 import contextlib
+import functools
 import fcntl
 import hashlib
 import logging
@@ -38,6 +39,7 @@ from pathlib import Path
 import torch
 
 from kvshard import envs
+from kvshard.attention import kernels
 from kvshard.attention.kernels import attention_with_lse
 from kvshard.kv.layout import DCPLayout
 
@@ -192,6 +194,31 @@ def kernel_path() -> str | None:
     if module is None:
         return None
     return "AVX-512 tiles" if module.tiled else "portable loops"
+
+
+def amx_ready() -> bool:
+    """Whether bfloat16 attention without a mask runs the kernel's AMX path here: KVSHARD_AMX_ATTENTION is not 0,
+    the build has the path (a CPU with AMX tiles and a compiler that knows them) and the system gave this process
+    the tiles' state."""
+    return bool(envs.get("KVSHARD_AMX_ATTENTION")) and _amx_built()
+
+
+@functools.cache
+def _amx_built() -> bool:
+    module = load_extension()
+    return module is not None and bool(module.amx_ready())
+
+
+def amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [g, s, H, d] over k, v [g, L, Hk, d] (bfloat16, d 32 or 64) on AMX tiles: o [g, s, H, d] and lse [g, s, H]
+    (float32); causal (s == L): token t sees keys <= t, else every key. Where `amx_ready`."""
+    out, lse = load_extension().amx_attention(q, k, v, float(scale), bool(causal))
+    return out, lse
+
+
+# attention_with_lse takes the AMX path through these (looked up at each call: tests replace them)
+kernels.register_amx_path(lambda: amx_ready(), lambda *args: amx_attention(*args))
 
 
 def unavailable_reason() -> str | None:

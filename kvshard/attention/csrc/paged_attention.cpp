@@ -1790,6 +1790,254 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
   return out;
 }
 
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(KVSHARD_TILED)
+#define KVSHARD_AMX 1
+#include <ATen/native/CPUBlas.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+// Attention of bfloat16 rows over bfloat16 keys on AMX tiles, for long prefill chunks (to themselves, causally,
+// and over their requests' gathered cached context), head sizes 32 and 64. The query heads that share a KV head
+// are rows of one group (a row is a (query head, token) pair: each packed key tile serves all of them). A block
+// of 16 rows takes 512 keys at a time: Q·Kᵀ on the tiles into float32 scores, an online softmax in float32 on
+// AVX-512 (2^x by a degree-5 polynomial and the exponent set by vscalefps), the weights rounded to bfloat16 as
+// PyTorch's flash kernel rounds them, P·V on the tiles into the float32 accumulator. Keys are packed once a call
+// into the tiles' pair-interleaved layout. The flash kernel stays its oracle (tests/test_amx_attention.py).
+namespace amx {
+constexpr int KEYS = 512;  // keys per softmax block: the per-row cost of a block spread over 512 scores
+constexpr int ROWS = 16;   // query rows per block (one tile's rows)
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool permitted() {  // Linux hands a process the tiles' state only once asked (torch's oneDNN asks too)
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+
+inline __m512 exp2_of(__m512 t) {  // 2^t for finite t (below -150: 0), relative error ~2e-6
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);  // [-0.5, 0.5]
+  __m512 p = _mm512_set1_ps(1.3333558146428443e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __mmask16 first_lanes(int n) { return n >= 16 ? 0xFFFF : (n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1)); }
+
+// Keys [32 at j0] of one KV head as Q·Kᵀ's B tiles: per 16 keys and 32 channels, 16 rows (channel pairs) x 16
+// keys of 32 bits; values as P·V's B tiles: per 32 keys and 16 channels, 16 rows (key pairs) x 16 channels x 2.
+// Keys past `len` are zeros (their weights are masked to 0).
+void pack(const uint16_t* k, const uint16_t* v, int64_t ks, int64_t vs, int len, int j0, int d, uint32_t* kp,
+          uint16_t* vp) {
+  const int nd = d / 32, nc = d / 16;
+  for (int half = 0; half < 2; ++half)
+    for (int part = 0; part < nd; ++part) {
+      uint32_t* tile = kp + (int64_t((j0 >> 4) + half) * nd + part) * 256;
+      for (int n = 0; n < 16; ++n) {
+        const int key = j0 + half * 16 + n;
+        const uint32_t* row = key < len ? reinterpret_cast<const uint32_t*>(k + key * ks) + part * 16 : nullptr;
+        for (int kk = 0; kk < 16; ++kk) tile[kk * 16 + n] = row ? row[kk] : 0u;
+      }
+    }
+  for (int c = 0; c < nc; ++c) {
+    uint16_t* tile = vp + (int64_t(j0 >> 5) * nc + c) * 512;
+    for (int kk = 0; kk < 16; ++kk)
+      for (int e = 0; e < 2; ++e) {
+        const int key = j0 + 2 * kk + e;
+        const uint16_t* row = key < len ? v + key * vs + c * 16 : nullptr;
+        for (int n = 0; n < 16; ++n) tile[kk * 32 + n * 2 + e] = row ? row[n] : 0;
+      }
+  }
+}
+
+// One block of up to 16 rows (qrows: their vectors, contiguous, zero-padded to 16) over the packed keys; row r sees
+// keys [0, limit[r]). Writes out (float32, through `out_rows`) and lse (through `lse_rows`).
+void block(const uint16_t* qrows, const int* limit, int rows, const uint32_t* kp, const uint16_t* vp, int d,
+           float scale, float** out_rows, float** lse_rows) {
+  const int nd = d / 32, nc = d / 16;
+  alignas(64) float S[ROWS * KEYS];
+  alignas(64) uint16_t P[ROWS * KEYS];
+  alignas(64) float acc[ROWS * 64];
+  float m[ROWS], l[ROWS];
+  int kmax = 0;
+  for (int r = 0; r < ROWS; ++r) {
+    kmax = std::max(kmax, r < rows ? limit[r] : 0);
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.f;
+  }
+  std::memset(acc, 0, sizeof(float) * ROWS * d);
+  _tile_loadd(0, qrows, d * 2);
+  if (nd > 1) _tile_loadd(1, qrows + 32, d * 2);
+  const float scale2 = scale * 1.44269504088896341f;  // scores in log2 units: 2^x in place of e^x
+  const __m512 vscale = _mm512_set1_ps(scale2);
+  for (int kb0 = 0; kb0 < kmax; kb0 += KEYS) {
+    const int nk = std::min(KEYS, (kmax - kb0 + 31) / 32 * 32);
+    for (int s = 0; s < nk / 16; s += 2) {  // two key tiles in flight
+      _tile_zero(4);
+      _tile_zero(5);
+      const uint32_t* ka = kp + int64_t((kb0 >> 4) + s) * nd * 256;
+      const uint32_t* kb = ka + nd * 256;
+      _tile_loadd(2, ka, 64);
+      _tile_loadd(3, kb, 64);
+      _tile_dpbf16ps(4, 0, 2);
+      _tile_dpbf16ps(5, 0, 3);
+      if (nd > 1) {
+        _tile_loadd(2, ka + 256, 64);
+        _tile_loadd(3, kb + 256, 64);
+        _tile_dpbf16ps(4, 1, 2);
+        _tile_dpbf16ps(5, 1, 3);
+      }
+      _tile_stored(4, S + s * 16, KEYS * 4);
+      _tile_stored(5, S + s * 16 + 16, KEYS * 4);
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      const float* sr = S + r * KEYS;
+      uint16_t* pr = P + r * KEYS;
+      const int valid = r < rows ? std::min(nk, limit[r] - kb0) : 0;
+      if (valid <= 0) {  // no key of this block for the row (or a padding row): weights 0, nothing rescaled
+        std::memset(pr, 0, nk * 2);
+        continue;
+      }
+      __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), mx2 = mx;
+      if (valid == nk) {
+        for (int j = 0; j < nk; j += 32) {
+          mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
+          mx2 = _mm512_max_ps(mx2, _mm512_loadu_ps(sr + j + 16));
+        }
+        mx = _mm512_max_ps(mx, mx2);
+      } else {
+        for (int j = 0; j < nk; j += 16) mx = _mm512_mask_max_ps(mx, first_lanes(valid - j), mx, _mm512_loadu_ps(sr + j));
+      }
+      const float mnew = std::max(m[r], _mm512_reduce_max_ps(mx) * scale2);
+      const float alpha = std::exp2(m[r] - mnew);
+      const __m512 vm = _mm512_set1_ps(mnew);
+      __m512 sum = _mm512_setzero_ps(), sum2 = sum;
+      for (int j = 0; j < nk; j += 32) {
+        __m512 e0 = exp2_of(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), vscale, vm));
+        __m512 e1 = exp2_of(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j + 16), vscale, vm));
+        if (j + 32 > valid) {
+          e0 = _mm512_maskz_mov_ps(first_lanes(valid - j), e0);
+          e1 = _mm512_maskz_mov_ps(first_lanes(valid - j - 16), e1);
+        }
+        sum = _mm512_add_ps(sum, e0);
+        sum2 = _mm512_add_ps(sum2, e1);
+        _mm512_storeu_si512(pr + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+      }
+      l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(sum, sum2));
+      m[r] = mnew;
+      if (alpha != 1.f) {
+        const __m512 va = _mm512_set1_ps(alpha);
+        for (int c = 0; c < d; c += 16) _mm512_storeu_ps(acc + r * d + c, _mm512_mul_ps(va, _mm512_loadu_ps(acc + r * d + c)));
+      }
+    }
+    for (int c = 0; c < nc; c += 2) {  // two 16-channel tiles of the accumulator at a time
+      _tile_loadd(4, acc + c * 16, d * 4);
+      _tile_loadd(5, acc + c * 16 + 16, d * 4);
+      for (int j = 0; j < nk / 32; ++j) {
+        _tile_loadd(6, P + j * 32, KEYS * 2);
+        const uint16_t* vt = vp + (int64_t((kb0 >> 5) + j) * nc + c) * 512;
+        _tile_loadd(2, vt, 64);
+        _tile_loadd(3, vt + 512, 64);
+        _tile_dpbf16ps(4, 6, 2);
+        _tile_dpbf16ps(5, 6, 3);
+      }
+      _tile_stored(4, acc + c * 16, d * 4);
+      _tile_stored(5, acc + c * 16 + 16, d * 4);
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    const float inv = l[r] > 0 ? 1.f / l[r] : 0.f;
+    for (int c = 0; c < d; ++c) out_rows[r][c] = acc[r * d + c] * inv;
+    *lse_rows[r] = l[r] > 0 ? (m[r] + std::log2(l[r])) * 0.69314718055994531f : -std::numeric_limits<float>::infinity();
+  }
+}
+}  // namespace amx
+
+bool amx_ready() { return amx::permitted(); }
+
+// q [g, s, H, d], k and v [g, L, Hk, d] (bfloat16, channels contiguous; d 32 or 64): out [g, s, H, d] and lse
+// [g, s, H] (float32). causal: s == L and token t sees keys <= t; else every token sees all L keys.
+std::vector<at::Tensor> amx_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                                      bool causal) {
+  TORCH_CHECK(amx::permitted(), "the AMX tiles' state was refused by the system");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "amx_attention: q, k, v are [g, s|L, heads, d]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
+              "amx_attention: bfloat16 only");
+  const int64_t g = q.size(0), s = q.size(1), H = q.size(2), d = q.size(3), L = k.size(1), Hk = k.size(2);
+  TORCH_CHECK(d == 32 || d == 64, "amx_attention: head size 32 or 64");
+  TORCH_CHECK(k.size(3) == d && v.size(3) == d && v.size(1) == L && v.size(2) == Hk && k.size(0) == g && v.size(0) == g);
+  TORCH_CHECK(H % Hk == 0 && (!causal || s == L), "amx_attention: heads a multiple of KV heads; causal needs s == L");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "amx_attention: channels contiguous");
+  const int64_t rep = H / Hk, groups = g * Hk, rows = rep * s, Lp = (L + 31) / 32 * 32;
+  auto kp = at::empty({groups, Lp * d / 2}, q.options().dtype(at::kInt));
+  auto vp = at::empty({groups, Lp * d}, q.options().dtype(at::kShort));
+  auto out = at::empty({g, s, H, d}, q.options().dtype(at::kFloat));
+  auto lse = at::empty({g, s, H}, q.options().dtype(at::kFloat));
+  const auto* qd = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  const auto* kd = reinterpret_cast<const uint16_t*>(k.data_ptr());
+  const auto* vd = reinterpret_cast<const uint16_t*>(v.data_ptr());
+  const int64_t key_units = Lp / 32;
+  at::parallel_for(0, groups * key_units, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t gi = i / key_units, b = gi / Hk, h = gi % Hk;
+      amx::pack(kd + b * k.stride(0) + h * k.stride(2), vd + b * v.stride(0) + h * v.stride(2), k.stride(1),
+                v.stride(1), int(L), int((i % key_units) * 32), int(d),
+                reinterpret_cast<uint32_t*>(kp.data_ptr()) + gi * (Lp * d / 2),
+                reinterpret_cast<uint16_t*>(vp.data_ptr()) + gi * (Lp * d));
+    }
+  });
+  const int64_t blocks = (rows + amx::ROWS - 1) / amx::ROWS, items = groups * blocks;
+  float* od = out.data_ptr<float>();
+  float* ld = lse.data_ptr<float>();
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    amx::TileConfig config;
+    for (int t = 0; t < 8; ++t) {
+      config.rows[t] = 16;
+      config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+    alignas(64) uint16_t qrows[amx::ROWS * 64];
+    int limit[amx::ROWS];
+    float* out_rows[amx::ROWS];
+    float* lse_rows[amx::ROWS];
+    for (int64_t i = begin; i < end; ++i) {
+      // a causal group's later blocks see more keys: items alternate from both ends so that a thread's
+      // contiguous share holds light and heavy blocks alike
+      const int64_t gi = i / blocks, j = i % blocks, blk = (j % 2 == 0) ? j / 2 : blocks - 1 - j / 2;
+      const int64_t b = gi / Hk, h = gi % Hk, r0 = blk * amx::ROWS;
+      const int n = int(std::min<int64_t>(amx::ROWS, rows - r0));
+      std::memset(qrows, 0, sizeof(uint16_t) * amx::ROWS * d);
+      for (int r = 0; r < n; ++r) {
+        const int64_t row = r0 + r, head = h * rep + row / s, t = row % s;
+        std::memcpy(qrows + r * d, qd + b * q.stride(0) + t * q.stride(1) + head * q.stride(2), d * 2);
+        limit[r] = causal ? int(t + 1) : int(L);
+        out_rows[r] = od + ((b * s + t) * H + head) * d;
+        lse_rows[r] = ld + (b * s + t) * H + head;
+      }
+      amx::block(qrows, limit, n, reinterpret_cast<const uint32_t*>(kp.data_ptr()) + gi * (Lp * d / 2),
+                 reinterpret_cast<const uint16_t*>(vp.data_ptr()) + gi * (Lp * d), int(d), float(scale), out_rows,
+                 lse_rows);
+    }
+    at::native::cpublas::brgemm_release(true);  // the tiles back, torch's record of the thread's setup cleared
+  });
+  return {out, lse};
+}
+#else
+bool amx_ready() { return false; }
+
+std::vector<at::Tensor> amx_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, bool) {
+  TORCH_CHECK(false, "amx_attention: this build has no AMX path (the CPU or compiler lacks AMX tiles)");
+}
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("parallel_threads", &parallel_threads, "Threads at::parallel_for runs n items on");
   m.def("paged_attention", &paged_attention, "Paged attention with LSE over kvshard's KV cache (CPU)");
@@ -1798,6 +2046,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "Rotary embedding of [t, h, d] by [t, d / 2] angles, fused (CPU)");
   m.def("merge_states", &merge_states, "Partial attentions merged by their LSE, fused (CPU)");
   m.def("merge_stacked", &merge_stacked, "merge_states of parts stacked along a first dimension (CPU)");
+  m.def("amx_ready", &amx_ready, "Whether this build has the AMX path and the system gave the process the tiles");
+  m.def("amx_attention", &amx_attention, "Attention with LSE of bfloat16 rows on AMX tiles (CPU; head size 32 or 64)");
   m.def("moe_experts", &moe_experts, "The routed experts of one MoE layer: sorted, gathered, ATen's products (CPU)");
 #if defined(KVSHARD_TILED)
   m.attr("tiled") = true;
