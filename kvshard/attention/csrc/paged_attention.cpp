@@ -2035,6 +2035,7 @@ bool amx_ready() { return false; }
 
 std::vector<at::Tensor> amx_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, bool) {
   TORCH_CHECK(false, "amx_attention: this build has no AMX path (the CPU or compiler lacks AMX tiles)");
+  return {};
 }
 #endif
 
