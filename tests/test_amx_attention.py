@@ -13,7 +13,8 @@ from kvshard.attention import kernels, paged
 from kvshard.layers.batch_invariant import batch_invariant_mode
 from conftest import hf_greedy_with_logprobs, tiny_llama_config
 
-needs_amx = pytest.mark.skipif(not paged.amx_ready(), reason="no AMX tiles on this CPU (or none in its kernel build)")
+needs_amx = pytest.mark.skipif(not (paged.kernel_available() and paged.amx_ready()),
+                               reason="no AMX tiles on this CPU (or none in its kernel build)")
 
 
 def _reference(q, k, v, scale, causal):
@@ -137,3 +138,16 @@ def test_engines_on_the_amx_path_give_the_flash_kernels_generation(layout, check
             assert amx_logprob == pytest.approx(want_steps[p][0][token].item(), abs=0.15)
             assert flash_logprob == pytest.approx(want_steps[p][0][token].item(), abs=0.15)
             assert amx_logprob == pytest.approx(flash_logprob, abs=0.06)
+
+
+def test_the_amx_path_never_builds_the_kernel(monkeypatch):
+    """A process that has not loaded the kernel (the gather backend's) keeps the flash kernel: asking whether the
+    AMX path runs must not build the kernel there."""
+    built = []
+    monkeypatch.setattr(paged, "_module", None)
+    monkeypatch.setattr(paged, "load_extension", lambda: built.append(1))
+    assert not paged.amx_ready() and not built
+    q = torch.randn(1, 20, 4, 32).to(torch.bfloat16)
+    k = torch.randn(1, 20, 2, 32).to(torch.bfloat16)
+    kernels.attention_with_lse(q, k, k, None, 0.2, causal=True)
+    assert not built

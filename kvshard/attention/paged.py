@@ -22,7 +22,6 @@ rows of one request each see up to their own position).
 from __future__ import annotations
 
 import contextlib
-import functools
 import fcntl
 import hashlib
 import logging
@@ -198,14 +197,14 @@ def kernel_path() -> str | None:
 
 def amx_ready() -> bool:
     """Whether bfloat16 attention without a mask runs the kernel's AMX path here: KVSHARD_AMX_ATTENTION is not 0,
-    the build has the path (a CPU with AMX tiles and a compiler that knows them) and the system gave this process
-    the tiles' state."""
+    the kernel is loaded (by the paged backend, or `kernel_available`: this never builds it, so a process on the
+    gather backend keeps the flash kernel), its build has the path (a CPU with AMX tiles and a compiler that knows
+    them) and the system gave this process the tiles' state."""
     return bool(envs.get("KVSHARD_AMX_ATTENTION")) and _amx_built()
 
 
-@functools.cache
 def _amx_built() -> bool:
-    module = load_extension()
+    module = _module
     return module is not None and bool(module.amx_ready())
 
 
