@@ -143,7 +143,7 @@ REGISTRY: dict[str, EnvVar] = _declare(
            "PyTorch's flash kernel, 0 in the paged kernel", numerics=True,
            shown_default="flash for bfloat16 queries on a CPU with AMX tiles, else the kernel"),
     EnvVar("KVSHARD_AMX_ATTENTION", SWITCH, True,
-           "bfloat16 attention of head size 32 or 64 with no mask (a long prefill chunk's to itself and to its "
+           "bfloat16 attention of head size 32, 64 or 128 with no mask (a long prefill chunk's to itself and to its "
            "cached context) in the paged kernel's AMX path where the CPU has AMX tiles; 0 keeps PyTorch's flash "
            "kernel", numerics=True),
     EnvVar("KVSHARD_DECODE_GROUP_SPREAD", NON_NEGATIVE_INT, 1024,

@@ -70,6 +70,7 @@ CHUNK_SHAPES = {
     "gqa8": (8, 1, 64, 64),
     "gqa9": (9, 3, 64, 64),
     "gqa-demo": (8, 1, 32, 32),  # kvshard-demo-gqa: 8 query heads over 1 KV head of 32 channels
+    "gqa-llama": (32, 8, 128, 128),  # Llama-3-8B's attention on one rank: 32 query heads over 8 KV heads of 128
 }
 
 

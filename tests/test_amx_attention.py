@@ -1,4 +1,4 @@
-"""The paged kernel's AMX path (`paged.amx_attention`): bfloat16 attention with no mask at head sizes 32 and 64 on
+"""The paged kernel's AMX path (`paged.amx_attention`): bfloat16 attention with no mask at head sizes 32, 64, 128 on
 AMX tiles, for a long prefill chunk's attention to itself and to its cached context. PyTorch's flash kernel is its
 oracle, and the float32 reference the truth both are held to. Runs where the CPU has AMX tiles (and the kernel's
 build has the path); elsewhere the path cannot run and attention never takes it (the routing test still runs)."""
@@ -32,6 +32,7 @@ SHAPES = [
     (1, 5, 5, 8, 1, 32, True), (1, 37, 37, 8, 1, 32, True), (2, 70, 70, 9, 3, 64, True), (1, 600, 600, 4, 4, 64, True),
     (1, 1, 1, 8, 1, 32, True), (1, 19, 300, 8, 1, 32, False), (3, 33, 1100, 9, 3, 64, False),
     (1, 1, 17, 4, 1, 32, False), (1, 530, 530, 8, 2, 32, True), (2, 16, 513, 6, 2, 64, False),
+    (1, 45, 45, 8, 2, 128, True), (2, 530, 530, 4, 1, 128, True), (1, 21, 1040, 8, 8, 128, False),
 ]
 
 
@@ -66,13 +67,14 @@ def test_attention_takes_the_amx_path_only_for_bfloat16_without_a_mask_at_its_he
     monkeypatch.delenv("KVSHARD_AMX_ATTENTION", raising=False)
 
     def run(dtype=torch.bfloat16, d=32, bias=False, causal=True):
-        q, k, v = torch.randn(1, 20, 4, d).to(dtype), torch.randn(1, 20, 2, d).to(dtype), torch.randn(1, 20, 2, d).to(dtype)
+        q = torch.randn(1, 20, 4, d).to(dtype)
+        k, v = torch.randn(1, 20, 2, d).to(dtype), torch.randn(1, 20, 2, d).to(dtype)
         mask = torch.zeros(1, 1, 20) if bias else None
         calls.clear()
         kernels.attention_with_lse(q, k, v, mask, d ** -0.5, causal=causal and not bias)
         return bool(calls)
 
-    assert run() and run(d=64) and run(causal=False)
+    assert run() and run(d=64) and run(d=128) and run(causal=False)
     assert not run(dtype=torch.float32) and not run(dtype=torch.float16) and not run(d=48) and not run(bias=True)
     with batch_invariant_mode(True):  # the batch-invariant mode keeps flash's order of sums
         assert not run()

@@ -387,8 +387,8 @@ def describe_backend(name: str, dtype: torch.dtype | None = None) -> str:
             forced = envs.get("KVSHARD_FLASH_CHUNKS")
             notes = ["KVSHARD_FLASH_CHUNKS=1"] if forced else []
             if dtype == torch.bfloat16 and paged.amx_ready():
-                where = ("on AMX tiles: the kernel's AMX path at head sizes 32 and 64 with no mask, else PyTorch's "
-                         "flash kernel")
+                where = ("on AMX tiles: the kernel's AMX path at head sizes 32, 64 and 128 with no mask, else "
+                         "PyTorch's flash kernel")
                 notes.append("KVSHARD_AMX_ATTENTION=0: flash for all")
             else:
                 where = "in PyTorch's flash kernel"

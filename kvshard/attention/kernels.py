@@ -81,7 +81,7 @@ def _flash_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return k.dtype == q.dtype and v.dtype == q.dtype
 
 
-AMX_HEAD_SIZES = (32, 64)
+AMX_HEAD_SIZES = (32, 64, 128)
 # The paged kernel's AMX path, registered by kvshard.attention.paged (which builds the kernel and imports this
 # module): (whether it runs here, the call), or None where that module is not loaded.
 _amx_path: tuple[Callable[[], bool], Callable[..., tuple[torch.Tensor, torch.Tensor]]] | None = None
@@ -94,7 +94,7 @@ def register_amx_path(ready: Callable[[], bool], run: Callable[..., tuple[torch.
 
 def _amx_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """bfloat16 on a CPU with bfloat16 arithmetic whose kernel build has the AMX path (`paged.amx_ready`), one head
-    size of 32 or 64, the batch-invariant mode off (it keeps the flash kernel's order of sums)."""
+    size of 32, 64 or 128, the batch-invariant mode off (it keeps the flash kernel's order of sums)."""
     if _amx_path is None or q.device.type != "cpu" or not (q.dtype == k.dtype == v.dtype == torch.bfloat16):
         return False
     if q.shape[-1] not in AMX_HEAD_SIZES or k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:

@@ -210,7 +210,7 @@ def _amx_built() -> bool:
 
 def amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [g, s, H, d] over k, v [g, L, Hk, d] (bfloat16, d 32 or 64) on AMX tiles: o [g, s, H, d] and lse [g, s, H]
+    """q [g, s, H, d] over k, v [g, L, Hk, d] (bfloat16, d 32, 64 or 128) on AMX tiles: o [g, s, H, d] and lse [g, s, H]
     (float32); causal (s == L): token t sees keys <= t, else every key. Where `amx_ready`."""
     out, lse = load_extension().amx_attention(q, k, v, float(scale), bool(causal))
     return out, lse

@@ -1797,15 +1797,18 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
 #include <sys/syscall.h>
 #include <unistd.h>
 // Attention of bfloat16 rows over bfloat16 keys on AMX tiles, for long prefill chunks (to themselves, causally,
-// and over their requests' gathered cached context), head sizes 32 and 64. The query heads that share a KV head
+// and over their requests' gathered cached context), head sizes 32, 64 and 128. The query heads that share a KV head
 // are rows of one group (a row is a (query head, token) pair: each packed key tile serves all of them). A block
 // of 16 rows takes 512 keys at a time: Q·Kᵀ on the tiles into float32 scores, an online softmax in float32 on
 // AVX-512 (2^x by a degree-5 polynomial and the exponent set by vscalefps), the weights rounded to bfloat16 as
 // PyTorch's flash kernel rounds them, P·V on the tiles into the float32 accumulator. Keys are packed once a call
-// into the tiles' pair-interleaved layout. The flash kernel stays its oracle (tests/test_amx_attention.py).
+// into the tiles' pair-interleaved layout; a thread runs each 512-key block over a span of 8 row blocks in turn, so
+// that the block's packed keys and values come from memory once for 128 rows (at head size 128 they outgrow the
+// core's L2 over a few thousand keys). The flash kernel stays its oracle (tests/test_amx_attention.py).
 namespace amx {
 constexpr int KEYS = 512;  // keys per softmax block: the per-row cost of a block spread over 512 scores
 constexpr int ROWS = 16;   // query rows per block (one tile's rows)
+constexpr int SPAN = 8;    // blocks that take each block of keys in turn, while its packed keys and values are cached
 
 struct alignas(64) TileConfig {
   uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
@@ -1858,28 +1861,76 @@ void pack(const uint16_t* k, const uint16_t* v, int64_t ks, int64_t vs, int len,
   }
 }
 
-// One block of up to 16 rows (qrows: their vectors, contiguous, zero-padded to 16) over the packed keys; row r sees
-// keys [0, limit[r]). Writes out (float32, through `out_rows`) and lse (through `lse_rows`).
-void block(const uint16_t* qrows, const int* limit, int rows, const uint32_t* kp, const uint16_t* vp, int d,
-           float scale, float** out_rows, float** lse_rows) {
-  const int nd = d / 32, nc = d / 16;
-  alignas(64) float S[ROWS * KEYS];
-  alignas(64) uint16_t P[ROWS * KEYS];
-  alignas(64) float acc[ROWS * 64];
+// A block of up to 16 rows (one tile's): their vectors (contiguous, zero-padded to 16), row r seeing keys
+// [0, limit[r]), and their online softmax's state; out (float32) and lse through the row pointers once done.
+struct Rows {
+  alignas(64) uint16_t q[ROWS * 128];
+  alignas(64) float acc[ROWS * 128];
   float m[ROWS], l[ROWS];
-  int kmax = 0;
-  for (int r = 0; r < ROWS; ++r) {
-    kmax = std::max(kmax, r < rows ? limit[r] : 0);
-    m[r] = -std::numeric_limits<float>::infinity();
-    l[r] = 0.f;
+  int limit[ROWS];
+  int rows = 0, kmax = 0;
+  float* out_rows[ROWS];
+  float* lse_rows[ROWS];
+
+  void start(int d) {
+    kmax = 0;
+    for (int r = 0; r < ROWS; ++r) {
+      kmax = std::max(kmax, r < rows ? limit[r] : 0);
+      m[r] = -std::numeric_limits<float>::infinity();
+      l[r] = 0.f;
+    }
+    std::memset(acc, 0, sizeof(float) * ROWS * d);
   }
-  std::memset(acc, 0, sizeof(float) * ROWS * d);
-  _tile_loadd(0, qrows, d * 2);
-  if (nd > 1) _tile_loadd(1, qrows + 32, d * 2);
-  const float scale2 = scale * 1.44269504088896341f;  // scores in log2 units: 2^x in place of e^x
+
+  void finish(int d) const {
+    for (int r = 0; r < rows; ++r) {
+      const float inv = l[r] > 0 ? 1.f / l[r] : 0.f;
+      for (int c = 0; c < d; ++c) out_rows[r][c] = acc[r * d + c] * inv;
+      *lse_rows[r] = l[r] > 0 ? (m[r] + std::log2(l[r])) * 0.69314718055994531f
+                              : -std::numeric_limits<float>::infinity();
+    }
+  }
+};
+
+// Block b's rows over the keys [kb0, kb0 + 512) (kb0 < b.kmax): Q·Kᵀ into S, the softmax's update into P and the
+// state, P·V into the accumulator. The tiles hold nothing between calls (the rows of other blocks use them).
+void keys_block(Rows& b, int kb0, const uint32_t* kp, const uint16_t* vp, int d, float scale2, float* S,
+                uint16_t* P) {
+  const int nd = d / 32, nc = d / 16;
   const __m512 vscale = _mm512_set1_ps(scale2);
-  for (int kb0 = 0; kb0 < kmax; kb0 += KEYS) {
-    const int nk = std::min(KEYS, (kmax - kb0 + 31) / 32 * 32);
+  _tile_loadd(0, b.q, d * 2);
+  if (nd > 1) _tile_loadd(1, b.q + 32, d * 2);
+  if (nd > 2) {
+    _tile_loadd(2, b.q + 64, d * 2);
+    _tile_loadd(3, b.q + 96, d * 2);
+  }
+  const int nk = std::min(KEYS, (b.kmax - kb0 + 31) / 32 * 32);
+  if (nd > 2) {  // head size 128: Q in tiles 0-3, the two key tiles' parts through tiles 4 and 7 into 5 and 6
+    for (int s = 0; s < nk / 16; s += 2) {
+      _tile_zero(5);
+      _tile_zero(6);
+      const uint32_t* ka = kp + int64_t((kb0 >> 4) + s) * nd * 256;
+      const uint32_t* kb = ka + nd * 256;
+      _tile_loadd(4, ka, 64);
+      _tile_loadd(7, kb, 64);
+      _tile_dpbf16ps(5, 0, 4);
+      _tile_dpbf16ps(6, 0, 7);
+      _tile_loadd(4, ka + 256, 64);
+      _tile_loadd(7, kb + 256, 64);
+      _tile_dpbf16ps(5, 1, 4);
+      _tile_dpbf16ps(6, 1, 7);
+      _tile_loadd(4, ka + 512, 64);
+      _tile_loadd(7, kb + 512, 64);
+      _tile_dpbf16ps(5, 2, 4);
+      _tile_dpbf16ps(6, 2, 7);
+      _tile_loadd(4, ka + 768, 64);
+      _tile_loadd(7, kb + 768, 64);
+      _tile_dpbf16ps(5, 3, 4);
+      _tile_dpbf16ps(6, 3, 7);
+      _tile_stored(5, S + s * 16, KEYS * 4);
+      _tile_stored(6, S + s * 16 + 16, KEYS * 4);
+    }
+  } else {
     for (int s = 0; s < nk / 16; s += 2) {  // two key tiles in flight
       _tile_zero(4);
       _tile_zero(5);
@@ -1898,73 +1949,96 @@ void block(const uint16_t* qrows, const int* limit, int rows, const uint32_t* kp
       _tile_stored(4, S + s * 16, KEYS * 4);
       _tile_stored(5, S + s * 16 + 16, KEYS * 4);
     }
-    for (int r = 0; r < ROWS; ++r) {
-      const float* sr = S + r * KEYS;
-      uint16_t* pr = P + r * KEYS;
-      const int valid = r < rows ? std::min(nk, limit[r] - kb0) : 0;
-      if (valid <= 0) {  // no key of this block for the row (or a padding row): weights 0, nothing rescaled
-        std::memset(pr, 0, nk * 2);
-        continue;
-      }
-      __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), mx2 = mx;
-      if (valid == nk) {
-        for (int j = 0; j < nk; j += 32) {
-          mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
-          mx2 = _mm512_max_ps(mx2, _mm512_loadu_ps(sr + j + 16));
-        }
-        mx = _mm512_max_ps(mx, mx2);
-      } else {
-        for (int j = 0; j < nk; j += 16) mx = _mm512_mask_max_ps(mx, first_lanes(valid - j), mx, _mm512_loadu_ps(sr + j));
-      }
-      const float mnew = std::max(m[r], _mm512_reduce_max_ps(mx) * scale2);
-      const float alpha = std::exp2(m[r] - mnew);
-      const __m512 vm = _mm512_set1_ps(mnew);
-      __m512 sum = _mm512_setzero_ps(), sum2 = sum;
-      for (int j = 0; j < nk; j += 32) {
-        __m512 e0 = exp2_of(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), vscale, vm));
-        __m512 e1 = exp2_of(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j + 16), vscale, vm));
-        if (j + 32 > valid) {
-          e0 = _mm512_maskz_mov_ps(first_lanes(valid - j), e0);
-          e1 = _mm512_maskz_mov_ps(first_lanes(valid - j - 16), e1);
-        }
-        sum = _mm512_add_ps(sum, e0);
-        sum2 = _mm512_add_ps(sum2, e1);
-        _mm512_storeu_si512(pr + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-      }
-      l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(sum, sum2));
-      m[r] = mnew;
-      if (alpha != 1.f) {
-        const __m512 va = _mm512_set1_ps(alpha);
-        for (int c = 0; c < d; c += 16) _mm512_storeu_ps(acc + r * d + c, _mm512_mul_ps(va, _mm512_loadu_ps(acc + r * d + c)));
-      }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    const float* sr = S + r * KEYS;
+    uint16_t* pr = P + r * KEYS;
+    const int valid = r < b.rows ? std::min(nk, b.limit[r] - kb0) : 0;
+    if (valid <= 0) {  // no key of this block for the row (or a padding row): weights 0, nothing rescaled
+      std::memset(pr, 0, nk * 2);
+      continue;
     }
-    for (int c = 0; c < nc; c += 2) {  // two 16-channel tiles of the accumulator at a time
-      _tile_loadd(4, acc + c * 16, d * 4);
-      _tile_loadd(5, acc + c * 16 + 16, d * 4);
-      for (int j = 0; j < nk / 32; ++j) {
-        _tile_loadd(6, P + j * 32, KEYS * 2);
-        const uint16_t* vt = vp + (int64_t((kb0 >> 5) + j) * nc + c) * 512;
-        _tile_loadd(2, vt, 64);
-        _tile_loadd(3, vt + 512, 64);
-        _tile_dpbf16ps(4, 6, 2);
-        _tile_dpbf16ps(5, 6, 3);
+    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), mx2 = mx;
+    if (valid == nk) {
+      for (int j = 0; j < nk; j += 32) {
+        mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
+        mx2 = _mm512_max_ps(mx2, _mm512_loadu_ps(sr + j + 16));
       }
-      _tile_stored(4, acc + c * 16, d * 4);
-      _tile_stored(5, acc + c * 16 + 16, d * 4);
+      mx = _mm512_max_ps(mx, mx2);
+    } else {
+      for (int j = 0; j < nk; j += 16)
+        mx = _mm512_mask_max_ps(mx, first_lanes(valid - j), mx, _mm512_loadu_ps(sr + j));
+    }
+    const float mnew = std::max(b.m[r], _mm512_reduce_max_ps(mx) * scale2);
+    const float alpha = std::exp2(b.m[r] - mnew);
+    const __m512 vm = _mm512_set1_ps(mnew);
+    __m512 sum = _mm512_setzero_ps(), sum2 = sum;
+    for (int j = 0; j < nk; j += 32) {
+      __m512 e0 = exp2_of(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), vscale, vm));
+      __m512 e1 = exp2_of(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j + 16), vscale, vm));
+      if (j + 32 > valid) {
+        e0 = _mm512_maskz_mov_ps(first_lanes(valid - j), e0);
+        e1 = _mm512_maskz_mov_ps(first_lanes(valid - j - 16), e1);
+      }
+      sum = _mm512_add_ps(sum, e0);
+      sum2 = _mm512_add_ps(sum2, e1);
+      _mm512_storeu_si512(pr + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+    }
+    b.l[r] = b.l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(sum, sum2));
+    b.m[r] = mnew;
+    if (alpha != 1.f) {
+      const __m512 va = _mm512_set1_ps(alpha);
+      for (int c = 0; c < d; c += 16)
+        _mm512_storeu_ps(b.acc + r * d + c, _mm512_mul_ps(va, _mm512_loadu_ps(b.acc + r * d + c)));
     }
   }
-  for (int r = 0; r < rows; ++r) {
-    const float inv = l[r] > 0 ? 1.f / l[r] : 0.f;
-    for (int c = 0; c < d; ++c) out_rows[r][c] = acc[r * d + c] * inv;
-    *lse_rows[r] = l[r] > 0 ? (m[r] + std::log2(l[r])) * 0.69314718055994531f : -std::numeric_limits<float>::infinity();
+  if (nd > 2) {  // every tile free (Q is loaded again for the next block): P in 0, V through 1-3, four
+    // accumulator tiles of 16 channels in 4-7
+    for (int c = 0; c < nc; c += 4) {
+      _tile_loadd(4, b.acc + c * 16, d * 4);
+      _tile_loadd(5, b.acc + c * 16 + 16, d * 4);
+      _tile_loadd(6, b.acc + c * 16 + 32, d * 4);
+      _tile_loadd(7, b.acc + c * 16 + 48, d * 4);
+      for (int j = 0; j < nk / 32; ++j) {
+        _tile_loadd(0, P + j * 32, KEYS * 2);
+        const uint16_t* vt = vp + (int64_t((kb0 >> 5) + j) * nc + c) * 512;
+        _tile_loadd(1, vt, 64);
+        _tile_loadd(2, vt + 512, 64);
+        _tile_loadd(3, vt + 1024, 64);
+        _tile_dpbf16ps(4, 0, 1);
+        _tile_dpbf16ps(5, 0, 2);
+        _tile_dpbf16ps(6, 0, 3);
+        _tile_loadd(1, vt + 1536, 64);
+        _tile_dpbf16ps(7, 0, 1);
+      }
+      _tile_stored(4, b.acc + c * 16, d * 4);
+      _tile_stored(5, b.acc + c * 16 + 16, d * 4);
+      _tile_stored(6, b.acc + c * 16 + 32, d * 4);
+      _tile_stored(7, b.acc + c * 16 + 48, d * 4);
+    }
+    return;
+  }
+  for (int c = 0; c < nc; c += 2) {  // two 16-channel tiles of the accumulator at a time
+    _tile_loadd(4, b.acc + c * 16, d * 4);
+    _tile_loadd(5, b.acc + c * 16 + 16, d * 4);
+    for (int j = 0; j < nk / 32; ++j) {
+      _tile_loadd(6, P + j * 32, KEYS * 2);
+      const uint16_t* vt = vp + (int64_t((kb0 >> 5) + j) * nc + c) * 512;
+      _tile_loadd(2, vt, 64);
+      _tile_loadd(3, vt + 512, 64);
+      _tile_dpbf16ps(4, 6, 2);
+      _tile_dpbf16ps(5, 6, 3);
+    }
+    _tile_stored(4, b.acc + c * 16, d * 4);
+    _tile_stored(5, b.acc + c * 16 + 16, d * 4);
   }
 }
 }  // namespace amx
 
 bool amx_ready() { return amx::permitted(); }
 
-// q [g, s, H, d], k and v [g, L, Hk, d] (bfloat16, channels contiguous; d 32 or 64): out [g, s, H, d] and lse
-// [g, s, H] (float32). causal: s == L and token t sees keys <= t; else every token sees all L keys.
+// q [g, s, H, d], k and v [g, L, Hk, d] (bfloat16, channels contiguous; d 32, 64 or 128): out [g, s, H, d] and lse
+// [g, s, H] (float32). causal: s == L and token t sees keys <= t; else every token sees all L keys. d: 32, 64 or 128.
 std::vector<at::Tensor> amx_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                                       bool causal) {
   TORCH_CHECK(amx::permitted(), "the AMX tiles' state was refused by the system");
@@ -1972,8 +2046,9 @@ std::vector<at::Tensor> amx_attention(const at::Tensor& q, const at::Tensor& k, 
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
               "amx_attention: bfloat16 only");
   const int64_t g = q.size(0), s = q.size(1), H = q.size(2), d = q.size(3), L = k.size(1), Hk = k.size(2);
-  TORCH_CHECK(d == 32 || d == 64, "amx_attention: head size 32 or 64");
-  TORCH_CHECK(k.size(3) == d && v.size(3) == d && v.size(1) == L && v.size(2) == Hk && k.size(0) == g && v.size(0) == g);
+  TORCH_CHECK(d == 32 || d == 64 || d == 128, "amx_attention: head size 32, 64 or 128");
+  TORCH_CHECK(k.size(3) == d && v.size(3) == d && v.size(1) == L && v.size(2) == Hk && k.size(0) == g && v.size(0) == g,
+              "amx_attention: k and v of one shape [g, L, Hk, d]");
   TORCH_CHECK(H % Hk == 0 && (!causal || s == L), "amx_attention: heads a multiple of KV heads; causal needs s == L");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "amx_attention: channels contiguous");
   const int64_t rep = H / Hk, groups = g * Hk, rows = rep * s, Lp = (L + 31) / 32 * 32;
@@ -1994,9 +2069,14 @@ std::vector<at::Tensor> amx_attention(const at::Tensor& q, const at::Tensor& k, 
                 reinterpret_cast<uint16_t*>(vp.data_ptr()) + gi * (Lp * d));
     }
   });
-  const int64_t blocks = (rows + amx::ROWS - 1) / amx::ROWS, items = groups * blocks;
+  // A thread takes a span of up to SPAN blocks of one group and runs each 512-key block of the group's keys over all
+  // of them in turn, so that the block's packed keys and values (128 KB at head size 64) are read from memory once
+  // for the span, not once for each 16 rows.
+  const int64_t blocks = (rows + amx::ROWS - 1) / amx::ROWS, spans = (blocks + amx::SPAN - 1) / amx::SPAN;
+  const int64_t items = groups * spans;
   float* od = out.data_ptr<float>();
   float* ld = lse.data_ptr<float>();
+  const float scale2 = float(scale) * 1.44269504088896341f;  // scores in log2 units: 2^x in place of e^x
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     amx::TileConfig config;
     for (int t = 0; t < 8; ++t) {
@@ -2004,27 +2084,37 @@ std::vector<at::Tensor> amx_attention(const at::Tensor& q, const at::Tensor& k, 
       config.colsb[t] = 64;
     }
     _tile_loadconfig(&config);
-    alignas(64) uint16_t qrows[amx::ROWS * 64];
-    int limit[amx::ROWS];
-    float* out_rows[amx::ROWS];
-    float* lse_rows[amx::ROWS];
+    std::vector<amx::Rows> span(amx::SPAN);
+    std::vector<float> S(amx::ROWS * amx::KEYS);
+    std::vector<uint16_t> P(amx::ROWS * amx::KEYS);
     for (int64_t i = begin; i < end; ++i) {
-      // a causal group's later blocks see more keys: items alternate from both ends so that a thread's
-      // contiguous share holds light and heavy blocks alike
-      const int64_t gi = i / blocks, j = i % blocks, blk = (j % 2 == 0) ? j / 2 : blocks - 1 - j / 2;
-      const int64_t b = gi / Hk, h = gi % Hk, r0 = blk * amx::ROWS;
-      const int n = int(std::min<int64_t>(amx::ROWS, rows - r0));
-      std::memset(qrows, 0, sizeof(uint16_t) * amx::ROWS * d);
-      for (int r = 0; r < n; ++r) {
-        const int64_t row = r0 + r, head = h * rep + row / s, t = row % s;
-        std::memcpy(qrows + r * d, qd + b * q.stride(0) + t * q.stride(1) + head * q.stride(2), d * 2);
-        limit[r] = causal ? int(t + 1) : int(L);
-        out_rows[r] = od + ((b * s + t) * H + head) * d;
-        lse_rows[r] = ld + (b * s + t) * H + head;
+      // a causal group's later rows see more keys: items alternate from both ends so that a thread's contiguous
+      // share holds light and heavy spans alike
+      const int64_t gi = i / spans, j = i % spans, sp = (j % 2 == 0) ? j / 2 : spans - 1 - j / 2;
+      const int64_t b = gi / Hk, h = gi % Hk;
+      const auto* kg = reinterpret_cast<const uint32_t*>(kp.data_ptr()) + gi * (Lp * d / 2);
+      const auto* vg = reinterpret_cast<const uint16_t*>(vp.data_ptr()) + gi * (Lp * d);
+      const int64_t first = sp * amx::SPAN, count = std::min<int64_t>(amx::SPAN, blocks - first);
+      int kmax = 0;
+      for (int64_t x = 0; x < count; ++x) {
+        amx::Rows& blk = span[x];
+        const int64_t r0 = (first + x) * amx::ROWS;
+        blk.rows = int(std::min<int64_t>(amx::ROWS, rows - r0));
+        std::memset(blk.q, 0, sizeof(uint16_t) * amx::ROWS * d);
+        for (int r = 0; r < blk.rows; ++r) {
+          const int64_t row = r0 + r, head = h * rep + row / s, t = row % s;
+          std::memcpy(blk.q + r * d, qd + b * q.stride(0) + t * q.stride(1) + head * q.stride(2), d * 2);
+          blk.limit[r] = causal ? int(t + 1) : int(L);
+          blk.out_rows[r] = od + ((b * s + t) * H + head) * d;
+          blk.lse_rows[r] = ld + (b * s + t) * H + head;
+        }
+        blk.start(int(d));
+        kmax = std::max(kmax, blk.kmax);
       }
-      amx::block(qrows, limit, n, reinterpret_cast<const uint32_t*>(kp.data_ptr()) + gi * (Lp * d / 2),
-                 reinterpret_cast<const uint16_t*>(vp.data_ptr()) + gi * (Lp * d), int(d), float(scale), out_rows,
-                 lse_rows);
+      for (int kb0 = 0; kb0 < kmax; kb0 += amx::KEYS)
+        for (int64_t x = 0; x < count; ++x)
+          if (kb0 < span[x].kmax) amx::keys_block(span[x], kb0, kg, vg, int(d), scale2, S.data(), P.data());
+      for (int64_t x = 0; x < count; ++x) span[x].finish(int(d));
     }
     at::native::cpublas::brgemm_release(true);  // the tiles back, torch's record of the thread's setup cleared
   });
@@ -2048,7 +2138,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("merge_states", &merge_states, "Partial attentions merged by their LSE, fused (CPU)");
   m.def("merge_stacked", &merge_stacked, "merge_states of parts stacked along a first dimension (CPU)");
   m.def("amx_ready", &amx_ready, "Whether this build has the AMX path and the system gave the process the tiles");
-  m.def("amx_attention", &amx_attention, "Attention with LSE of bfloat16 rows on AMX tiles (CPU; head size 32 or 64)");
+  m.def("amx_attention", &amx_attention,
+        "Attention with LSE of bfloat16 rows on AMX tiles (CPU; head size 32, 64 or 128)");
   m.def("moe_experts", &moe_experts, "The routed experts of one MoE layer: sorted, gathered, ATen's products (CPU)");
 #if defined(KVSHARD_TILED)
   m.attr("tiled") = true;
