@@ -1792,7 +1792,6 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
 
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(KVSHARD_TILED)
-#define KVSHARD_AMX 1
 #include <ATen/native/CPUBlas.h>
 #include <sys/syscall.h>
 #include <unistd.h>
