@@ -129,6 +129,11 @@ def test_step_time_is_counted_by_kind_prefill_or_decode(llm):
 @pytest.mark.parametrize("prompt, params, message", [
     ([], SamplingParams(), "prompt is empty"),
     ([1000], SamplingParams(), r"token ids must be integers in \[0, 128\)"),
+    ([5, -1], SamplingParams(), r"token ids must be integers in \[0, 128\)"),
+    ([5, 127, 128], SamplingParams(), r"token ids must be integers in \[0, 128\)"),
+    ([5, True], SamplingParams(), r"token ids must be integers in \[0, 128\)"),
+    ([5, 2.0], SamplingParams(), r"token ids must be integers in \[0, 128\)"),
+    ([5, "6"], SamplingParams(), r"token ids must be integers in \[0, 128\)"),
     ([1] * 120, SamplingParams(max_tokens=20), "maximum context length is 128 tokens"),
 ])
 def test_bad_requests_fail_before_anything_runs(llm, prompt, params, message):

@@ -13,6 +13,7 @@ the stop conditions -> sequences that stop release their blocks.
 
 from __future__ import annotations
 
+import operator
 import os
 import threading
 import time
@@ -115,7 +116,10 @@ class LLMEngine:
         else:
             token_ids = list(prompt)
             vocab = self.config.model.hf_config.vocab_size
-            if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in token_ids):
+            # exact ints (no bools, no floats) within the vocabulary, in C loops: this runs again on the engine
+            # thread for every request, and a Python loop took 7 ms per 100K ids there
+            if token_ids and not (operator.countOf(map(type, token_ids), int) == len(token_ids)
+                                  and min(token_ids) >= 0 and max(token_ids) < vocab):
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if not token_ids:
             raise ValueError("prompt is empty")
