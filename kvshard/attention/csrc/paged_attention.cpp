@@ -1803,7 +1803,9 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
 // PyTorch's flash kernel rounds them, P·V on the tiles into the float32 accumulator. Keys are packed once a call
 // into the tiles' pair-interleaved layout; a thread runs each 512-key block over a span of 8 row blocks in turn, so
 // that the block's packed keys and values come from memory once for 128 rows (at head size 128 they outgrow the
-// core's L2 over a few thousand keys). The flash kernel stays its oracle (tests/test_amx_attention.py).
+// core's L2 over a few thousand keys), and the next row block's Q·Kᵀ runs between the rows of a block's softmax (the
+// tile unit works while the vector units do: 1.06-1.17x on one thread). The flash kernel stays its oracle
+// (tests/test_amx_attention.py).
 namespace amx {
 constexpr int KEYS = 512;  // keys per softmax block: the per-row cost of a block spread over 512 scores
 constexpr int ROWS = 16;   // query rows per block (one tile's rows)
@@ -1891,107 +1893,122 @@ struct Rows {
   }
 };
 
-// Block b's rows over the keys [kb0, kb0 + 512) (kb0 < b.kmax): Q·Kᵀ into S, the softmax's update into P and the
-// state, P·V into the accumulator. The tiles hold nothing between calls (the rows of other blocks use them).
-void keys_block(Rows& b, int kb0, const uint32_t* kp, const uint16_t* vp, int d, float scale2, float* S,
-                uint16_t* P) {
-  const int nd = d / 32, nc = d / 16;
+// Keys of block b's rows in [kb0, kb0 + 512) that its scores cover (kb0 < b.kmax): a multiple of 32.
+inline int block_keys(const Rows& b, int kb0) { return std::min(KEYS, (b.kmax - kb0 + 31) / 32 * 32); }
+
+// Q·Kᵀ of block b's rows over the keys [kb0, kb0 + 512) into S, in steps of 32 keys: load_q puts b's rows in the
+// first tiles, steps(first, last) runs steps [first, last). Its tiles are free again after each step, so the steps
+// can be spread between another block's softmax rows (the tile unit works while the vector units do).
+struct Scores {
+  const uint32_t* kp;
+  float* S;
+  int kb0, d;
+
+  void load_q(const Rows& b) const {
+    _tile_loadd(0, b.q, d * 2);
+    if (d > 32) _tile_loadd(1, b.q + 32, d * 2);
+    if (d > 64) {
+      _tile_loadd(2, b.q + 64, d * 2);
+      _tile_loadd(3, b.q + 96, d * 2);
+    }
+  }
+
+  void steps(int first, int last) const {
+    const int nd = d / 32;
+    for (int step = first; step < last; ++step) {
+      const int s = step * 2;
+      const uint32_t* ka = kp + int64_t((kb0 >> 4) + s) * nd * 256;
+      const uint32_t* kb = ka + nd * 256;
+      if (nd > 2) {  // head size 128: Q in tiles 0-3, the two key tiles' parts through tiles 4 and 7 into 5 and 6
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_loadd(4, ka, 64);
+        _tile_loadd(7, kb, 64);
+        _tile_dpbf16ps(5, 0, 4);
+        _tile_dpbf16ps(6, 0, 7);
+        _tile_loadd(4, ka + 256, 64);
+        _tile_loadd(7, kb + 256, 64);
+        _tile_dpbf16ps(5, 1, 4);
+        _tile_dpbf16ps(6, 1, 7);
+        _tile_loadd(4, ka + 512, 64);
+        _tile_loadd(7, kb + 512, 64);
+        _tile_dpbf16ps(5, 2, 4);
+        _tile_dpbf16ps(6, 2, 7);
+        _tile_loadd(4, ka + 768, 64);
+        _tile_loadd(7, kb + 768, 64);
+        _tile_dpbf16ps(5, 3, 4);
+        _tile_dpbf16ps(6, 3, 7);
+        _tile_stored(5, S + s * 16, KEYS * 4);
+        _tile_stored(6, S + s * 16 + 16, KEYS * 4);
+      } else {  // two key tiles in flight
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_loadd(2, ka, 64);
+        _tile_loadd(3, kb, 64);
+        _tile_dpbf16ps(4, 0, 2);
+        _tile_dpbf16ps(5, 0, 3);
+        if (nd > 1) {
+          _tile_loadd(2, ka + 256, 64);
+          _tile_loadd(3, kb + 256, 64);
+          _tile_dpbf16ps(4, 1, 2);
+          _tile_dpbf16ps(5, 1, 3);
+        }
+        _tile_stored(4, S + s * 16, KEYS * 4);
+        _tile_stored(5, S + s * 16 + 16, KEYS * 4);
+      }
+    }
+  }
+};
+
+// Row r of block b over its nk keys from kb0 (scores in S): the online softmax's update, its weights into P.
+void softmax_row(Rows& b, int r, int kb0, int nk, int d, float scale2, const float* S, uint16_t* P) {
   const __m512 vscale = _mm512_set1_ps(scale2);
-  _tile_loadd(0, b.q, d * 2);
-  if (nd > 1) _tile_loadd(1, b.q + 32, d * 2);
-  if (nd > 2) {
-    _tile_loadd(2, b.q + 64, d * 2);
-    _tile_loadd(3, b.q + 96, d * 2);
+  const float* sr = S + r * KEYS;
+  uint16_t* pr = P + r * KEYS;
+  const int valid = r < b.rows ? std::min(nk, b.limit[r] - kb0) : 0;
+  if (valid <= 0) {  // no key of this block for the row (or a padding row): weights 0, nothing rescaled
+    std::memset(pr, 0, nk * 2);
+    return;
   }
-  const int nk = std::min(KEYS, (b.kmax - kb0 + 31) / 32 * 32);
-  if (nd > 2) {  // head size 128: Q in tiles 0-3, the two key tiles' parts through tiles 4 and 7 into 5 and 6
-    for (int s = 0; s < nk / 16; s += 2) {
-      _tile_zero(5);
-      _tile_zero(6);
-      const uint32_t* ka = kp + int64_t((kb0 >> 4) + s) * nd * 256;
-      const uint32_t* kb = ka + nd * 256;
-      _tile_loadd(4, ka, 64);
-      _tile_loadd(7, kb, 64);
-      _tile_dpbf16ps(5, 0, 4);
-      _tile_dpbf16ps(6, 0, 7);
-      _tile_loadd(4, ka + 256, 64);
-      _tile_loadd(7, kb + 256, 64);
-      _tile_dpbf16ps(5, 1, 4);
-      _tile_dpbf16ps(6, 1, 7);
-      _tile_loadd(4, ka + 512, 64);
-      _tile_loadd(7, kb + 512, 64);
-      _tile_dpbf16ps(5, 2, 4);
-      _tile_dpbf16ps(6, 2, 7);
-      _tile_loadd(4, ka + 768, 64);
-      _tile_loadd(7, kb + 768, 64);
-      _tile_dpbf16ps(5, 3, 4);
-      _tile_dpbf16ps(6, 3, 7);
-      _tile_stored(5, S + s * 16, KEYS * 4);
-      _tile_stored(6, S + s * 16 + 16, KEYS * 4);
-    }
-  } else {
-    for (int s = 0; s < nk / 16; s += 2) {  // two key tiles in flight
-      _tile_zero(4);
-      _tile_zero(5);
-      const uint32_t* ka = kp + int64_t((kb0 >> 4) + s) * nd * 256;
-      const uint32_t* kb = ka + nd * 256;
-      _tile_loadd(2, ka, 64);
-      _tile_loadd(3, kb, 64);
-      _tile_dpbf16ps(4, 0, 2);
-      _tile_dpbf16ps(5, 0, 3);
-      if (nd > 1) {
-        _tile_loadd(2, ka + 256, 64);
-        _tile_loadd(3, kb + 256, 64);
-        _tile_dpbf16ps(4, 1, 2);
-        _tile_dpbf16ps(5, 1, 3);
-      }
-      _tile_stored(4, S + s * 16, KEYS * 4);
-      _tile_stored(5, S + s * 16 + 16, KEYS * 4);
-    }
-  }
-  for (int r = 0; r < ROWS; ++r) {
-    const float* sr = S + r * KEYS;
-    uint16_t* pr = P + r * KEYS;
-    const int valid = r < b.rows ? std::min(nk, b.limit[r] - kb0) : 0;
-    if (valid <= 0) {  // no key of this block for the row (or a padding row): weights 0, nothing rescaled
-      std::memset(pr, 0, nk * 2);
-      continue;
-    }
-    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), mx2 = mx;
-    if (valid == nk) {
-      for (int j = 0; j < nk; j += 32) {
-        mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
-        mx2 = _mm512_max_ps(mx2, _mm512_loadu_ps(sr + j + 16));
-      }
-      mx = _mm512_max_ps(mx, mx2);
-    } else {
-      for (int j = 0; j < nk; j += 16)
-        mx = _mm512_mask_max_ps(mx, first_lanes(valid - j), mx, _mm512_loadu_ps(sr + j));
-    }
-    const float mnew = std::max(b.m[r], _mm512_reduce_max_ps(mx) * scale2);
-    const float alpha = std::exp2(b.m[r] - mnew);
-    const __m512 vm = _mm512_set1_ps(mnew);
-    __m512 sum = _mm512_setzero_ps(), sum2 = sum;
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), mx2 = mx;
+  if (valid == nk) {
     for (int j = 0; j < nk; j += 32) {
-      __m512 e0 = exp2_of(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), vscale, vm));
-      __m512 e1 = exp2_of(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j + 16), vscale, vm));
-      if (j + 32 > valid) {
-        e0 = _mm512_maskz_mov_ps(first_lanes(valid - j), e0);
-        e1 = _mm512_maskz_mov_ps(first_lanes(valid - j - 16), e1);
-      }
-      sum = _mm512_add_ps(sum, e0);
-      sum2 = _mm512_add_ps(sum2, e1);
-      _mm512_storeu_si512(pr + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+      mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + j));
+      mx2 = _mm512_max_ps(mx2, _mm512_loadu_ps(sr + j + 16));
     }
-    b.l[r] = b.l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(sum, sum2));
-    b.m[r] = mnew;
-    if (alpha != 1.f) {
-      const __m512 va = _mm512_set1_ps(alpha);
-      for (int c = 0; c < d; c += 16)
-        _mm512_storeu_ps(b.acc + r * d + c, _mm512_mul_ps(va, _mm512_loadu_ps(b.acc + r * d + c)));
-    }
+    mx = _mm512_max_ps(mx, mx2);
+  } else {
+    for (int j = 0; j < nk; j += 16)
+      mx = _mm512_mask_max_ps(mx, first_lanes(valid - j), mx, _mm512_loadu_ps(sr + j));
   }
-  if (nd > 2) {  // every tile free (Q is loaded again for the next block): P in 0, V through 1-3, four
+  const float mnew = std::max(b.m[r], _mm512_reduce_max_ps(mx) * scale2);
+  const float alpha = std::exp2(b.m[r] - mnew);
+  const __m512 vm = _mm512_set1_ps(mnew);
+  __m512 sum = _mm512_setzero_ps(), sum2 = sum;
+  for (int j = 0; j < nk; j += 32) {
+    __m512 e0 = exp2_of(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), vscale, vm));
+    __m512 e1 = exp2_of(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j + 16), vscale, vm));
+    if (j + 32 > valid) {
+      e0 = _mm512_maskz_mov_ps(first_lanes(valid - j), e0);
+      e1 = _mm512_maskz_mov_ps(first_lanes(valid - j - 16), e1);
+    }
+    sum = _mm512_add_ps(sum, e0);
+    sum2 = _mm512_add_ps(sum2, e1);
+    _mm512_storeu_si512(pr + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+  }
+  b.l[r] = b.l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(sum, sum2));
+  b.m[r] = mnew;
+  if (alpha != 1.f) {
+    const __m512 va = _mm512_set1_ps(alpha);
+    for (int c = 0; c < d; c += 16)
+      _mm512_storeu_ps(b.acc + r * d + c, _mm512_mul_ps(va, _mm512_loadu_ps(b.acc + r * d + c)));
+  }
+}
+
+// P·V of block b's rows over its nk keys from kb0 into their accumulator (weights in P).
+void values(Rows& b, int kb0, int nk, const uint16_t* vp, int d, const uint16_t* P) {
+  const int nc = d / 16;
+  if (d > 64) {  // every tile free (a block's Q is loaded again before its scores): P in 0, V through 1-3, four
     // accumulator tiles of 16 channels in 4-7
     for (int c = 0; c < nc; c += 4) {
       _tile_loadd(4, b.acc + c * 16, d * 4);
@@ -2084,7 +2101,7 @@ std::vector<at::Tensor> amx_attention(const at::Tensor& q, const at::Tensor& k, 
     }
     _tile_loadconfig(&config);
     std::vector<amx::Rows> span(amx::SPAN);
-    std::vector<float> S(amx::ROWS * amx::KEYS);
+    std::vector<float> S(2 * amx::ROWS * amx::KEYS);  // one block's scores while the next block's are made
     std::vector<uint16_t> P(amx::ROWS * amx::KEYS);
     for (int64_t i = begin; i < end; ++i) {
       // a causal group's later rows see more keys: items alternate from both ends so that a thread's contiguous
@@ -2110,9 +2127,30 @@ std::vector<at::Tensor> amx_attention(const at::Tensor& q, const at::Tensor& k, 
         blk.start(int(d));
         kmax = std::max(kmax, blk.kmax);
       }
-      for (int kb0 = 0; kb0 < kmax; kb0 += amx::KEYS)
+      // For each 512-key block: the scores of the span's first block, then for each block its softmax with the next
+      // block's Q·Kᵀ steps spread between its rows (into the other half of S), then its P·V.
+      int active[amx::SPAN];
+      for (int kb0 = 0; kb0 < kmax; kb0 += amx::KEYS) {
+        int n = 0;
         for (int64_t x = 0; x < count; ++x)
-          if (kb0 < span[x].kmax) amx::keys_block(span[x], kb0, kg, vg, int(d), scale2, S.data(), P.data());
+          if (kb0 < span[x].kmax) active[n++] = int(x);
+        amx::Scores opening{kg, S.data(), kb0, int(d)};
+        opening.load_q(span[active[0]]);
+        opening.steps(0, amx::block_keys(span[active[0]], kb0) / 32);
+        for (int i = 0; i < n; ++i) {
+          amx::Rows& blk = span[active[i]];
+          const int nk = amx::block_keys(blk, kb0);
+          float* scores = S.data() + (i & 1) * amx::ROWS * amx::KEYS;
+          amx::Scores next{kg, S.data() + ((i + 1) & 1) * amx::ROWS * amx::KEYS, kb0, int(d)};
+          const int pairs = i + 1 < n ? amx::block_keys(span[active[i + 1]], kb0) / 32 : 0;
+          if (pairs) next.load_q(span[active[i + 1]]);
+          for (int r = 0; r < amx::ROWS; ++r) {
+            next.steps(r * pairs / amx::ROWS, (r + 1) * pairs / amx::ROWS);
+            amx::softmax_row(blk, r, kb0, nk, int(d), scale2, scores, P.data());
+          }
+          amx::values(blk, kb0, nk, vg, int(d), P.data());
+        }
+      }
       for (int64_t x = 0; x < count; ++x) span[x].finish(int(d));
     }
     at::native::cpublas::brgemm_release(true);  // the tiles back, torch's record of the thread's setup cleared
