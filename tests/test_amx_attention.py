@@ -59,6 +59,39 @@ def test_the_amx_path_matches_the_reference_closer_than_the_flash_kernel(shape):
     torch.testing.assert_close(lse, flash_lse, atol=2e-4, rtol=0)
 
 
+
+# (requests, rows, keys, query heads, KV heads, head size, causal): contexts over two to four key ranges of 512, with
+# tails; spans of several row blocks; causal rows whose blocks end before a later range
+RANGED = [(1, 200, 1700, 8, 1, 32, False), (2, 40, 1100, 9, 3, 64, False), (1, 600, 600, 4, 4, 64, True),
+          (1, 21, 1040, 8, 8, 128, False)]
+
+
+@needs_amx
+@pytest.mark.parametrize("shape", RANGED, ids=lambda s: "x".join(map(str, s[:6])) + ("-causal" if s[6] else ""))
+def test_a_long_context_packed_a_range_at_a_time_gives_the_same_bits(shape):
+    """Keys packed `key_range` at a time (the rows' softmax state kept across ranges, so that the packed copy of a long
+    context stays a range's size): the same bits as one range, and the reference's answer."""
+    g, s, length, heads, kv_heads, d, causal = shape
+    gen = torch.Generator().manual_seed(sum(shape[:6]))
+    q = torch.randn(g, s, heads, d, generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(g, length, kv_heads, d, generator=gen).to(torch.bfloat16) for _ in range(2))
+    scale = d ** -0.5
+    whole_out, whole_lse = paged.amx_attention(q, k, v, scale, causal)
+    for key_range in (512, 1024):
+        out, lse = paged.amx_attention(q, k, v, scale, causal, key_range)
+        assert torch.equal(out, whole_out) and torch.equal(lse, whole_lse), key_range
+    want_out, want_lse = _reference(q, k, v, scale, causal)
+    torch.testing.assert_close(whole_out, want_out, atol=6e-3, rtol=0)
+    torch.testing.assert_close(whole_lse, want_lse, atol=1e-5, rtol=0)
+
+
+@needs_amx
+def test_a_key_range_off_the_block_size_is_refused():
+    q = torch.randn(1, 4, 8, 32).to(torch.bfloat16)
+    k = v = torch.randn(1, 600, 1, 32).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="key_range a multiple of 512"):
+        paged.amx_attention(q, k, v, 32 ** -0.5, False, 700)
+
 def test_attention_takes_the_amx_path_only_for_bfloat16_without_a_mask_at_its_head_sizes(monkeypatch):
     calls = []
     monkeypatch.setattr(paged, "amx_attention", lambda *args: calls.append(args[0].shape) or _reference(*args))

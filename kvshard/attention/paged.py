@@ -209,10 +209,12 @@ def _amx_built() -> bool:
 
 
 def amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                  causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  causal: bool, key_range: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """q [g, s, H, d] over k, v [g, L, Hk, d] (bfloat16, d 32, 64 or 128) on AMX tiles: o [g, s, H, d] and lse [g, s, H]
-    (float32); causal (s == L): token t sees keys <= t, else every key. Where `amx_ready`."""
-    out, lse = load_extension().amx_attention(q, k, v, float(scale), bool(causal))
+    (float32); causal (s == L): token t sees keys <= t, else every key. Where `amx_ready`. The keys are packed into
+    the tiles' layout `key_range` at a time (a multiple of 512; 0: 16,384), so a long context's packed copy stays that
+    size; the result does not depend on it."""
+    out, lse = load_extension().amx_attention(q, k, v, float(scale), bool(causal), int(key_range))
     return out, lse
 
 

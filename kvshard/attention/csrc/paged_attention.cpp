@@ -1800,8 +1800,9 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
 // are rows of one group (a row is a (query head, token) pair: each packed key tile serves all of them). A block
 // of 16 rows takes 512 keys at a time: Q·Kᵀ on the tiles into float32 scores, an online softmax in float32 on
 // AVX-512 (2^x by a degree-5 polynomial and the exponent set by vscalefps), the weights rounded to bfloat16 as
-// PyTorch's flash kernel rounds them, P·V on the tiles into the float32 accumulator. Keys are packed once a call
-// into the tiles' pair-interleaved layout; a thread runs each 512-key block over a span of 8 row blocks in turn, so
+// PyTorch's flash kernel rounds them, P·V on the tiles into the float32 accumulator. Keys are packed into the tiles'
+// pair-interleaved layout 16,384 at a time (a longer context is attended a range at a time, the rows' softmax state
+// kept across ranges: its packed copy stays 8 MB a KV head at head size 128); a thread runs each 512-key block over a span of 8 row blocks in turn, so
 // that the block's packed keys and values come from memory once for 128 rows (at head size 128 they outgrow the
 // core's L2 over a few thousand keys), and the next row block's Q·Kᵀ runs between the rows of a block's softmax (the
 // tile unit works while the vector units do: 1.03-1.18x on one thread at head sizes 32 and 64). The flash kernel
@@ -1810,6 +1811,7 @@ namespace amx {
 constexpr int KEYS = 512;  // keys per softmax block: the per-row cost of a block spread over 512 scores
 constexpr int ROWS = 16;   // query rows per block (one tile's rows)
 constexpr int SPAN = 8;    // blocks that take each block of keys in turn, while its packed keys and values are cached
+constexpr int64_t RANGE = 16384;  // keys packed at a time: a longer context is attended a range at a time
 
 struct alignas(64) TileConfig {
   uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
@@ -1838,13 +1840,13 @@ inline __mmask16 first_lanes(int n) { return n >= 16 ? 0xFFFF : (n <= 0 ? 0 : st
 
 // Keys [32 at j0] of one KV head as Q·Kᵀ's B tiles: per 16 keys and 32 channels, 16 rows (channel pairs) x 16
 // keys of 32 bits; values as P·V's B tiles: per 32 keys and 16 channels, 16 rows (key pairs) x 16 channels x 2.
-// Keys past `len` are zeros (their weights are masked to 0).
-void pack(const uint16_t* k, const uint16_t* v, int64_t ks, int64_t vs, int len, int j0, int d, uint32_t* kp,
-          uint16_t* vp) {
+// Keys past `len` are zeros (their weights are masked to 0). kp and vp hold the keys from `base` on.
+void pack(const uint16_t* k, const uint16_t* v, int64_t ks, int64_t vs, int len, int j0, int base, int d,
+          uint32_t* kp, uint16_t* vp) {
   const int nd = d / 32, nc = d / 16;
   for (int half = 0; half < 2; ++half)
     for (int part = 0; part < nd; ++part) {
-      uint32_t* tile = kp + (int64_t((j0 >> 4) + half) * nd + part) * 256;
+      uint32_t* tile = kp + (int64_t(((j0 - base) >> 4) + half) * nd + part) * 256;
       for (int n = 0; n < 16; ++n) {
         const int key = j0 + half * 16 + n;
         const uint32_t* row = key < len ? reinterpret_cast<const uint32_t*>(k + key * ks) + part * 16 : nullptr;
@@ -1852,7 +1854,7 @@ void pack(const uint16_t* k, const uint16_t* v, int64_t ks, int64_t vs, int len,
       }
     }
   for (int c = 0; c < nc; ++c) {
-    uint16_t* tile = vp + (int64_t(j0 >> 5) * nc + c) * 512;
+    uint16_t* tile = vp + (int64_t((j0 - base) >> 5) * nc + c) * 512;
     for (int kk = 0; kk < 16; ++kk)
       for (int e = 0; e < 2; ++e) {
         const int key = j0 + 2 * kk + e;
@@ -1900,9 +1902,9 @@ inline int block_keys(const Rows& b, int kb0) { return std::min(KEYS, (b.kmax - 
 // first tiles, steps(first, last) runs steps [first, last). Its tiles are free again after each step, so the steps
 // can be spread between another block's softmax rows (the tile unit works while the vector units do).
 struct Scores {
-  const uint32_t* kp;
+  const uint32_t* kp;  // packed keys from `base` on
   float* S;
-  int kb0, d;
+  int kb0, d, base;
 
   void load_q(const Rows& b) const {
     _tile_loadd(0, b.q, d * 2);
@@ -1917,7 +1919,7 @@ struct Scores {
     const int nd = d / 32;
     for (int step = first; step < last; ++step) {
       const int s = step * 2;
-      const uint32_t* ka = kp + int64_t((kb0 >> 4) + s) * nd * 256;
+      const uint32_t* ka = kp + int64_t(((kb0 - base) >> 4) + s) * nd * 256;
       const uint32_t* kb = ka + nd * 256;
       if (nd > 2) {  // head size 128: Q in tiles 0-3, the two key tiles' parts through tiles 4 and 7 into 5 and 6
         _tile_zero(5);
@@ -2005,8 +2007,8 @@ void softmax_row(Rows& b, int r, int kb0, int nk, int d, float scale2, const flo
   }
 }
 
-// P·V of block b's rows over its nk keys from kb0 into their accumulator (weights in P).
-void values(Rows& b, int kb0, int nk, const uint16_t* vp, int d, const uint16_t* P) {
+// P·V of block b's rows over its nk keys from kb0 into their accumulator (weights in P; packed values from `base` on).
+void values(Rows& b, int kb0, int base, int nk, const uint16_t* vp, int d, const uint16_t* P) {
   const int nc = d / 16;
   if (d > 64) {  // every tile free (a block's Q is loaded again before its scores): P in 0, V through 1-3, four
     // accumulator tiles of 16 channels in 4-7
@@ -2017,7 +2019,7 @@ void values(Rows& b, int kb0, int nk, const uint16_t* vp, int d, const uint16_t*
       _tile_loadd(7, b.acc + c * 16 + 48, d * 4);
       for (int j = 0; j < nk / 32; ++j) {
         _tile_loadd(0, P + j * 32, KEYS * 2);
-        const uint16_t* vt = vp + (int64_t((kb0 >> 5) + j) * nc + c) * 512;
+        const uint16_t* vt = vp + (int64_t(((kb0 - base) >> 5) + j) * nc + c) * 512;
         _tile_loadd(1, vt, 64);
         _tile_loadd(2, vt + 512, 64);
         _tile_loadd(3, vt + 1024, 64);
@@ -2039,7 +2041,7 @@ void values(Rows& b, int kb0, int nk, const uint16_t* vp, int d, const uint16_t*
     _tile_loadd(5, b.acc + c * 16 + 16, d * 4);
     for (int j = 0; j < nk / 32; ++j) {
       _tile_loadd(6, P + j * 32, KEYS * 2);
-      const uint16_t* vt = vp + (int64_t((kb0 >> 5) + j) * nc + c) * 512;
+      const uint16_t* vt = vp + (int64_t(((kb0 - base) >> 5) + j) * nc + c) * 512;
       _tile_loadd(2, vt, 64);
       _tile_loadd(3, vt + 512, 64);
       _tile_dpbf16ps(4, 6, 2);
@@ -2055,8 +2057,10 @@ bool amx_ready() { return amx::permitted(); }
 
 // q [g, s, H, d], k and v [g, L, Hk, d] (bfloat16, channels contiguous; d 32, 64 or 128): out [g, s, H, d] and lse
 // [g, s, H] (float32). causal: s == L and token t sees keys <= t; else every token sees all L keys. d: 32, 64 or 128.
+// key_range: keys packed at a time (a multiple of 512; 0: RANGE). A context longer than that is packed and attended a
+// range at a time, the rows' softmax state kept across ranges, so that the packed copy stays a range's size.
 std::vector<at::Tensor> amx_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
-                                      bool causal) {
+                                      bool causal, int64_t key_range) {
   TORCH_CHECK(amx::permitted(), "the AMX tiles' state was refused by the system");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "amx_attention: q, k, v are [g, s|L, heads, d]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
@@ -2067,24 +2071,17 @@ std::vector<at::Tensor> amx_attention(const at::Tensor& q, const at::Tensor& k, 
               "amx_attention: k and v of one shape [g, L, Hk, d]");
   TORCH_CHECK(H % Hk == 0 && (!causal || s == L), "amx_attention: heads a multiple of KV heads; causal needs s == L");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "amx_attention: channels contiguous");
+  TORCH_CHECK(key_range >= 0 && key_range % amx::KEYS == 0, "amx_attention: key_range a multiple of ", amx::KEYS);
   const int64_t rep = H / Hk, groups = g * Hk, rows = rep * s, Lp = (L + 31) / 32 * 32;
-  auto kp = at::empty({groups, Lp * d / 2}, q.options().dtype(at::kInt));
-  auto vp = at::empty({groups, Lp * d}, q.options().dtype(at::kShort));
+  const int64_t range = std::min<int64_t>(Lp, key_range > 0 ? key_range : amx::RANGE);
+  const int64_t ranges = (Lp + range - 1) / range;
+  auto kp = at::empty({groups, range * d / 2}, q.options().dtype(at::kInt));
+  auto vp = at::empty({groups, range * d}, q.options().dtype(at::kShort));
   auto out = at::empty({g, s, H, d}, q.options().dtype(at::kFloat));
   auto lse = at::empty({g, s, H}, q.options().dtype(at::kFloat));
   const auto* qd = reinterpret_cast<const uint16_t*>(q.data_ptr());
   const auto* kd = reinterpret_cast<const uint16_t*>(k.data_ptr());
   const auto* vd = reinterpret_cast<const uint16_t*>(v.data_ptr());
-  const int64_t key_units = Lp / 32;
-  at::parallel_for(0, groups * key_units, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t gi = i / key_units, b = gi / Hk, h = gi % Hk;
-      amx::pack(kd + b * k.stride(0) + h * k.stride(2), vd + b * v.stride(0) + h * v.stride(2), k.stride(1),
-                v.stride(1), int(L), int((i % key_units) * 32), int(d),
-                reinterpret_cast<uint32_t*>(kp.data_ptr()) + gi * (Lp * d / 2),
-                reinterpret_cast<uint16_t*>(vp.data_ptr()) + gi * (Lp * d));
-    }
-  });
   // A thread takes a span of up to SPAN blocks of one group and runs each 512-key block of the group's keys over all
   // of them in turn, so that the block's packed keys and values (128 KB at head size 64) are read from memory once
   // for the span, not once for each 16 rows.
@@ -2093,74 +2090,92 @@ std::vector<at::Tensor> amx_attention(const at::Tensor& q, const at::Tensor& k, 
   float* od = out.data_ptr<float>();
   float* ld = lse.data_ptr<float>();
   const float scale2 = float(scale) * 1.44269504088896341f;  // scores in log2 units: 2^x in place of e^x
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    amx::TileConfig config;
-    for (int t = 0; t < 8; ++t) {
-      config.rows[t] = 16;
-      config.colsb[t] = 64;
-    }
-    _tile_loadconfig(&config);
-    std::vector<amx::Rows> span(amx::SPAN);
-    std::vector<float> S(2 * amx::ROWS * amx::KEYS);  // one block's scores while the next block's are made
-    std::vector<uint16_t> P(amx::ROWS * amx::KEYS);
-    for (int64_t i = begin; i < end; ++i) {
-      // a causal group's later rows see more keys: items alternate from both ends so that a thread's contiguous
-      // share holds light and heavy spans alike
-      const int64_t gi = i / spans, j = i % spans, sp = (j % 2 == 0) ? j / 2 : spans - 1 - j / 2;
-      const int64_t b = gi / Hk, h = gi % Hk;
-      const auto* kg = reinterpret_cast<const uint32_t*>(kp.data_ptr()) + gi * (Lp * d / 2);
-      const auto* vg = reinterpret_cast<const uint16_t*>(vp.data_ptr()) + gi * (Lp * d);
-      const int64_t first = sp * amx::SPAN, count = std::min<int64_t>(amx::SPAN, blocks - first);
-      int kmax = 0;
-      for (int64_t x = 0; x < count; ++x) {
-        amx::Rows& blk = span[x];
-        const int64_t r0 = (first + x) * amx::ROWS;
-        blk.rows = int(std::min<int64_t>(amx::ROWS, rows - r0));
-        std::memset(blk.q, 0, sizeof(uint16_t) * amx::ROWS * d);
-        for (int r = 0; r < blk.rows; ++r) {
-          const int64_t row = r0 + r, head = h * rep + row / s, t = row % s;
-          std::memcpy(blk.q + r * d, qd + b * q.stride(0) + t * q.stride(1) + head * q.stride(2), d * 2);
-          blk.limit[r] = causal ? int(t + 1) : int(L);
-          blk.out_rows[r] = od + ((b * s + t) * H + head) * d;
-          blk.lse_rows[r] = ld + (b * s + t) * H + head;
-        }
-        blk.start(int(d));
-        kmax = std::max(kmax, blk.kmax);
+  // over several ranges every block's state lives across them (12 KB a block of 16 rows); over one, a thread's span's
+  std::vector<amx::Rows> state(ranges > 1 ? size_t(groups * blocks) : 0);
+  for (int64_t rg = 0; rg < ranges; ++rg) {
+    const int64_t k0 = rg * range, k1 = std::min(Lp, k0 + range), key_units = (k1 - k0) / 32;
+    at::parallel_for(0, groups * key_units, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t gi = i / key_units, b = gi / Hk, h = gi % Hk;
+        amx::pack(kd + b * k.stride(0) + h * k.stride(2), vd + b * v.stride(0) + h * v.stride(2), k.stride(1),
+                  v.stride(1), int(L), int(k0 + (i % key_units) * 32), int(k0), int(d),
+                  reinterpret_cast<uint32_t*>(kp.data_ptr()) + gi * (range * d / 2),
+                  reinterpret_cast<uint16_t*>(vp.data_ptr()) + gi * (range * d));
       }
-      // For each 512-key block: the scores of the span's first block, then for each block its softmax with the next
-      // block's Q·Kᵀ steps spread between its rows (into the other half of S), then its P·V.
-      int active[amx::SPAN];
-      for (int kb0 = 0; kb0 < kmax; kb0 += amx::KEYS) {
-        int n = 0;
-        for (int64_t x = 0; x < count; ++x)
-          if (kb0 < span[x].kmax) active[n++] = int(x);
-        amx::Scores opening{kg, S.data(), kb0, int(d)};
-        opening.load_q(span[active[0]]);
-        opening.steps(0, amx::block_keys(span[active[0]], kb0) / 32);
-        for (int i = 0; i < n; ++i) {
-          amx::Rows& blk = span[active[i]];
-          const int nk = amx::block_keys(blk, kb0);
-          float* scores = S.data() + (i & 1) * amx::ROWS * amx::KEYS;
-          amx::Scores next{kg, S.data() + ((i + 1) & 1) * amx::ROWS * amx::KEYS, kb0, int(d)};
-          const int pairs = i + 1 < n ? amx::block_keys(span[active[i + 1]], kb0) / 32 : 0;
-          if (pairs) next.load_q(span[active[i + 1]]);
-          for (int r = 0; r < amx::ROWS; ++r) {
-            next.steps(r * pairs / amx::ROWS, (r + 1) * pairs / amx::ROWS);
-            amx::softmax_row(blk, r, kb0, nk, int(d), scale2, scores, P.data());
+    });
+    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+      amx::TileConfig config;
+      for (int t = 0; t < 8; ++t) {
+        config.rows[t] = 16;
+        config.colsb[t] = 64;
+      }
+      _tile_loadconfig(&config);
+      std::vector<amx::Rows> local(ranges > 1 ? 0 : amx::SPAN);
+      std::vector<float> S(2 * amx::ROWS * amx::KEYS);  // one block's scores while the next block's are made
+      std::vector<uint16_t> P(amx::ROWS * amx::KEYS);
+      for (int64_t i = begin; i < end; ++i) {
+        // a causal group's later rows see more keys: items alternate from both ends so that a thread's contiguous
+        // share holds light and heavy spans alike
+        const int64_t gi = i / spans, j = i % spans, sp = (j % 2 == 0) ? j / 2 : spans - 1 - j / 2;
+        const int64_t b = gi / Hk, h = gi % Hk;
+        const auto* kg = reinterpret_cast<const uint32_t*>(kp.data_ptr()) + gi * (range * d / 2);
+        const auto* vg = reinterpret_cast<const uint16_t*>(vp.data_ptr()) + gi * (range * d);
+        const int64_t first = sp * amx::SPAN, count = std::min<int64_t>(amx::SPAN, blocks - first);
+        amx::Rows* span = ranges > 1 ? state.data() + gi * blocks + first : local.data();
+        int kmax = 0;
+        for (int64_t x = 0; x < count; ++x) {
+          amx::Rows& blk = span[x];
+          if (rg == 0) {
+            const int64_t r0 = (first + x) * amx::ROWS;
+            blk.rows = int(std::min<int64_t>(amx::ROWS, rows - r0));
+            std::memset(blk.q, 0, sizeof(uint16_t) * amx::ROWS * d);
+            for (int r = 0; r < blk.rows; ++r) {
+              const int64_t row = r0 + r, head = h * rep + row / s, t = row % s;
+              std::memcpy(blk.q + r * d, qd + b * q.stride(0) + t * q.stride(1) + head * q.stride(2), d * 2);
+              blk.limit[r] = causal ? int(t + 1) : int(L);
+              blk.out_rows[r] = od + ((b * s + t) * H + head) * d;
+              blk.lse_rows[r] = ld + (b * s + t) * H + head;
+            }
+            blk.start(int(d));
           }
-          amx::values(blk, kb0, nk, vg, int(d), P.data());
+          kmax = std::max(kmax, blk.kmax);
         }
+        // For each 512-key block of the range: the scores of the span's first block, then for each block its softmax
+        // with the next block's Q·Kᵀ steps spread between its rows (into the other half of S), then its P·V.
+        int active[amx::SPAN];
+        for (int kb0 = int(k0); kb0 < std::min<int64_t>(kmax, k1); kb0 += amx::KEYS) {
+          int n = 0;
+          for (int64_t x = 0; x < count; ++x)
+            if (kb0 < span[x].kmax) active[n++] = int(x);
+          amx::Scores opening{kg, S.data(), kb0, int(d), int(k0)};
+          opening.load_q(span[active[0]]);
+          opening.steps(0, amx::block_keys(span[active[0]], kb0) / 32);
+          for (int i = 0; i < n; ++i) {
+            amx::Rows& blk = span[active[i]];
+            const int nk = amx::block_keys(blk, kb0);
+            float* scores = S.data() + (i & 1) * amx::ROWS * amx::KEYS;
+            amx::Scores next{kg, S.data() + ((i + 1) & 1) * amx::ROWS * amx::KEYS, kb0, int(d), int(k0)};
+            const int pairs = i + 1 < n ? amx::block_keys(span[active[i + 1]], kb0) / 32 : 0;
+            if (pairs) next.load_q(span[active[i + 1]]);
+            for (int r = 0; r < amx::ROWS; ++r) {
+              next.steps(r * pairs / amx::ROWS, (r + 1) * pairs / amx::ROWS);
+              amx::softmax_row(blk, r, kb0, nk, int(d), scale2, scores, P.data());
+            }
+            amx::values(blk, kb0, int(k0), nk, vg, int(d), P.data());
+          }
+        }
+        if (rg == ranges - 1)
+          for (int64_t x = 0; x < count; ++x) span[x].finish(int(d));
       }
-      for (int64_t x = 0; x < count; ++x) span[x].finish(int(d));
-    }
-    at::native::cpublas::brgemm_release(true);  // the tiles back, torch's record of the thread's setup cleared
-  });
+      at::native::cpublas::brgemm_release(true);  // the tiles back, torch's record of the thread's setup cleared
+    });
+  }
   return {out, lse};
 }
 #else
 bool amx_ready() { return false; }
 
-std::vector<at::Tensor> amx_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, bool) {
+std::vector<at::Tensor> amx_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, bool, int64_t) {
   TORCH_CHECK(false, "amx_attention: this build has no AMX path (the CPU or compiler lacks AMX tiles)");
   return {};
 }
