@@ -206,3 +206,50 @@ def test_the_store_heartbeat_says_once_that_the_store_is_gone_and_ticks_again_wh
         stopping.set()
         ticking.join(5)
     assert not ticking.is_alive()
+
+
+@pytest.mark.parametrize("first", ["collective", "heartbeat"])
+def test_a_rank_says_once_that_it_stops_when_its_collective_and_its_heartbeat_both_find_rank_0_gone(
+        first, monkeypatch, capsys):
+    """Rank 0's end reaches a spawned rank two ways at once, its collective's PeerGoneError on the main thread and its
+    heartbeat thread's check of rank 0's process: one line on stderr, whichever comes first (two lines appeared when
+    both came within a tick)."""
+    import threading
+
+    from kvshard.engine import workers
+    from kvshard.shm import PeerGoneError
+
+    class Ended(Exception):
+        pass
+
+    class Gone:
+        pid = 4242
+
+        def is_alive(self):
+            return False
+
+    def collective_fails(*args, **kwargs):
+        raise PeerGoneError("rank 0 of a shared-memory group (pid 4242) exited")
+
+    def ended(code):
+        raise Ended(code)
+
+    monkeypatch.setattr(workers, "_stop_said", threading.Lock())  # as in a fresh rank's process
+    monkeypatch.setattr(workers, "run_worker", collective_fails)
+    monkeypatch.setattr(workers.signal, "signal", lambda *args: None)  # the rank ignores Ctrl-C: not this process
+    monkeypatch.setattr(workers.os, "_exit", ended)
+
+    def collective():
+        with pytest.raises(SystemExit):
+            workers.spawned_worker(None, 1, ("127.0.0.1", 0))
+
+    def heartbeat():
+        with pytest.raises(Ended):
+            workers._beat({1: 0}, 1, 0.0, Gone())
+
+    for path in (collective, heartbeat) if first == "collective" else (heartbeat, collective):
+        path()
+    said = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    why = ("rank 0 of a shared-memory group (pid 4242) exited" if first == "collective"
+           else "rank 0 (pid 4242) is gone")
+    assert said == [f"kvshard: rank 1: {why}; this rank stops"], said

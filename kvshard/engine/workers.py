@@ -39,6 +39,17 @@ from kvshard.parallel import (
 
 logger = logging.getLogger("kvshard.engine")
 
+# Rank 0's end reaches a spawned rank two ways at once: the collective it waits in fails (PeerGoneError, on the main
+# thread) and its heartbeat thread finds rank 0's process gone. Whichever comes first says so; the other keeps quiet.
+_stop_said = threading.Lock()
+
+
+def _say_this_rank_stops(rank: int, why: object) -> None:
+    """One line on stderr that this rank stops and why, once per process."""
+    if _stop_said.acquire(blocking=False):
+        print(f"kvshard: rank {rank}: {why}; this rank stops", file=sys.stderr, flush=True)
+
+
 # The longest error text a spawned rank hands rank 0 as it fails (rank 0 reports the rank's exit with it).
 RANK_ERROR_CHARS = 500
 
@@ -91,8 +102,7 @@ def _beat(beats, rank: int, interval_s: float, driver: multiprocessing.process.B
     while True:
         beats[rank] += 1  # only this rank writes its counter
         if driver is not None and not driver.is_alive():
-            print(f"kvshard: rank {rank}: rank 0 (pid {driver.pid}) is gone; this rank stops", file=sys.stderr,
-                  flush=True)
+            _say_this_rank_stops(rank, f"rank 0 (pid {driver.pid}) is gone")
             os._exit(1)  # the main thread may be blocked in a C call: nothing else ends the process for sure
         time.sleep(interval_s)
 
@@ -132,7 +142,7 @@ def spawned_worker(config: EngineConfig, rank: int, master: tuple[str, int], bea
     except PeerGoneError as error:
         # another rank's process ended in the middle of a collective: rank 0 (killed, or a server stopped) or a
         # rank whose own error rank 0 reports. Not this rank's fault: one line, not a traceback of its wait
-        print(f"kvshard: rank {rank}: {error}; this rank stops", file=sys.stderr, flush=True)
+        _say_this_rank_stops(rank, error)
         _hand_over(errors, error)
         raise SystemExit(1)
     except Exception as error:
