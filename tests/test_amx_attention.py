@@ -61,9 +61,10 @@ def test_the_amx_path_matches_the_reference_closer_than_the_flash_kernel(shape):
 
 
 # (requests, rows, keys, query heads, KV heads, head size, causal): contexts over two to four key ranges of 512, with
-# tails; spans of several row blocks; causal rows whose blocks end before a later range
+# tails; spans of several row blocks; causal rows whose blocks end before a later range; a context past the default
+# range of 16,384 keys
 RANGED = [(1, 200, 1700, 8, 1, 32, False), (2, 40, 1100, 9, 3, 64, False), (1, 600, 600, 4, 4, 64, True),
-          (1, 21, 1040, 8, 8, 128, False)]
+          (1, 21, 1040, 8, 8, 128, False), (1, 16, 17000, 8, 1, 32, False)]
 
 
 @needs_amx
@@ -76,8 +77,8 @@ def test_a_long_context_packed_a_range_at_a_time_gives_the_same_bits(shape):
     q = torch.randn(g, s, heads, d, generator=gen).to(torch.bfloat16)
     k, v = (torch.randn(g, length, kv_heads, d, generator=gen).to(torch.bfloat16) for _ in range(2))
     scale = d ** -0.5
-    whole_out, whole_lse = paged.amx_attention(q, k, v, scale, causal)
-    for key_range in (512, 1024):
+    whole_out, whole_lse = paged.amx_attention(q, k, v, scale, causal, -(-length // 512) * 512)  # one range
+    for key_range in (0, 512, 1024):  # 0: the default's
         out, lse = paged.amx_attention(q, k, v, scale, causal, key_range)
         assert torch.equal(out, whole_out) and torch.equal(lse, whole_lse), key_range
     want_out, want_lse = _reference(q, k, v, scale, causal)
