@@ -205,3 +205,39 @@ def test_an_unknown_path_is_refused():
     weights, ids = _routing(3, seed=3)
     with pytest.raises(ValueError, match="MoE path 'groupd'"):
         layer(torch.randn(3, HIDDEN), weights, ids, path="groupd")
+
+
+# (tokens, experts, groups, best groups kept, top_k): DeepSeek-V3's 256 experts in 8 groups keeping 4, top 8; V2's 160
+# in 8 keeping 3, top 6; the demo-sized ones; a single group; one token and many
+ROUTERS = [(1, 256, 8, 4, 8), (37, 256, 8, 4, 8), (5, 160, 8, 3, 6), (300, 16, 4, 2, 2), (9, 8, 1, 1, 2),
+           (64, 64, 8, 8, 6)]
+
+
+@pytest.mark.parametrize("method", moe_module.ROUTING_METHODS)
+@pytest.mark.parametrize("shape", ROUTERS, ids=lambda s: "x".join(map(str, s)))
+def test_the_routers_fused_choice_gives_the_eager_chains_experts_and_weights(method, shape, monkeypatch):
+    """The router's choice in one C++ call (`moe_select`, where the extension runs) against PyTorch's chain of
+    operators (`_choose`, its oracle): the same experts in the same order and the same weights, to the bit."""
+    if fused.cpu_ops() is None:
+        pytest.skip("the kernel extension's fused operators do not run here (no compiler, or switched off)")
+    tokens, experts, groups, kept, top_k = shape
+    routing = moe_module.Routing(top_k=top_k, method=method, num_groups=groups, topk_groups=kept,
+                                 norm_topk_prob=method == "noaux_tc", routed_scaling_factor=2.5)
+    router = moe_module.TopKRouter(32, experts, routing)
+    gen = torch.Generator().manual_seed(tokens * experts + len(method))
+    router.weight.copy_(torch.randn(experts, 32, generator=gen))
+    if method == "noaux_tc":
+        router.e_score_correction_bias.copy_(torch.randn(experts, generator=gen) * 0.1)
+    x = torch.randn(tokens, 32, generator=gen).to(torch.bfloat16)
+    chosen = []
+    original = router._choose
+    monkeypatch.setattr(router, "_choose", lambda logits: chosen.append(1) or original(logits))
+    fused_weights, fused_ids = router(x)
+    assert not chosen  # the fused call made the choice
+    with monkeypatch.context() as patch:
+        patch.setattr(fused, "ops_for", lambda *args, **kwargs: None)
+        weights, ids = router(x)
+    assert chosen
+    assert torch.equal(fused_ids, ids), (fused_ids, ids)
+    assert torch.equal(fused_weights, weights)
+    assert fused_weights.dtype == torch.float32 and fused_ids.dtype == torch.int64

@@ -76,6 +76,22 @@ class TopKRouter(nn.Module):
         """[t, D] -> (weights [t, k] float32, expert ids [t, k])."""
         routing = self.routing
         logits = nn.functional.linear(x.float(), self.weight)  # [t, E]
+        ops = fused.ops_for(logits)
+        if ops is not None:  # the choice between the scores and the normalisation in one C++ call (the chain below:
+            # its oracle, and the path inside a compiled graph and off a CPU)
+            scores = logits.sigmoid() if routing.method == "noaux_tc" else logits.softmax(dim=-1)
+            bias = self.e_score_correction_bias if routing.method == "noaux_tc" else torch.empty(0)
+            weights, ids = ops.moe_select(scores.contiguous(), bias, ROUTING_METHODS.index(routing.method),
+                                          routing.num_groups, routing.topk_groups, routing.top_k)
+        else:
+            weights, ids = self._choose(logits)
+        if routing.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * routing.routed_scaling_factor, ids
+
+    def _choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts and their (unnormalised) weights from the logits, in PyTorch's operators."""
+        routing = self.routing
         if routing.method == "noaux_tc":
             scores = logits.sigmoid()
             # the bias balances the load: it decides which experts, never how much they weigh
@@ -88,9 +104,7 @@ class TopKRouter(nn.Module):
             if routing.method == "group_limited_greedy":
                 scores = self._keep_best_groups(scores, lambda g: g.amax(dim=-1), 0.0)
             weights, ids = scores.topk(routing.top_k, dim=-1)
-        if routing.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * routing.routed_scaling_factor, ids
+        return weights, ids
 
     def _keep_best_groups(self, scores: torch.Tensor, group_score, fill: float) -> torch.Tensor:
         """Only experts of the `topk_groups` best groups stay candidates; the others get `fill`."""

@@ -1791,6 +1791,73 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& weights, const at:
 }
 
 
+// The experts a token's router picks, from its scores (float32 [t, E], rows contiguous; softmax or sigmoid already
+// taken): what TopKRouter's eager chain does between the scores and the weights' normalisation, in one call.
+// method 0 (noaux_tc): the choice is scores + bias, groups ranked by the sum of their two best choices, the weights
+// the unbiased scores; 1 (greedy): the top_k scores; 2 (group_limited_greedy): groups ranked by their best score.
+// Experts outside the topk_groups best groups are out of the choice (-inf; 0 for method 2, as masked_fill leaves
+// them). Order: by value, the lower index first among equals. Returns weights [t, top_k] float32, ids [t, top_k] int64.
+std::vector<at::Tensor> moe_select(const at::Tensor& scores, const at::Tensor& bias, int64_t method, int64_t groups,
+                                   int64_t topk_groups, int64_t top_k) {
+  TORCH_CHECK(scores.dim() == 2 && scores.scalar_type() == at::kFloat && scores.is_contiguous(),
+              "moe_select: scores are contiguous float32 [t, E]");
+  const int64_t t = scores.size(0), E = scores.size(1);
+  TORCH_CHECK(method >= 0 && method <= 2 && groups > 0 && E % groups == 0 && topk_groups > 0 &&
+                  topk_groups <= groups && top_k > 0 && top_k <= E, "moe_select: bad routing arguments");
+  TORCH_CHECK(method != 0 || (bias.defined() && bias.numel() == E && bias.scalar_type() == at::kFloat &&
+                              bias.is_contiguous()), "moe_select: noaux_tc needs a float32 bias of E");
+  auto weights = at::empty({t, top_k}, scores.options());
+  auto ids = at::empty({t, top_k}, scores.options().dtype(at::kLong));
+  const float* sd = scores.data_ptr<float>();
+  const float* bd = method == 0 ? bias.data_ptr<float>() : nullptr;
+  float* wd = weights.data_ptr<float>();
+  int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t per = E / groups;
+  const float fill = method == 2 ? 0.f : -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, t, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> choice(E), rank(groups);
+    std::vector<int64_t> order(std::max(E, groups));
+    for (int64_t i = begin; i < end; ++i) {
+      const float* sc = sd + i * E;
+      for (int64_t e = 0; e < E; ++e) choice[e] = bd ? sc[e] + bd[e] : sc[e];
+      if (method != 1) {
+        for (int64_t g = 0; g < groups; ++g) {
+          const float* c = choice.data() + g * per;
+          if (method == 0) {  // the sum of the group's two best (one expert a group: itself)
+            float a = -std::numeric_limits<float>::infinity(), b = a;
+            for (int64_t e = 0; e < per; ++e) {
+              if (c[e] > a) {
+                b = a;
+                a = c[e];
+              } else if (c[e] > b) {
+                b = c[e];
+              }
+            }
+            rank[g] = per > 1 ? a + b : a;
+          } else {
+            rank[g] = *std::max_element(c, c + per);
+          }
+        }
+        std::iota(order.begin(), order.begin() + groups, 0);
+        std::partial_sort(order.begin(), order.begin() + topk_groups, order.begin() + groups,
+                          [&](int64_t x, int64_t y) { return rank[x] > rank[y] || (rank[x] == rank[y] && x < y); });
+        std::vector<char> kept(groups, 0);
+        for (int64_t g = 0; g < topk_groups; ++g) kept[order[g]] = 1;
+        for (int64_t g = 0; g < groups; ++g)
+          if (!kept[g]) std::fill(choice.begin() + g * per, choice.begin() + (g + 1) * per, fill);
+      }
+      std::iota(order.begin(), order.begin() + E, 0);
+      std::partial_sort(order.begin(), order.begin() + top_k, order.begin() + E,
+                        [&](int64_t x, int64_t y) { return choice[x] > choice[y] || (choice[x] == choice[y] && x < y); });
+      for (int64_t j = 0; j < top_k; ++j) {
+        id[i * top_k + j] = order[j];
+        wd[i * top_k + j] = method == 0 ? sc[order[j]] : choice[order[j]];
+      }
+    }
+  });
+  return {weights, ids};
+}
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(KVSHARD_TILED)
 #include <ATen/native/CPUBlas.h>
 #include <sys/syscall.h>
@@ -2192,6 +2259,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_ready", &amx_ready, "Whether this build has the AMX path and the system gave the process the tiles");
   m.def("amx_attention", &amx_attention,
         "Attention with LSE of bfloat16 rows on AMX tiles (CPU; head size 32, 64 or 128)");
+  m.def("moe_select", &moe_select, "The experts a token's router picks from its scores, and their weights (CPU)");
   m.def("moe_experts", &moe_experts, "The routed experts of one MoE layer: sorted, gathered, ATen's products (CPU)");
 #if defined(KVSHARD_TILED)
   m.attr("tiled") = true;
