@@ -156,8 +156,9 @@ REGISTRY: dict[str, EnvVar] = _declare(
            "CPU: linear layers run oneDNN on weights reordered once at load; 0 keeps torch's linear",
            numerics=True),
     EnvVar("KVSHARD_FUSED_ELEMENTWISE", SWITCH, True,
-           "CPU: RMSNorm, SiLU-and-multiply, the rotary embedding and the attention's LSE merge run as fused C++ "
-           "operators of kvshard's kernel extension; 0 keeps PyTorch's eager operators", numerics=True),
+           "CPU: RMSNorm, SiLU-and-multiply, the rotary embedding, the attention's LSE merge and the MoE router's "
+           "choice run as fused C++ operators of kvshard's kernel extension; 0 keeps PyTorch's eager operators",
+           numerics=True),
     EnvVar("KVSHARD_NUM_THREADS", POSITIVE_INT, None,
            "torch threads per rank (a matmul's split over threads can change its rounding)", numerics=True,
            shown_default="cores / ranks"),
