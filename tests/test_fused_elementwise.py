@@ -192,5 +192,12 @@ def test_the_start_up_report_names_them(ops, monkeypatch):
     assert "(fused for float32 and bfloat16 only)" in fused.describe(half, "cpu")
     compiled = EngineArgs(model="kvshard-demo-gqa", compilation_config=3).create_engine_config()
     assert "inductor's, fused in the compiled model step" in fused.describe(compiled, "cpu")
+    assert "MoE router" not in fused.describe(config, "cpu")  # no routed experts
+    moe = EngineArgs(model="kvshard-demo-mla").create_engine_config()
+    assert fused.describe(moe, "cpu").endswith("; the MoE router's choice: fused C++")
+    assert fused.describe(moe, "cuda").endswith("; the MoE router's choice: PyTorch's operators")
+    compiled_moe = EngineArgs(model="kvshard-demo-mla", compilation_config=3).create_engine_config()
+    assert fused.describe(compiled_moe, "cpu").endswith("; the MoE router's choice: PyTorch's operators")
     monkeypatch.setenv("KVSHARD_FUSED_ELEMENTWISE", "0")
     assert "(KVSHARD_FUSED_ELEMENTWISE=0)" in fused.describe(config, "cpu")
+    assert fused.describe(moe, "cpu").endswith("; the MoE router's choice: PyTorch's operators")

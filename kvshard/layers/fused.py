@@ -25,12 +25,26 @@ from kvshard.attention.fused_ops import FUSED_DTYPES, cpu_ops, ops_for, reset  #
 
 
 def describe(config, device_type: str | None = None) -> str:
-    """The start-up report's line: which elementwise operators the model step runs."""
+    """The start-up report's line: which elementwise operators the model step runs (and, for a model with routed
+    experts, where its router makes its choice)."""
     from kvshard.attention import paged
     from kvshard.compilation import compile_unavailable
 
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    line = _elementwise(config, device_type)
+    hf = config.model.hf_config
+    if getattr(hf, "n_routed_experts", None) and getattr(hf, "first_k_dense_replace", 0) < hf.num_hidden_layers:
+        fused_router = (device_type == "cpu" and envs.get("KVSHARD_FUSED_ELEMENTWISE")
+                        and paged.load_extension() is not None and compile_unavailable(config, device_type) is not None)
+        line += "; the MoE router's choice: " + ("fused C++" if fused_router else "PyTorch's operators")
+    return line
+
+
+def _elementwise(config, device_type: str) -> str:
+    from kvshard.attention import paged
+    from kvshard.compilation import compile_unavailable
+
     three = "RMSNorm, SiLU-and-multiply and rotary embedding"
     eager = f"elementwise operators: PyTorch's eager {three} and LSE merge"
     if device_type != "cpu":
