@@ -74,6 +74,14 @@ class ModelConfig:
         """Features of one head's attention output, the input of the output projection."""
         return self.hf_config.v_head_dim if self.is_mla else head_dim_of(self.hf_config)
 
+    @property
+    def routed_experts(self) -> int:
+        """The routed experts of a MoE model's MoE layers (DeepSeek's `n_routed_experts`, its layers from
+        `first_k_dense_replace` on); 0 for a model without any."""
+        cfg = self.hf_config
+        routed = getattr(cfg, "n_routed_experts", None) or 0
+        return routed if getattr(cfg, "first_k_dense_replace", 0) < cfg.num_hidden_layers else 0
+
     def head_projection_params(self, query_heads: int, kv_heads: int) -> int:
         """Parameters per layer of the projections a rank splits by head: GQA's Q, K and V for
         `query_heads` and `kv_heads` heads; MLA's Q (or q_b after the shared Q LoRA), W_UK, which
@@ -92,8 +100,8 @@ class ModelConfig:
         """Sizes the MLP / experts split over all T ranks, by what they are (for error messages). The routed
         experts split by their count with expert parallelism (whole experts on each rank), else by their width."""
         cfg = self.hf_config
-        routed = getattr(cfg, "n_routed_experts", None) or 0
-        has_moe = routed and getattr(cfg, "first_k_dense_replace", 0) < cfg.num_hidden_layers
+        routed = self.routed_experts
+        has_moe = routed > 0
         sizes = {}
         if not has_moe or getattr(cfg, "first_k_dense_replace", 0) > 0:
             sizes["MLP width (intermediate_size)"] = cfg.intermediate_size

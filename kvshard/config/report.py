@@ -72,8 +72,8 @@ def startup_report(config: EngineConfig, compile_seconds: float | None = None) -
 def _experts_line(config: EngineConfig) -> str | None:
     """How a MoE model's routed experts split over the ranks; None for a model without them."""
     cfg, tp = config.model.hf_config, config.parallel.tensor_parallel_size
-    routed = getattr(cfg, "n_routed_experts", None) or 0
-    if not routed or getattr(cfg, "first_k_dense_replace", 0) >= cfg.num_hidden_layers:
+    routed = config.model.routed_experts
+    if not routed:
         return None
     width = cfg.moe_intermediate_size
     if tp == 1:

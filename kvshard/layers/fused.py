@@ -33,8 +33,7 @@ def describe(config, device_type: str | None = None) -> str:
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     line = _elementwise(config, device_type)
-    hf = config.model.hf_config
-    if getattr(hf, "n_routed_experts", None) and getattr(hf, "first_k_dense_replace", 0) < hf.num_hidden_layers:
+    if config.model.routed_experts:
         fused_router = (device_type == "cpu" and envs.get("KVSHARD_FUSED_ELEMENTWISE")
                         and paged.load_extension() is not None and compile_unavailable(config, device_type) is not None)
         line += "; the MoE router's choice: " + ("fused C++" if fused_router else "PyTorch's operators")

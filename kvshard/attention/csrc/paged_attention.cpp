@@ -1817,6 +1817,7 @@ std::vector<at::Tensor> moe_select(const at::Tensor& scores, const at::Tensor& b
   at::parallel_for(0, t, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> choice(E), rank(groups);
     std::vector<int64_t> order(std::max(E, groups));
+    std::vector<char> kept(groups);
     for (int64_t i = begin; i < end; ++i) {
       const float* sc = sd + i * E;
       for (int64_t e = 0; e < E; ++e) choice[e] = bd ? sc[e] + bd[e] : sc[e];
@@ -1841,7 +1842,7 @@ std::vector<at::Tensor> moe_select(const at::Tensor& scores, const at::Tensor& b
         std::iota(order.begin(), order.begin() + groups, 0);
         std::partial_sort(order.begin(), order.begin() + topk_groups, order.begin() + groups,
                           [&](int64_t x, int64_t y) { return rank[x] > rank[y] || (rank[x] == rank[y] && x < y); });
-        std::vector<char> kept(groups, 0);
+        std::fill(kept.begin(), kept.end(), 0);
         for (int64_t g = 0; g < topk_groups; ++g) kept[order[g]] = 1;
         for (int64_t g = 0; g < groups; ++g)
           if (!kept[g]) std::fill(choice.begin() + g * per, choice.begin() + (g + 1) * per, fill);
