@@ -317,3 +317,30 @@ def _hold_builder_lock(build: str, held, seconds: float) -> None:
     with paged._builder_lock(Path(build)):
         held.set()
         time.sleep(seconds)
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_packed_of_takes_the_kernels_packed_output_as_it_is(inference):
+    # the kernel's o and lse are views of one [t, H, dv + 1]: packed_of hands that tensor on without a copy, also under
+    # torch.inference_mode (the engine's steps), where a view records no base; anything else is concatenated
+    with torch.inference_mode(inference):
+        packed = torch.randn(5, 3, 9)
+        out, lse = packed[..., :-1], packed[..., -1]
+        whole = paged.packed_of(out, lse)
+        assert whole.data_ptr() == packed.data_ptr() and whole.shape == (5, 3, 9) and torch.equal(whole, packed)
+        rows = packed[1:4]  # a run of rows of it: still one tensor
+        assert paged.packed_of(rows[..., :-1], rows[..., -1]).data_ptr() == rows.data_ptr()
+        empty_out, empty_lse = paged.empty_packed(4, 2, 6, torch.device("cpu"))
+        assert paged.packed_of(empty_out, empty_lse).data_ptr() == empty_out.data_ptr()
+        cases = [
+            (out.clone(), lse.clone()),  # apart
+            (out, packed[..., 0]),  # lse not the channel after o
+            (packed[:, :, 1:], packed[..., 0]),  # o not first
+            (packed[::2, :, :-1], packed[::2, :, -1]),  # every second row: strided
+            (torch.randn(4, 2, 8)[..., :7], torch.randn(4, 2))
+        ]
+        for o, l in cases:
+            glued = paged.packed_of(o, l)
+            assert glued.shape == (o.shape[0], o.shape[1], o.shape[2] + 1)
+            assert torch.equal(glued[..., :-1], o) and torch.equal(glued[..., -1], l)
+            assert glued.untyped_storage().data_ptr() != o.untyped_storage().data_ptr()  # a copy

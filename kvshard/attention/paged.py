@@ -327,12 +327,15 @@ def empty_packed(t: int, heads: int, dv: int, device: torch.device) -> tuple[tor
 
 def packed_of(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """[t, H, dv + 1]: o and lse side by side, without a copy where they are views of one such
-    tensor (the kernel's output, `empty_packed`), else concatenated."""
-    base = out._base
-    if (base is not None and lse._base is base and base.dim() == 3 and base.is_contiguous()
-            and base.shape[:2] == out.shape[:2] and base.shape[-1] == out.shape[-1] + 1
-            and out.data_ptr() == base.data_ptr() and lse.data_ptr() == base.data_ptr() + out.shape[-1] * 4):
-        return base
+    tensor (the kernel's output, `empty_packed`), else concatenated. Told by where they lie, not by `Tensor._base`:
+    under `torch.inference_mode` (the engine's steps) a view records no base."""
+    if out.dim() == 3 and lse.dim() == 2 and out.dtype == lse.dtype and out.device == lse.device:
+        t, heads, dv = out.shape
+        strides = (heads * (dv + 1), dv + 1, 1)
+        if (t and heads and tuple(lse.shape) == (t, heads) and out.stride() == strides
+                and lse.stride() == strides[:2] and lse.storage_offset() == out.storage_offset() + dv
+                and out.untyped_storage().data_ptr() == lse.untyped_storage().data_ptr()):
+            return out.as_strided((t, heads, dv + 1), strides)
     return torch.cat([out, lse.unsqueeze(-1)], dim=-1)
 
 
