@@ -337,9 +337,17 @@ def tcp_state(local_port: int, remote_port: int) -> str | None:
 
 
 def free_local_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports free now, all different: each socket stays bound until every port is picked (a socket closed before the
+    next is bound may hand the same port out twice, and two servers then race for it)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 @contextlib.contextmanager

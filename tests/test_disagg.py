@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 
@@ -29,7 +27,7 @@ from kvshard.disagg.params import prompt_digest
 from kvshard.disagg.secret import HEADER, deployment_secret
 from kvshard.entrypoints.proxy import Proxy
 from kvshard.models.demo import DEMO_CONFIGS, build_demo_model
-from server_harness import Server, start_together, stop_all
+from server_harness import Server, free_ports, start_together, stop_all
 from stand_in import Backend
 
 BLOCKS_USED = "kvshard:kv_cache_blocks_used"
@@ -73,15 +71,6 @@ def role(kv_role: str, short_timeouts: bool = True) -> list[str]:
     kvshard's defaults."""
     extra = {"hold_timeout_s": HOLD_TIMEOUT_S, "transfer_timeout_s": TRANSFER_TIMEOUT_S} if short_timeouts else {}
     return ["--kv-transfer-config", json.dumps({"kv_role": kv_role, "kv_connector_extra_config": extra})]
-
-
-def free_ports(count: int) -> list[int]:
-    """Ports free now, all different (each socket stays bound until every port is picked)."""
-    with ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
 
 
 def start_proxy(port: int, prefill: list[str], decode: list[str], log_path) -> Server:

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from kvshard.disagg.params import prompt_digest
 from kvshard.disagg.secret import HEADER
-from server_harness import Server, start_together, stop_all
+from server_harness import Server, free_ports, start_together, stop_all
 
 MODEL = "kvshard-demo-gqa"
 SECRET = "security-test-secret-" + uuid.uuid4().hex
@@ -45,16 +45,10 @@ def role(kv_role: str) -> list[str]:
     return ["--kv-transfer-config", json.dumps({"kv_role": kv_role, "kv_connector_extra_config": extra})]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("security")
-    producer_port, consumer_port, proxy_port = free_port(), free_port(), free_port()
+    producer_port, consumer_port, proxy_port = free_ports(3)
     proxy_args = ["--prefill", f"http://127.0.0.1:{producer_port}", "--decode", f"http://127.0.0.1:{consumer_port}"]
     started = start_together([
         partial(Server, [*COMMON, *role("kv_producer")], tmp / "producer.log", port=producer_port, env=ENV,
