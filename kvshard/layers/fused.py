@@ -27,15 +27,15 @@ from kvshard.attention.fused_ops import FUSED_DTYPES, cpu_ops, ops_for, reset  #
 def describe(config, device_type: str | None = None) -> str:
     """The start-up report's line: which elementwise operators the model step runs (and, for a model with routed
     experts, where its router makes its choice)."""
-    from kvshard.attention import paged
     from kvshard.compilation import compile_unavailable
 
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     line = _elementwise(config, device_type)
     if config.model.routed_experts:
-        fused_router = (device_type == "cpu" and envs.get("KVSHARD_FUSED_ELEMENTWISE")
-                        and paged.load_extension() is not None and compile_unavailable(config, device_type) is not None)
+        # as TopKRouter asks: the fused operators on (`cpu_ops`) and the step eager (a compiled graph keeps the chain)
+        fused_router = (device_type == "cpu" and cpu_ops() is not None
+                        and compile_unavailable(config, device_type) is not None)
         line += "; the MoE router's choice: " + ("fused C++" if fused_router else "PyTorch's operators")
     return line
 

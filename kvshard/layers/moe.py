@@ -32,6 +32,7 @@ from kvshard.layers.linear import copy_whole
 from kvshard.parallel import ParallelState
 
 ROUTING_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
+_NO_BIAS = torch.empty(0)  # moe_select's bias for the methods without one (not made again each layer and step)
 # Multiply-adds of the grouped path's padded products (experts x rows x 3 I D) up to which `auto` takes it.
 # The MLA demo's experts: grouped is faster up to a few hundred tokens (70M), slower from ~1,000 (220M), where
 # the experts' own products outweigh the loop's dispatch (scripts/bench_moe.py; BENCHMARKS.md section 18).
@@ -80,7 +81,7 @@ class TopKRouter(nn.Module):
         if ops is not None:  # the choice between the scores and the normalisation in one C++ call (the chain below:
             # its oracle, and the path inside a compiled graph and off a CPU)
             scores = logits.sigmoid() if routing.method == "noaux_tc" else logits.softmax(dim=-1)
-            bias = self.e_score_correction_bias if routing.method == "noaux_tc" else torch.empty(0)
+            bias = self.e_score_correction_bias if routing.method == "noaux_tc" else _NO_BIAS
             weights, ids = ops.moe_select(scores.contiguous(), bias, ROUTING_METHODS.index(routing.method),
                                           routing.num_groups, routing.topk_groups, routing.top_k)
         else:
