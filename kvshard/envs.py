@@ -143,9 +143,10 @@ REGISTRY: dict[str, EnvVar] = _declare(
            "PyTorch's flash kernel, 0 in the paged kernel", numerics=True,
            shown_default="flash for bfloat16 queries on a CPU with AMX tiles, else the kernel"),
     EnvVar("KVSHARD_AMX_ATTENTION", SWITCH, True,
-           "bfloat16 attention of head size 32, 64 or 128 with no mask (a long prefill chunk's to itself and to its "
-           "cached context) in the paged kernel's AMX path where the CPU has AMX tiles; 0 keeps PyTorch's flash "
-           "kernel", numerics=True),
+           "bfloat16 attention on AMX tiles where the CPU has them: the paged kernel's rows over the cache with keys "
+           "of head size 32 to 128 (a multiple of 32), and long prefill chunks of head size 32, 64 or 128 with no "
+           "mask (to themselves and to their cached context); 0 keeps the kernel's vector registers for the first "
+           "and PyTorch's flash kernel for the second", numerics=True),
     EnvVar("KVSHARD_DECODE_GROUP_SPREAD", NON_NEGATIVE_INT, 1024,
            "decodes attend in groups padded to their longest member, spanning at most this many tokens of "
            "local context; 0 gives each local length a group of its own", numerics=True),

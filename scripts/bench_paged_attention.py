@@ -1,10 +1,11 @@
 """Micro-benchmark of attention over the paged KV cache on CPU: decode rows of a batch over
 their cached context.
 
-Compares the paged kernel (kvshard/attention/paged.py: reads the blocks where they lie; its AVX-512
-tiles where the CPU has them, the query vectors in the lanes where a row's heads on their KV head are 16
-or a multiple, or 8 or a multiple on a bfloat16 cache or a float32 latent; the tiles with the tokens in
-the lanes for every item in the `token-lanes ms` column; its portable loops in the `portable ms` column) with
+Compares the paged kernel (kvshard/attention/paged.py: reads the blocks where they lie; bfloat16 keys of head
+size 32 to 128 on AMX tiles where the CPU has them; else its AVX-512 tiles where the CPU has them, the query vectors
+in the lanes where a row's heads on their KV head are 16 or a multiple, or 8 or a multiple on a bfloat16 cache or a
+float32 latent; as chosen with no AMX tiles in the `no-AMX ms` column; the AVX-512 tiles with the tokens in the lanes
+for every item in the `token-lanes ms` column; its portable loops in the `portable ms` column) with
 the gather path (KVCacheLayer.gather into reused buffers, then attention_with_lse, PyTorch's flash
 kernel) and the plain-matmul reference over the same gathered copy. Reports the median time per
 call (the paged and gather+flash samples taken in turn, so that other load falls on both), the KV bytes the call must read (every visible token's K and V, as stored) per second,
@@ -203,11 +204,12 @@ def next_tables(s) -> torch.Tensor:
     return s["pool_tables"][s["calls"] % s["pool_tables"].shape[0]]
 
 
-def run_paged(s, portable: bool = False, vector_lanes: bool = True, tables: torch.Tensor | None = None):
+def run_paged(s, portable: bool = False, vector_lanes: bool = True, tables: torch.Tensor | None = None,
+              amx_tiles: bool | None = None):
     c = s["cache"]
     return paged.paged_attention(s["q"], c.key, c.value, next_tables(s) if tables is None else tables, s["row_seq"],
                                  s["row_lens"], c.block_size, s["scale"], use_kernel=True, portable=portable,
-                                 vector_lanes=vector_lanes)
+                                 vector_lanes=vector_lanes, amx_tiles=amx_tiles)
 
 
 def run_gather_flash(s, buffers):
@@ -260,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads; copy bandwidth {bandwidth / 1e9:.1f} GB/s "
           f"(bytes read per second by a 0.5 GiB tensor copy)")
     print(f"{'shape':5} {'dtype':5} {'batch':>5} {'context':>7} {'KV MB':>8} | {'paged ms':>9} {'GB/s':>6} {'%copy':>6}"
-          f" | {'token-lanes ms':>14} | {'portable ms':>11} | {'gather+flash ms':>15} {'GB/s':>6}"
+          f" | {'no-AMX ms':>9} | {'token-lanes ms':>14} | {'portable ms':>11} | {'gather+flash ms':>15} {'GB/s':>6}"
           f" | {'reference ms':>12} | {'speedup':>7}"
           f" {'max|do|':>8}")
     rows = []
@@ -276,8 +278,9 @@ def main(argv: list[str] | None = None) -> int:
                     s = setup(shape, DTYPES[dname], batch, context, args.block_size, rows=args.rows,
                               pools=args.cold)
                     buffers = GatherBuffers()  # reused across calls, as the layers of a step do
-                    t_paged, t_tokens, t_portable, t_flash = timed_together(
-                        [lambda: run_paged(s), lambda: run_paged(s, vector_lanes=False),
+                    t_paged, t_vector, t_tokens, t_portable, t_flash = timed_together(
+                        [lambda: run_paged(s), lambda: run_paged(s, amx_tiles=False),
+                         lambda: run_paged(s, vector_lanes=False, amx_tiles=False),
                          lambda: run_paged(s, portable=True), lambda: run_gather_flash(s, buffers)], args.repeat)
                     o_p, _ = run_paged(s, tables=s["tables"])
                     o_f, _ = run_gather_flash(s, buffers)
@@ -287,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                         t_ref = timed(lambda: run_reference(s, buffers), max(1, args.repeat // 2))
                     del buffers
                     row = dict(shape=shape, dtype=dname, batch=batch, context=context, kv_bytes=s["kv_bytes"],
-                               paged_s=t_paged, token_lanes_s=t_tokens, portable_s=t_portable,
+                               paged_s=t_paged, no_amx_s=t_vector, token_lanes_s=t_tokens, portable_s=t_portable,
                                gather_flash_s=t_flash, reference_s=t_ref,
                                paged_gbps=s["kv_bytes"] / t_paged / 1e9, flash_gbps=s["kv_bytes"] / t_flash / 1e9,
                                copy_gbps=bandwidth / 1e9, max_abs_diff=diff)
@@ -295,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
                     ref = f"{t_ref * 1e3:12.2f}" if t_ref is not None else f"{'-':>12}"
                     print(f"{shape:5} {dname:5} {batch:5} {context:7} {s['kv_bytes'] / 1e6:8.1f} | "
                           f"{t_paged * 1e3:9.2f} {row['paged_gbps']:6.1f} {100 * s['kv_bytes'] / t_paged / bandwidth:5.0f}%"
-                          f" | {t_tokens * 1e3:14.2f} | {t_portable * 1e3:11.2f} | {t_flash * 1e3:15.2f}"
+                          f" | {t_vector * 1e3:9.2f} | {t_tokens * 1e3:14.2f} | {t_portable * 1e3:11.2f}"
+                          f" | {t_flash * 1e3:15.2f}"
                           f" {row['flash_gbps']:6.1f} | {ref} | "
                           f"{t_flash / t_paged:6.2f}x {diff:8.1e}", flush=True)
                     del s

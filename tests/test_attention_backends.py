@@ -45,6 +45,8 @@ def test_auto_is_the_paged_kernel_and_the_report_names_the_backend(checkpoints, 
     assert config.attention_backend == "paged"
     assert "attention backend: paged" in config.layout_report()
     path_name = "AVX-512 tiles" if paged.load_extension().tiled else "portable loops"  # the build's path, named
+    if paged.load_extension().tiled and paged.amx_ready():
+        path_name += "; AMX tiles for bfloat16 keys of head size 32 to 128"
     assert f"reading the paged KV cache in place: {path_name})" in config.layout_report()
     gather = EngineArgs(model=path, attention_backend="gather").create_engine_config()
     assert gather.attention_backend == "gather" and "attention backend: gather" in gather.layout_report()

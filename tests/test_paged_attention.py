@@ -92,18 +92,27 @@ def _check(out, lse, ref_out, ref_lse, atol, rtol):
 
 
 def _paged_kernel(q, key, value, tables, row_seq, row_lens, block_size, scale, k_scale, v_scale, split_tokens=0,
-                  path="vector-lanes"):
+                  path="chosen"):
     return paged.paged_attention(q, key, value, tables, row_seq, row_lens, block_size, scale, k_scale, v_scale,
                                  split_tokens=split_tokens, use_kernel=True, portable=path == "portable",
-                                 vector_lanes=path == "vector-lanes")
+                                 vector_lanes=path in ("chosen", "vector-lanes"),
+                                 amx_tiles=None if path == "chosen" else path == "amx")
 
 
-@pytest.fixture(params=["vector-lanes", "token-lanes", "portable"])
+@pytest.fixture(params=["chosen", "vector-lanes", "token-lanes", "portable"])
 def path(request):
-    """Each kernel case on each of the kernel's paths: its AVX-512 tiles as chosen (the query vectors in the lanes
-    for items of 16 vectors or a multiple, else the tokens), the tiles with the tokens in the lanes for every item
-    (where the CPU has no AVX-512, both run the portable loops), and the portable loops."""
+    """Each kernel case on each of the kernel's paths: as chosen (bfloat16 keys that fit them on AMX tiles where the
+    CPU has them; else the AVX-512 tiles with the query vectors in the lanes for items of 16 vectors or a multiple,
+    else the tokens), the AVX-512 tiles so with no AMX tiles, the AVX-512 tiles with the tokens in the lanes for
+    every item (where the CPU has no AVX-512, these run the portable loops), and the portable loops."""
     return request.param
+
+
+def _on_amx_tiles(q_dtype, cache_dtype, dk) -> bool:
+    """Whether the kernel, as chosen, takes the AMX tiles' path for these rows (`amx_ready`, the kernel loaded)."""
+    paged.load_extension()
+    return (paged.amx_ready() and q_dtype == torch.bfloat16 and cache_dtype == torch.bfloat16 and dk % 32 == 0
+            and dk <= 128)
 
 
 def _cpu_flags() -> set[str]:
@@ -171,9 +180,12 @@ def _run(*, heads, kv_heads, dk, dv, block_size, interleave, dcp, rank, context_
     out, lse = kernel(q, key, value, tables, row_seq, row_lens, block_size, scale, k_scale, value_scale,
                       **kernel_options)
     ref_out, ref_lse = _oracle(q, key_f, value_f, tables, row_seq, row_lens, block_size, scale)
-    if kernel_options.get("path") == "vector-lanes" and dtype == torch.bfloat16 and cache_dtype == torch.bfloat16:
+    if (kernel_options.get("path") in ("chosen", "vector-lanes") and dtype == torch.bfloat16
+            and cache_dtype == torch.bfloat16
+            and not (kernel_options["path"] == "chosen" and _on_amx_tiles(dtype, cache_dtype, dk))):
         # where the vector lanes apply, a bfloat16 cache's values are weighed by the softmax weights rounded to
-        # bfloat16 (as PyTorch's flash kernel does for bfloat16): up to 2^-9 of each weight
+        # bfloat16 (as PyTorch's flash kernel does for bfloat16): up to 2^-9 of each weight (on the AMX tiles' path
+        # they stay float32)
         atol, rtol = max(atol, 4e-3), max(rtol, 4e-3)
     _check(out, lse, ref_out, ref_lse, atol, rtol)
     return row_lens
@@ -298,6 +310,42 @@ def test_all_rows_empty(path):
     _run(path=path,
          heads=8, kv_heads=1, dk=64, dv=64, block_size=16, interleave=16, dcp=4, rank=3, context_lens=[3, 10],
          query_lens=[1, 1])
+
+
+AMX_CASES = [(9, 3, 64), (6, 2, 32), (32, 8, 128), (16, 2, 64), (8, 1, 32), (96, 8, 64)]
+
+
+@pytest.mark.skipif(not (paged.kernel_available() and paged.amx_ready()), reason="no AMX tiles here (CPU or system)")
+@pytest.mark.parametrize("heads,kv_heads,d", AMX_CASES)
+@pytest.mark.parametrize("block_size,interleave,dcp,rank,split", [(16, 1, 1, 0, 0), (8, 4, 2, 1, 0),
+                                                                  (24, 8, 4, 3, 0), (1, 1, 1, 0, 0),
+                                                                  (16, 1, 2, 0, 48)])
+def test_amx_tiles_decode_and_verify_rows(heads, kv_heads, d, block_size, interleave, dcp, rank, split):
+    # bfloat16 rows on the AMX tiles' path: SmolLM2's 9 heads on 3 KV heads, Llama-3-8B's 32 on 8 at head size 128,
+    # the demo's 8 on 1 at 32, and 96 on 8 (more heads than a unit takes whole: a unit a KV head); blocks of 8 and 1
+    # (tiles shorter than 16 tokens, copied before the tile load) and 24 (a 16-token tile and an 8); DCP ranks that
+    # hold none of a short request; rows of 1 to 5 per request, each seeing up to its own position; the sequence
+    # split into pieces. The values are weighed in float32: as close to the float32 oracle as the token-lane path.
+    options = dict(split_tokens=split) if split else {}
+    _run(path="amx", heads=heads, kv_heads=kv_heads, dk=d, dv=d, block_size=block_size, interleave=interleave,
+         dcp=dcp, rank=rank, context_lens=[1, 5, 40, 150, 333], query_lens=[1, 5, 1, 2, 1], dtype=torch.bfloat16,
+         atol=1e-4, rtol=1e-4, **options)
+
+
+@pytest.mark.skipif(not (paged.kernel_available() and paged.amx_ready()), reason="no AMX tiles here (CPU or system)")
+def test_amx_tiles_are_the_path_chosen_and_another_path_than_the_vector_registers():
+    # as chosen, bfloat16 keys of head size 64 take the AMX tiles (their sums run in another order than the vector
+    # registers': other bits), and a float32 query or a head size the tiles do not take stays on the vector path
+    key, value, *_ = _cache(40, 16, 3, 64, 64, torch.bfloat16, False)
+    tables = _tables(2, 20, 40)
+    row_seq, row_lens = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([300, 120], dtype=torch.int32)
+    q = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    args = (q, key, value, tables, row_seq, row_lens, 16, 0.125, 1.0, 1.0)
+    chosen, amx, vector = (_paged_kernel(*args, path=p) for p in ("chosen", "amx", "vector-lanes"))
+    assert torch.equal(chosen[0], amx[0]) and not torch.equal(amx[0], vector[0])
+    torch.testing.assert_close(amx[0], vector[0], atol=1e-5, rtol=1e-5)
+    qf = q.float()
+    assert torch.equal(_paged_kernel(qf, *args[1:], path="chosen")[0], _paged_kernel(qf, *args[1:], path="amx")[0])
 
 
 def test_gather_fallback_agrees_with_kernel():

@@ -187,16 +187,19 @@ def kernel_available() -> bool:
 
 
 def kernel_path() -> str | None:
-    """Which of the kernel's paths this machine's build runs: its AVX-512 tiles or its portable loops (None where it
-    is not built)."""
+    """Which of the kernel's paths this machine's build runs: its AVX-512 tiles (and AMX tiles for bfloat16 keys
+    where `amx_ready`) or its portable loops (None where it is not built)."""
     module = load_extension()
     if module is None:
         return None
-    return "AVX-512 tiles" if module.tiled else "portable loops"
+    if not module.tiled:
+        return "portable loops"
+    return "AVX-512 tiles" + ("; AMX tiles for bfloat16 keys of head size 32 to 128" if amx_ready() else "")
 
 
 def amx_ready() -> bool:
-    """Whether bfloat16 attention without a mask runs the kernel's AMX path here: KVSHARD_AMX_ATTENTION is not 0,
+    """Whether bfloat16 attention runs on the kernel's AMX tiles here (the rows over the paged cache with keys of
+    head size 32 to 128, and long chunks with no mask): KVSHARD_AMX_ATTENTION is not 0,
     the kernel is loaded (by the paged backend, or `kernel_available`: this never builds it, so a process on the
     gather backend keeps the flash kernel), its build has the path (a CPU with AMX tiles and a compiler that knows
     them) and the system gave this process the tiles' state."""
@@ -242,6 +245,7 @@ def paged_attention(
     use_kernel: bool | None = None,  # None: the kernel where it is built; False: the gather path
     portable: bool = False,  # the kernel's portable loops even where its AVX-512 tiles are built (tests, benchmarks)
     vector_lanes: bool = True,  # False: the tiles keep tokens in the lanes for every item (tests, benchmarks)
+    amx_tiles: bool | None = None,  # None: bfloat16 keys of head size 32-128 on AMX tiles where `amx_ready`
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each row of q over its visible cached tokens: o [t, H, dv] and lse [t, H],
     float32, natural log (views of one [t, H, dv + 1], `packed_of`); a row that sees no token
@@ -258,7 +262,7 @@ def paged_attention(
     if module is not None and q.device.type == "cpu":
         packed = module.paged_attention(q if q.stride(-1) == 1 else q.contiguous(), key_cache, value_cache,
                                         tables, seqs, lens, block_size, scale, k_scale, v_scale, split_tokens,
-                                        portable, vector_lanes)
+                                        portable, vector_lanes, amx_ready() if amx_tiles is None else amx_tiles)
         return packed[..., :-1], packed[..., -1]  # views of one [t, H, dv + 1]: see packed_of
     return gather_attention(q, key_cache, value_cache, tables, seqs, lens, block_size, scale, k_scale, v_scale)
 

@@ -35,6 +35,11 @@
 #if defined(__F16C__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <ATen/native/CPUBlas.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -593,6 +598,84 @@ inline void scores_pairs(const uint32_t* __restrict qw, int64_t words, const uin
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define KVSHARD_AMX 1
+// AMX tiles: every one of the eight configured as 16 rows of 64 bytes
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool tiles_permitted() {  // Linux hands a process the tiles' state only once asked (torch's oneDNN asks too)
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+
+inline void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// A thread's use of the tiles over a scope: configured on entry; on exit released, and torch's record of the thread's
+// tile setup cleared, so that oneDNN configures them again for its next product
+struct TileScope {
+  const bool on;
+  explicit TileScope(bool use) : on(use) {
+    if (on) configure_tiles();
+  }
+  ~TileScope() {
+    if (on) at::native::cpublas::brgemm_release(true);
+  }
+};
+
+// The decode items' scores on the tiles: the keys are the A tile as they lie in the cache (16 tokens x 32 channels a
+// tile, no transpose), the queries the B tile (qb: per 16 vectors and 32 channels, 16 rows of channel pairs x 16
+// vectors, as 32-bit words, zero past the item's vectors), so one tile product gives a tile's 16 tokens x 16 vectors
+// of scores, each a sum of exact bfloat16 products in float32. The token-lane layout the softmax reads is gathered
+// from the stored tile: s[m * 16 + j] = scale * q_m . k_j. A tile shorter than 16 tokens is copied into kbuf first
+// (the rows past it zero), so that no load reaches past its block. dk: a multiple of 32, at most 128.
+inline void scores_tiles(const uint32_t* __restrict qb, int64_t M, int64_t dk, const c10::BFloat16* k,
+                         int64_t stride, int64_t count, float scale, c10::BFloat16* kbuf, float* sbuf,
+                         float* __restrict s) {
+  const int64_t nd = dk / 32;
+  const char* base = reinterpret_cast<const char*>(k);
+  int64_t bytes = stride * 2;
+  if (count < kLanes) {
+    for (int64_t j = 0; j < count; ++j) std::memcpy(kbuf + j * dk, k + j * stride, dk * 2);
+    std::memset(kbuf + count * dk, 0, (kLanes - count) * dk * 2);
+    base = reinterpret_cast<const char*>(kbuf);
+    bytes = dk * 2;
+  }
+  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(kLanes));
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t g0 = 0; g0 < M; g0 += kLanes) {
+    const uint32_t* qg = qb + (g0 / kLanes) * nd * 256;
+    _tile_zero(1);
+    for (int64_t c = 0; c < nd; c += 2) {
+      _tile_loadd(0, base + c * 64, bytes);
+      _tile_loadd(2, qg + c * 256, 64);
+      _tile_dpbf16ps(1, 0, 2);
+      if (c + 1 < nd) {
+        _tile_loadd(3, base + (c + 1) * 64, bytes);
+        _tile_loadd(4, qg + (c + 1) * 256, 64);
+        _tile_dpbf16ps(1, 3, 4);
+      }
+    }
+    _tile_stored(1, sbuf, 64);
+    const int64_t n = std::min<int64_t>(kLanes, M - g0);
+    for (int64_t x = 0; x < n; ++x) {
+      _mm512_storeu_ps(s + (g0 + x) * kLanes, _mm512_mul_ps(_mm512_i32gather_ps(rows, sbuf + x, 4), sc));
+    }
+  }
+}
+#endif
+
 // Prefetch into L2 the rows [0, count) of a cache tile (row stride `stride` elements, `bytes` used per row).
 template <typename CT>
 inline void prefetch_rows(const CT* p, int64_t stride, int64_t count, int64_t bytes) {
@@ -612,6 +695,8 @@ struct TileWalk {
   const CT* vc;
   const int32_t* blocks;  // the item's row of the block table
   int64_t kv_head, reach;
+  int64_t k_bytes = sh.dk * static_cast<int64_t>(sizeof(CT));  // of a row, prefetched: the item's KV heads' channels
+  int64_t v_bytes = sh.dv * static_cast<int64_t>(sizeof(CT));
 
   // where the tile of tokens starting at tok lies: its first slot, and its length
   __attribute__((always_inline)) void at(int64_t tok, int64_t& slot, int64_t& count) const {
@@ -632,10 +717,8 @@ struct TileWalk {
     int64_t slot, n;
     at(tok0 + count + kLanes, slot, n);
     const int64_t j0 = n * part / parts, j1 = n * (part + 1) / parts;
-    prefetch_rows(keys(slot) + j0 * sh.k_tok, sh.k_tok, j1 - j0, sh.dk * static_cast<int64_t>(sizeof(CT)));
-    if (!sh.v_in_k) {
-      prefetch_rows(values(slot) + j0 * sh.v_tok, sh.v_tok, j1 - j0, sh.dv * static_cast<int64_t>(sizeof(CT)));
-    }
+    prefetch_rows(keys(slot) + j0 * sh.k_tok, sh.k_tok, j1 - j0, k_bytes);
+    if (!sh.v_in_k) prefetch_rows(values(slot) + j0 * sh.v_tok, sh.v_tok, j1 - j0, v_bytes);
   }
 };
 
@@ -691,6 +774,35 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
+}
+
+// The online softmax of a token-lane tile for vectors [0, M) (scores s[m * 16 + j] of the tile's `count` tokens from
+// tok0; vector m sees tokens below bounds[m]): the weights replace the scores (0 past what a vector sees), and a
+// vector's max, sum and accumulator are updated
+__attribute__((always_inline)) inline void softmax_tile(int64_t M, int64_t count, int64_t tok0, const int64_t* bounds,
+                                                        float* s, float* mx, float* sum, float* acc, int64_t dv) {
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(count, bounds[m] - tok0));
+    float* sm = s + m * kLanes;
+    if (n == 0) {
+      _mm512_storeu_ps(sm, _mm512_setzero_ps());
+      continue;
+    }
+    const __mmask16 seen = lanes(n);
+    const __m512 x = _mm512_loadu_ps(sm);
+    const float new_max = std::max(mx[m], _mm512_mask_reduce_max_ps(seen, x));
+    if (new_max > mx[m]) {
+      if (mx[m] != kNegInf) {
+        const float alpha = exp_nonpositive(mx[m] - new_max);
+        sum[m] *= alpha;
+        scale_row(acc + m * dv, dv, alpha);
+      }
+      mx[m] = new_max;
+    }
+    const __m512 w = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(x, _mm512_set1_ps(new_max))));
+    sum[m] += _mm512_reduce_add_ps(w);
+    _mm512_storeu_ps(sm, w);
+  }
 }
 
 template <typename QT, typename CT>
@@ -752,29 +864,7 @@ void run_item(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const QT* 
       }
     }
     tiles.prefetch_after(tok0, count, 2, 4);
-    // online softmax per vector over the lanes it sees; the weights replace the scores (0 past what it sees)
-    for (int64_t m = 0; m < M; ++m) {
-      const int64_t n = std::max<int64_t>(0, std::min<int64_t>(count, bounds[m] - tok0));
-      float* sm = s + m * kLanes;
-      if (n == 0) {
-        _mm512_storeu_ps(sm, _mm512_setzero_ps());
-        continue;
-      }
-      const __mmask16 seen = lanes(n);
-      const __m512 x = _mm512_loadu_ps(sm);
-      const float new_max = std::max(mx[m], _mm512_mask_reduce_max_ps(seen, x));
-      if (new_max > mx[m]) {
-        if (mx[m] != kNegInf) {
-          const float alpha = exp_nonpositive(mx[m] - new_max);
-          sum[m] *= alpha;
-          scale_row(acc + m * dv, dv, alpha);
-        }
-        mx[m] = new_max;
-      }
-      const __m512 w = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(x, _mm512_set1_ps(new_max))));
-      sum[m] += _mm512_reduce_add_ps(w);
-      _mm512_storeu_ps(sm, w);
-    }
+    softmax_tile(M, count, tok0, bounds, s, mx, sum, acc, dv);
     tiles.prefetch_after(tok0, count, 3, 4);
     for (int64_t m0 = 0; m0 < M; m0 += kGroup) {
       with_group(std::min<int64_t>(kGroup, M - m0), [&](auto g) {
@@ -786,6 +876,92 @@ void run_item(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const QT* 
   finish_item(u, sh, acc, mx, sum, out, out_row_stride, out_head_stride, lse, lse_row_stride, lse_head_stride);
 }
 
+
+#if defined(KVSHARD_AMX)
+// The token-lane items with their scores on AMX tiles (`scores_tiles`): bfloat16 queries on a bfloat16 cache, dk a
+// multiple of 32 up to 128, the tiles configured by the caller (TileScope). A unit here may hold the query heads of
+// several KV heads (launch gives it every head of its rows): each tile of tokens is then read for all of them in
+// turn, so that the cache is read whole rows one after another (a token's KV heads lie side by side) rather than a
+// head's channels of each row in a pass of its own. A vector's sums run as on the token-lane path (the values in
+// float32), in the same order whatever else its unit holds.
+void run_item_tiles(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const c10::BFloat16* q,
+                    const c10::BFloat16* kc, const c10::BFloat16* vc, const int32_t* table, const int32_t* lens,
+                    float* out, int64_t out_row_stride, int64_t out_head_stride, float* lse, int64_t lse_row_stride,
+                    int64_t lse_head_stride, std::vector<float>& scratch) {
+  const int64_t M = u.nrows * u.nheads, dk = sh.dk, dv = sh.dv, rep = sh.num_heads / sh.num_kv_heads;
+  const int64_t kv0 = u.head0 / rep, kvn = (u.head0 + u.nheads - 1) / rep - kv0 + 1;
+  // per KV head: its vectors (vec[first[c] ..]: row-major, then head) and their query words, in groups of 16
+  int64_t vec[kMaxVectors], first[kMaxVectors + 1], words_at[kMaxVectors];
+  int64_t q_words = 0;
+  first[0] = 0;
+  for (int64_t c = 0; c < kvn; ++c) {
+    const int64_t h0 = std::max(u.head0, (kv0 + c) * rep), h1 = std::min(u.head0 + u.nheads, (kv0 + c + 1) * rep);
+    int64_t n = first[c];
+    for (int64_t r = 0; r < u.nrows; ++r) {
+      for (int64_t h = h0; h < h1; ++h) vec[n++] = r * u.nheads + h - u.head0;
+    }
+    first[c + 1] = n;
+    words_at[c] = q_words;
+    q_words += (n - first[c] + kLanes - 1) / kLanes * kLanes * dk / 2;
+  }
+  scratch.resize(M * dv + M * kLanes + 2 * M + q_words + kLanes * dk / 2 + kLanes * kLanes);
+  float* acc = scratch.data();
+  float* s = acc + M * dv;
+  float* mx = s + M * kLanes;
+  float* sum = mx + M;
+  uint32_t* qb = reinterpret_cast<uint32_t*>(sum + M);
+  auto* kbuf = reinterpret_cast<c10::BFloat16*>(qb + q_words);
+  float* sbuf = reinterpret_cast<float*>(qb + q_words + kLanes * dk / 2);
+  std::fill(qb, qb + q_words, 0u);
+  int64_t where[kMaxVectors];  // vector m's query column: word p at qb[where[m] + p * 16]
+  for (int64_t c = 0; c < kvn; ++c) {
+    for (int64_t x = first[c]; x < first[c + 1]; ++x) {
+      const int64_t l = x - first[c];
+      where[vec[x]] = words_at[c] + (l / kLanes) * kLanes * dk / 2 + l % kLanes;
+    }
+  }
+  int64_t bounds[kMaxVectors];
+  const int64_t reach = start_item(u, t1, sh, q, lens, bounds, mx, sum, [&](int64_t m, const c10::BFloat16* src) {
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(src);
+    for (int64_t p = 0; p < dk / 2; ++p) qb[where[m] + p * kLanes] = w[p];
+  });
+  std::fill(acc, acc + M * dv, 0.0f);
+  const TileWalk<c10::BFloat16> tiles{sh, kc, vc, table + u.seq * sh.max_blocks, kv0, reach,
+                                      ((kvn - 1) * sh.k_head + dk) * 2, ((kvn - 1) * sh.v_head + dv) * 2};
+  float ts[kLanes * kLanes];  // one KV head's scores, in its vectors' order
+  for (int64_t tok0 = t0; tok0 < reach;) {
+    int64_t slot0, count;
+    tiles.at(tok0, slot0, count);
+    for (int64_t c = 0; c < kvn; ++c) {
+      tiles.prefetch_after(tok0, count, c, 2 * kvn);
+      const c10::BFloat16* kp = tiles.keys(slot0) + c * sh.k_head;
+      const int64_t n = first[c + 1] - first[c];
+      for (int64_t g0 = 0; g0 < n; g0 += kLanes) {
+        const int64_t gn = std::min<int64_t>(kLanes, n - g0);
+        scores_tiles(qb + words_at[c] + g0 * dk / 2, gn, dk, kp, sh.k_tok, count, sh.scale, kbuf, sbuf, ts);
+        for (int64_t x = 0; x < gn; ++x) std::memcpy(s + vec[first[c] + g0 + x] * kLanes, ts + x * kLanes, 64);
+      }
+    }
+    softmax_tile(M, count, tok0, bounds, s, mx, sum, acc, dv);
+    // the values: per KV head and row, its run of vectors (consecutive in the unit's order), at most 8 at a time
+    for (int64_t c = 0; c < kvn; ++c) {
+      tiles.prefetch_after(tok0, count, kvn + c, 2 * kvn);
+      const c10::BFloat16* vp = tiles.values(slot0) + c * sh.v_head;
+      const int64_t h0 = std::max(u.head0, (kv0 + c) * rep), h1 = std::min(u.head0 + u.nheads, (kv0 + c + 1) * rep);
+      for (int64_t r = 0; r < u.nrows; ++r) {
+        for (int64_t m0 = r * u.nheads + h0 - u.head0; m0 < r * u.nheads + h1 - u.head0; m0 += kGroup) {
+          with_group(std::min<int64_t>(kGroup, r * u.nheads + h1 - u.head0 - m0), [&](auto g) {
+            weighted_values<c10::BFloat16, decltype(g)::value>(acc + m0 * dv, dv, s + m0 * kLanes, vp, sh.v_tok,
+                                                                 count);
+          });
+        }
+      }
+    }
+    tok0 += count;
+  }
+  finish_item(u, sh, acc, mx, sum, out, out_row_stride, out_head_stride, lse, lse_row_stride, lse_head_stride);
+}
+#endif
 
 // Items whose rows have 16 query heads on their KV head or a multiple (MLA's heads on their one latent), or 8 or a
 // multiple where the scores are bfloat16 pairs or the cache a wide float32 latent (`vector_lanes_for`): the query
@@ -1128,12 +1304,23 @@ void run_item_wide(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, const
 template <typename QT, typename CT>
 void launch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table,
             const at::Tensor& row_seq, const at::Tensor& row_lens, const Shape& sh, int64_t split_tokens,
-            bool portable, bool wide, at::Tensor& out) {
+            bool portable, bool wide, bool tiles, at::Tensor& out) {
   const int64_t t = q.size(0);
   const int32_t* seqs = row_seq.data_ptr<int32_t>();
   const int32_t* lens = row_lens.data_ptr<int32_t>();
+  // Items whose keys fit the AMX tiles take their scores there (`tiles`: asked for, and the system gave the process the
+  // tiles' state): bfloat16 queries on a bfloat16 cache, dk a multiple of 32 up to 128, whatever the heads on a KV head
+  // (on this path, 1.2-1.9x the vector-lane path's speed at 8 and 16 heads on a KV head). Chosen by the shape alone, as
+  // the paths below. A unit then holds every query head of its rows (where they are at most 64), so that it reads
+  // whole rows of the cache.
+  bool on_tiles = false;
+#if defined(KVSHARD_AMX)
+  on_tiles = tiles && !portable && std::is_same_v<QT, c10::BFloat16> && std::is_same_v<CT, c10::BFloat16> &&
+             tiled::pairs_apply<QT, CT>(sh) && sh.dk % 32 == 0 && sh.dk <= 128 && tiled::tiles_permitted();
+#endif
   const int64_t rep = sh.num_heads / sh.num_kv_heads;
-  const int64_t head_chunk = std::min<int64_t>(rep, kMaxVectors);
+  const bool whole_rows = on_tiles && sh.num_heads <= kMaxVectors;
+  const int64_t head_chunk = whole_rows ? sh.num_heads : std::min<int64_t>(rep, kMaxVectors);
   const int64_t rows_per_unit = std::max<int64_t>(1, kMaxVectors / head_chunk);
 
   std::vector<Unit> units;
@@ -1142,9 +1329,13 @@ void launch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
     while (e < t && e - r < rows_per_unit && seqs[e] == seqs[r]) ++e;
     int64_t max_len = 0;
     for (int64_t i = r; i < e; ++i) max_len = std::max<int64_t>(max_len, lens[i]);
-    for (int64_t kv = 0; kv < sh.num_kv_heads; ++kv) {
-      for (int64_t h0 = 0; h0 < rep; h0 += head_chunk) {
-        units.push_back({r, e - r, seqs[r], kv, kv * rep + h0, std::min(head_chunk, rep - h0), max_len});
+    if (whole_rows) {
+      units.push_back({r, e - r, seqs[r], 0, 0, sh.num_heads, max_len});
+    } else {
+      for (int64_t kv = 0; kv < sh.num_kv_heads; ++kv) {
+        for (int64_t h0 = 0; h0 < rep; h0 += head_chunk) {
+          units.push_back({r, e - r, seqs[r], kv, kv * rep + h0, std::min(head_chunk, rep - h0), max_len});
+        }
       }
     }
     r = e;
@@ -1187,6 +1378,13 @@ void launch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
   auto run = [&](const Unit& u, int64_t t0, int64_t t1, float* o, int64_t o_row, int64_t o_head, float* l,
                  int64_t l_row, int64_t l_head, std::vector<float>& scratch) {
 #if defined(KVSHARD_TILED)
+#if defined(KVSHARD_AMX)
+    if constexpr (std::is_same_v<QT, c10::BFloat16> && std::is_same_v<CT, c10::BFloat16>) {
+      if (on_tiles) {
+        return tiled::run_item_tiles(u, t0, t1, sh, qp, kp, vp, tp, lens, o, o_row, o_head, l, l_row, l_head, scratch);
+      }
+    }
+#endif
     const int vector_lanes = !portable && wide ? tiled::vector_lanes_for<QT, CT>(u.nheads, sh) : 0;
     if (vector_lanes == 16) {
       return tiled::run_item_wide<16, QT, CT>(u, t0, t1, sh, qp, kp, vp, tp, lens, o, o_row, o_head, l, l_row,
@@ -1217,6 +1415,9 @@ void launch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
     });
     std::atomic<int64_t> next{0};
     at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+#if defined(KVSHARD_AMX)
+      const tiled::TileScope scope(on_tiles);
+#endif
       std::vector<float> scratch;
       for (int64_t k = next.fetch_add(1); k < n; k = next.fetch_add(1)) {
         const Unit& u = units[order[k]];
@@ -1240,6 +1441,9 @@ void launch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
     for (int64_t j = first[i]; j < first[i + 1]; ++j) unit_of[j] = i;
   }
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+#if defined(KVSHARD_AMX)
+    const tiled::TileScope scope(on_tiles);
+#endif
     std::vector<float> scratch;
     for (int64_t it = begin; it < end; ++it) {
       const int64_t ui = unit_of[it];
@@ -1285,17 +1489,19 @@ void launch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
 template <typename QT>
 void dispatch_cache(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table,
                     const at::Tensor& row_seq, const at::Tensor& row_lens, const Shape& sh, int64_t split_tokens,
-                    bool portable, bool wide, at::Tensor& out) {
+                    bool portable, bool wide, bool tiles, at::Tensor& out) {
   switch (kc.scalar_type()) {
     case at::kFloat:
-      return launch<QT, float>(q, kc, vc, table, row_seq, row_lens, sh, split_tokens, portable, wide, out);
+      return launch<QT, float>(q, kc, vc, table, row_seq, row_lens, sh, split_tokens, portable, wide, tiles, out);
     case at::kBFloat16:
-      return launch<QT, c10::BFloat16>(q, kc, vc, table, row_seq, row_lens, sh, split_tokens, portable, wide, out);
+      return launch<QT, c10::BFloat16>(q, kc, vc, table, row_seq, row_lens, sh, split_tokens, portable, wide, tiles,
+                                       out);
     case at::kHalf:
-      return launch<QT, c10::Half>(q, kc, vc, table, row_seq, row_lens, sh, split_tokens, portable, wide, out);
+      return launch<QT, c10::Half>(q, kc, vc, table, row_seq, row_lens, sh, split_tokens, portable, wide, tiles,
+                                   out);
     case at::kFloat8_e4m3fn:
       return launch<QT, c10::Float8_e4m3fn>(q, kc, vc, table, row_seq, row_lens, sh, split_tokens, portable, wide,
-                                            out);
+                                            tiles, out);
     default: TORCH_CHECK(false, "paged_attention: unsupported cache dtype ", kc.scalar_type());
   }
 }
@@ -1310,7 +1516,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
                                         const at::Tensor& value_cache, const at::Tensor& block_tables,
                                         const at::Tensor& row_seq, const at::Tensor& row_lens, int64_t block_size,
                                         double scale, double k_scale, double v_scale, int64_t split_tokens,
-                                        bool portable, bool wide) {
+                                        bool portable, bool wide, bool tiles) {
   TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 3 && value_cache.dim() == 3, "paged_attention: q [t, H, dk], "
               "caches [slots, Hk, d]");
   TORCH_CHECK(q.device().is_cpu() && key_cache.device().is_cpu() && value_cache.device().is_cpu(),
@@ -1364,15 +1570,15 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& key_cache,
   switch (q.scalar_type()) {
     case at::kFloat:
       dispatch_cache<float>(q, key_cache, value_cache, block_tables, row_seq, row_lens, sh, split_tokens, portable,
-                            wide, out);
+                            wide, tiles, out);
       break;
     case at::kBFloat16:
       dispatch_cache<c10::BFloat16>(q, key_cache, value_cache, block_tables, row_seq, row_lens, sh, split_tokens,
-                                    portable, wide, out);
+                                    portable, wide, tiles, out);
       break;
     case at::kHalf:
       dispatch_cache<c10::Half>(q, key_cache, value_cache, block_tables, row_seq, row_lens, sh, split_tokens,
-                                portable, wide, out);
+                                portable, wide, tiles, out);
       break;
     default: TORCH_CHECK(false, "paged_attention: unsupported query dtype ", q.scalar_type());
   }
@@ -1859,10 +2065,7 @@ std::vector<at::Tensor> moe_select(const at::Tensor& scores, const at::Tensor& b
   return {weights, ids};
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(KVSHARD_TILED)
-#include <ATen/native/CPUBlas.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#if defined(KVSHARD_AMX)
 // Attention of bfloat16 rows over bfloat16 keys on AMX tiles, for long prefill chunks (to themselves, causally,
 // and over their requests' gathered cached context), head sizes 32, 64 and 128. The query heads that share a KV head
 // are rows of one group (a row is a (query head, token) pair: each packed key tile serves all of them). A block
@@ -1881,16 +2084,7 @@ constexpr int ROWS = 16;   // query rows per block (one tile's rows)
 constexpr int SPAN = 8;    // blocks that take each block of keys in turn, while its packed keys and values are cached
 constexpr int64_t RANGE = 16384;  // keys packed at a time: a longer context is attended a range at a time
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-bool permitted() {  // Linux hands a process the tiles' state only once asked (torch's oneDNN asks too)
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-  return ok;
-}
+inline bool permitted() { return tiled::tiles_permitted(); }
 
 inline __m512 exp2_of(__m512 t) {  // 2^t for finite t (below -150: 0), relative error ~2e-6
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -2172,12 +2366,7 @@ std::vector<at::Tensor> amx_attention(const at::Tensor& q, const at::Tensor& k, 
       }
     });
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-      amx::TileConfig config;
-      for (int t = 0; t < 8; ++t) {
-        config.rows[t] = 16;
-        config.colsb[t] = 64;
-      }
-      _tile_loadconfig(&config);
+      tiled::configure_tiles();
       std::vector<amx::Rows> local(ranges > 1 ? 0 : amx::SPAN);
       std::vector<float> S(2 * amx::ROWS * amx::KEYS);  // one block's scores while the next block's are made
       std::vector<uint16_t> P(amx::ROWS * amx::KEYS);
