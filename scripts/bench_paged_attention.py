@@ -59,6 +59,8 @@ from kvshard.kv.cache import GatherBuffers, KVCacheLayer, kv_buffer
 SHAPES = {
     "gqa8": (8, 1, 64, 64, False),  # 8 query heads on 1 KV head, head size 64 (kvshard-demo-gqa)
     "gqa9": (9, 3, 64, 64, False),  # 9 on 3 as SmolLM2-135M
+    "gqa-demo": (8, 1, 32, 32, False),  # kvshard-demo-gqa: 8 on 1 at head size 32
+    "gqa-llama": (32, 8, 128, 128, False),  # Llama-3-8B's attention on one rank: 32 on 8 at head size 128
     "mla": (16, 1, 576, 512, True),  # MLA absorbed: the latent [c_kv 512 | k_pe 64], V its first 512
     "mla8": (8, 1, 576, 512, True),  # the same latent at 8 query heads a rank (Kimi K2's 64 at tp=8)
     "mla-demo": (8, 1, 160, 128, True),  # kvshard-demo-mla's latent [c_kv 128 | k_pe 32], 8 heads (a DCP rank's)
