@@ -312,7 +312,7 @@ def test_all_rows_empty(path):
          query_lens=[1, 1])
 
 
-AMX_CASES = [(9, 3, 64), (6, 2, 32), (32, 8, 128), (16, 2, 64), (8, 1, 32), (96, 8, 64)]
+AMX_CASES = [(9, 3, 64), (6, 2, 32), (32, 8, 128), (16, 2, 64), (8, 1, 32), (8, 8, 32), (96, 8, 64)]
 
 
 @pytest.mark.skipif(not (paged.kernel_available() and paged.amx_ready()), reason="no AMX tiles here (CPU or system)")
@@ -322,10 +322,11 @@ AMX_CASES = [(9, 3, 64), (6, 2, 32), (32, 8, 128), (16, 2, 64), (8, 1, 32), (96,
                                                                   (16, 1, 2, 0, 48)])
 def test_amx_tiles_decode_and_verify_rows(heads, kv_heads, d, block_size, interleave, dcp, rank, split):
     # bfloat16 rows on the AMX tiles' path: SmolLM2's 9 heads on 3 KV heads, Llama-3-8B's 32 on 8 at head size 128,
-    # the demo's 8 on 1 at 32, and 96 on 8 (more heads than a unit takes whole: a unit a KV head); blocks of 8 and 1
-    # (tiles shorter than 16 tokens, copied before the tile load) and 24 (a 16-token tile and an 8); DCP ranks that
-    # hold none of a short request; rows of 1 to 5 per request, each seeing up to its own position; the sequence
-    # split into pieces. The values are weighed in float32: as close to the float32 oracle as the token-lane path.
+    # the demo's 8 on 1 at 32, 8 on 8 (a KV head a query head), and 96 on 8 (more heads than a unit takes whole: a
+    # unit a KV head); blocks of 8 and 1 (tiles shorter than 16 tokens, copied before the tile load) and 24 (a
+    # 16-token tile and an 8); DCP ranks that hold none of a short request; rows of 1 to 5 per request, each seeing
+    # up to its own position; the sequence split into pieces. The values are weighed in float32: as close to the
+    # float32 oracle as the token-lane path.
     options = dict(split_tokens=split) if split else {}
     _run(path="amx", heads=heads, kv_heads=kv_heads, dk=d, dv=d, block_size=block_size, interleave=interleave,
          dcp=dcp, rank=rank, context_lens=[1, 5, 40, 150, 333], query_lens=[1, 5, 1, 2, 1], dtype=torch.bfloat16,
