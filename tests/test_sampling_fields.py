@@ -27,7 +27,8 @@ from transformers import (
 from kvshard import LLM, SamplingParams
 from kvshard.engine.arg_utils import EngineArgs
 from kvshard.engine.llm_engine import LLMEngine
-from kvshard.engine.sampler import NO_TOKEN_LEFT, _filtered_probs, process_logits, sample, verify_drafts
+from kvshard.engine.sampler import (NO_TOKEN_LEFT, _filtered_probs, greedy_tokens, process_logits, sample,
+                                    verify_drafts)
 from kvshard.engine.sequence import Sequence
 from kvshard.entrypoints.openai_server import OpenAIServer
 from kvshard.errors import RequestSettingsError
@@ -494,3 +495,21 @@ def test_the_routes_apply_the_fields(client, route):
     assert len(tokens(biased)) == 4  # EOS at the top, held back for three tokens
     banned = post(client, route, temperature=0, max_tokens=12, bad_words=[first.strip()], **logprobs)
     assert first not in tokens(banned) and tokens(banned) != tokens(base)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_tokens_are_argmax_with_ties_infinities_and_nans(dtype):
+    # the greedy rows' tokens: argmax's, the first of tied maxima, a row of -inf its first token, a NaN the largest
+    g = torch.Generator().manual_seed(4)
+    for trial in range(50):
+        logits = torch.randint(-3, 3, (16, 97), generator=g).to(dtype)  # small integers: many ties
+        logits[2] = float("-inf")
+        if trial % 2:
+            logits[3, 7] = logits[3, 50] = float("nan")
+            logits[4] = float("nan")
+        expected = logits.argmax(dim=-1).tolist()
+        assert greedy_tokens(logits) == expected
+        assert expected[2] == 0 and (not trial % 2 or (expected[3] == 7 and expected[4] == 0))
+    wide = torch.randn(32, 49152, generator=g).to(dtype)
+    wide[:, 100] = wide[:, 40000] = wide.max()
+    assert greedy_tokens(wide) == [100] * 32
