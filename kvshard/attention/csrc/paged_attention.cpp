@@ -634,14 +634,15 @@ struct TileScope {
 };
 
 // The decode items' scores on the tiles: the keys are the A tile as they lie in the cache (16 tokens x 32 channels a
-// tile, no transpose), the queries the B tile (qb: per 16 vectors and 32 channels, 16 rows of channel pairs x 16
-// vectors, as 32-bit words, zero past the item's vectors), so one tile product gives a tile's 16 tokens x 16 vectors
-// of scores, each a sum of exact bfloat16 products in float32. The token-lane layout the softmax reads is gathered
-// from the stored tile: s[m * 16 + j] = scale * q_m . k_j. A tile shorter than 16 tokens is copied into kbuf first
-// (the rows past it zero), so that no load reaches past its block. dk: a multiple of 32, at most 128.
-inline void scores_tiles(const uint32_t* __restrict qb, int64_t M, int64_t dk, const c10::BFloat16* k,
-                         int64_t stride, int64_t count, float scale, c10::BFloat16* kbuf, float* sbuf,
-                         float* __restrict s) {
+// tile, no transpose), the queries the B tile (qb: per 32 channels, 16 rows of channel pairs x 16 vectors, as 32-bit
+// words, zero past the n vectors), so one tile product per 32 channels gives a tile's 16 tokens x 16 vectors of
+// scores, each a sum of exact bfloat16 products in float32. Each vector's 16 scores are gathered from the stored tile
+// into the token-lane layout the softmax reads: s[vec[x] * 16 + j] = scale * q_x . k_j. A tile shorter than 16 tokens
+// is copied into kbuf first (the rows past it zero), so that no load reaches past its block. dk: a multiple of 32, at
+// most 128; n at most 16.
+inline void scores_tiles(const uint32_t* __restrict qb, int64_t n, const int64_t* vec, int64_t dk,
+                         const c10::BFloat16* k, int64_t stride, int64_t count, float scale, c10::BFloat16* kbuf,
+                         float* sbuf, float* __restrict s) {
   const int64_t nd = dk / 32;
   const char* base = reinterpret_cast<const char*>(k);
   int64_t bytes = stride * 2;
@@ -651,27 +652,22 @@ inline void scores_tiles(const uint32_t* __restrict qb, int64_t M, int64_t dk, c
     base = reinterpret_cast<const char*>(kbuf);
     bytes = dk * 2;
   }
-  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                          _mm512_set1_epi32(kLanes));
+  _tile_zero(1);
+  for (int64_t c = 0; c < nd; c += 2) {
+    _tile_loadd(0, base + c * 64, bytes);
+    _tile_loadd(2, qb + c * 256, 64);
+    _tile_dpbf16ps(1, 0, 2);
+    if (c + 1 < nd) {
+      _tile_loadd(3, base + (c + 1) * 64, bytes);
+      _tile_loadd(4, qb + (c + 1) * 256, 64);
+      _tile_dpbf16ps(1, 3, 4);
+    }
+  }
+  _tile_stored(1, sbuf, 64);
+  const __m512i rows = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
   const __m512 sc = _mm512_set1_ps(scale);
-  for (int64_t g0 = 0; g0 < M; g0 += kLanes) {
-    const uint32_t* qg = qb + (g0 / kLanes) * nd * 256;
-    _tile_zero(1);
-    for (int64_t c = 0; c < nd; c += 2) {
-      _tile_loadd(0, base + c * 64, bytes);
-      _tile_loadd(2, qg + c * 256, 64);
-      _tile_dpbf16ps(1, 0, 2);
-      if (c + 1 < nd) {
-        _tile_loadd(3, base + (c + 1) * 64, bytes);
-        _tile_loadd(4, qg + (c + 1) * 256, 64);
-        _tile_dpbf16ps(1, 3, 4);
-      }
-    }
-    _tile_stored(1, sbuf, 64);
-    const int64_t n = std::min<int64_t>(kLanes, M - g0);
-    for (int64_t x = 0; x < n; ++x) {
-      _mm512_storeu_ps(s + (g0 + x) * kLanes, _mm512_mul_ps(_mm512_i32gather_ps(rows, sbuf + x, 4), sc));
-    }
+  for (int64_t x = 0; x < n; ++x) {
+    _mm512_storeu_ps(s + vec[x] * kLanes, _mm512_mul_ps(_mm512_i32gather_ps(rows, sbuf + x, 4), sc));
   }
 }
 #endif
@@ -928,7 +924,6 @@ void run_item_tiles(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, cons
   std::fill(acc, acc + M * dv, 0.0f);
   const TileWalk<c10::BFloat16> tiles{sh, kc, vc, table + u.seq * sh.max_blocks, kv0, reach,
                                       ((kvn - 1) * sh.k_head + dk) * 2, ((kvn - 1) * sh.v_head + dv) * 2};
-  float ts[kLanes * kLanes];  // one KV head's scores, in its vectors' order
   for (int64_t tok0 = t0; tok0 < reach;) {
     int64_t slot0, count;
     tiles.at(tok0, slot0, count);
@@ -937,9 +932,8 @@ void run_item_tiles(const Unit& u, int64_t t0, int64_t t1, const Shape& sh, cons
       const c10::BFloat16* kp = tiles.keys(slot0) + c * sh.k_head;
       const int64_t n = first[c + 1] - first[c];
       for (int64_t g0 = 0; g0 < n; g0 += kLanes) {
-        const int64_t gn = std::min<int64_t>(kLanes, n - g0);
-        scores_tiles(qb + words_at[c] + g0 * dk / 2, gn, dk, kp, sh.k_tok, count, sh.scale, kbuf, sbuf, ts);
-        for (int64_t x = 0; x < gn; ++x) std::memcpy(s + vec[first[c] + g0 + x] * kLanes, ts + x * kLanes, 64);
+        scores_tiles(qb + words_at[c] + g0 * dk / 2, std::min<int64_t>(kLanes, n - g0), vec + first[c] + g0, dk, kp,
+                     sh.k_tok, count, sh.scale, kbuf, sbuf, s);
       }
     }
     softmax_tile(M, count, tok0, bounds, s, mx, sum, acc, dv);
@@ -2084,8 +2078,6 @@ constexpr int ROWS = 16;   // query rows per block (one tile's rows)
 constexpr int SPAN = 8;    // blocks that take each block of keys in turn, while its packed keys and values are cached
 constexpr int64_t RANGE = 16384;  // keys packed at a time: a longer context is attended a range at a time
 
-inline bool permitted() { return tiled::tiles_permitted(); }
-
 inline __m512 exp2_of(__m512 t) {  // 2^t for finite t (below -150: 0), relative error ~2e-6
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);  // [-0.5, 0.5]
@@ -2315,7 +2307,7 @@ void values(Rows& b, int kb0, int base, int nk, const uint16_t* vp, int d, const
 }
 }  // namespace amx
 
-bool amx_ready() { return amx::permitted(); }
+bool amx_ready() { return tiled::tiles_permitted(); }
 
 // q [g, s, H, d], k and v [g, L, Hk, d] (bfloat16, channels contiguous; d 32, 64 or 128): out [g, s, H, d] and lse
 // [g, s, H] (float32). causal: s == L and token t sees keys <= t; else every token sees all L keys. d: 32, 64 or 128.
@@ -2323,7 +2315,7 @@ bool amx_ready() { return amx::permitted(); }
 // range at a time, the rows' softmax state kept across ranges, so that the packed copy stays a range's size.
 std::vector<at::Tensor> amx_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                                       bool causal, int64_t key_range) {
-  TORCH_CHECK(amx::permitted(), "the AMX tiles' state was refused by the system");
+  TORCH_CHECK(tiled::tiles_permitted(), "the AMX tiles' state was refused by the system");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "amx_attention: q, k, v are [g, s|L, heads, d]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
               "amx_attention: bfloat16 only");
