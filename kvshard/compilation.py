@@ -6,7 +6,8 @@ ops the graph calls (`torch.ops.kvshard.*`, below): attention (the DCP rhythm wi
 backend's kernels and the cache write: `attention`, and MLA's `mla_attention`, which also holds the
 absorption and the chunk's expanded form), the routed experts of a MoE layer (`moe_experts`: they are
 picked on the host), the TP all-reduce (`tp_all_reduce`: shared memory or gloo) and oneDNN's linear on
-its reordered weight (`onednn_linear`, which inductor cannot lower from a runtime input). A part
+its reordered weight (`onednn_linear`, which inductor cannot lower from a runtime input) and the AMX
+tiles' product of a bfloat16 weight (`amx_linear`, a call of the kernel extension). A part
 reads what is not a tensor (metadata, caches, the ranks) from the forward context
 (kvshard/forward_context.py) and is found there by its index; the logits (one product of the sampled
 rows) and a proposer's draft passes stay eager.
@@ -131,6 +132,19 @@ def onednn_linear_op(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.T
 @onednn_linear_op.register_fake
 def _(x, packed_weight, bias):
     return x.new_empty(*x.shape[:-1], packed_weight.shape[0])
+
+
+@torch.library.custom_op("kvshard::amx_linear", mutates_args=())
+def amx_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The product of a weight marked for the AMX tiles (layers/linear.py's, on the tiles or torch's linear)."""
+    from kvshard.layers.linear import amx_or_torch_product
+
+    return amx_or_torch_product(x, weight, bias)
+
+
+@amx_linear_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 # --- whether, and how -----------------------------------------------------------------------------------

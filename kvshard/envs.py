@@ -156,6 +156,10 @@ REGISTRY: dict[str, EnvVar] = _declare(
     EnvVar("KVSHARD_ONEDNN_LINEAR", SWITCH, True,
            "CPU: linear layers run oneDNN on weights reordered once at load; 0 keeps torch's linear",
            numerics=True),
+    EnvVar("KVSHARD_AMX_LINEAR", SWITCH, True,
+           "CPU with AMX tiles: bfloat16 linear layers and the LM head multiply from the weight as it lies, a "
+           "decode step's rows on the kernel extension's AMX tiles and a prefill's in torch's linear; 0 keeps "
+           "oneDNN's reordered copy", numerics=True),
     EnvVar("KVSHARD_FUSED_ELEMENTWISE", SWITCH, True,
            "CPU: RMSNorm, SiLU-and-multiply, the rotary embedding, the attention's LSE merge and the MoE router's "
            "choice run as fused C++ operators of kvshard's kernel extension; 0 keeps PyTorch's eager operators",

@@ -1,11 +1,12 @@
-"""Linear layers on CPU multiply by oneDNN's reordered copy of their weight (layers/linear.py)."""
+"""Linear layers on CPU multiply by oneDNN's reordered copy of their weight, or bfloat16 ones on AMX tiles from the
+weight itself (layers/linear.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvshard.layers import batch_invariant
+from kvshard.layers import batch_invariant, cpu_dtypes
 from kvshard.layers import linear
 from kvshard.layers.embedding import ParallelLMHead
 from kvshard.layers.linear import (ONEDNN_LINEAR, QKVParallelLinear, ReplicatedLinear, cpu_product_dtype,
@@ -16,8 +17,9 @@ pytestmark = pytest.mark.skipif(ONEDNN_LINEAR is None, reason="this torch has no
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
-def test_reordered_layers_give_torch_linear_and_keep_one_weight(dtype, atol):
+def test_reordered_layers_give_torch_linear_and_keep_one_weight(monkeypatch, dtype, atol):
     """Where this CPU has no arithmetic for `dtype` (bfloat16 on AVX2), the reordered copy is float32's."""
+    monkeypatch.setenv("KVSHARD_AMX_LINEAR", "0")  # bfloat16 on AMX tiles: below
     torch.manual_seed(0)
     model = torch.nn.Sequential(ReplicatedLinear(64, 96, True, dtype), QKVParallelLinear(96, 16, range(4), range(2),
                                                                                           False, dtype))
@@ -39,8 +41,9 @@ def test_reordered_layers_give_torch_linear_and_keep_one_weight(dtype, atol):
 def test_half_precision_runs_in_float32_where_the_cpu_has_no_arithmetic_for_it(monkeypatch, dtype):
     """An AVX2-only CPU: the layer keeps a float32 reordered copy, takes and returns `dtype`, and rounds the
     float32 product once, as a half-precision product does; so does the LM head, keeping its own weight."""
-    monkeypatch.setattr(linear, "onednn_dtypes", lambda: (torch.float32,))
+    monkeypatch.setattr(cpu_dtypes, "onednn_dtypes", lambda: (torch.float32,))
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: False, raising=False)
+    monkeypatch.setenv("KVSHARD_AMX_LINEAR", "0")  # nor AMX tiles on such a CPU
     assert cpu_product_dtype(dtype) == torch.float32 and cpu_product_dtype(torch.float32) == torch.float32
     torch.manual_seed(0)
     layer = ReplicatedLinear(64, 48, True, dtype)
@@ -115,9 +118,10 @@ def test_decode_floor_counts_a_tied_lm_head_as_its_whole_matrix():
     assert weight_bytes_per_step(model(tied=True), batch_size=4) == 50 * 64 * 4
 
 
-def test_decode_floor_counts_a_reordered_weight_as_its_bytes():
+def test_decode_floor_counts_a_reordered_weight_as_its_bytes(monkeypatch):
     from kvshard.bench.decode_floor import weight_bytes_per_step
 
+    monkeypatch.setenv("KVSHARD_AMX_LINEAR", "0")
     model = torch.nn.Sequential(ReplicatedLinear(64, 96, False, torch.float32), ReplicatedLinear(96, 32, True,
                                                                                                  torch.bfloat16))
     before = weight_bytes_per_step(model, batch_size=8)
@@ -129,9 +133,10 @@ def test_decode_floor_counts_a_reordered_weight_as_its_bytes():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_lm_head_multiplies_by_a_reordered_copy_and_keeps_its_weight(dtype):
+def test_the_lm_head_multiplies_by_a_reordered_copy_and_keeps_its_weight(monkeypatch, dtype):
     from kvshard.bench.decode_floor import weight_bytes_per_step
 
+    monkeypatch.setenv("KVSHARD_AMX_LINEAR", "0")
     if ONEDNN_LINEAR is None or dtype not in onednn_dtypes():
         pytest.skip(f"oneDNN has no packed product for {dtype} on this CPU")
     torch.manual_seed(0)
@@ -186,3 +191,134 @@ def test_products_run_on_few_shapes_whatever_the_token_count(monkeypatch):
     torch.testing.assert_close(torch.ops.kvshard.onednn_linear(x, packed, bias),
                                torch.nn.functional.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
     assert shapes == {(96, 64)}, shapes
+
+
+def amx_linear_here() -> bool:
+    return linear.amx_linear_weight(torch.empty(16, 32, dtype=torch.bfloat16))
+
+
+needs_amx = pytest.mark.skipif(not amx_linear_here(), reason="no AMX tiles here (CPU, system or kernel build)")
+
+
+def rounded_once(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 product of bfloat16 operands (exact products, float32 sums), plus the bias, as float32."""
+    out = x.float() @ weight.float().T
+    return out if bias is None else out + bias.float()
+
+
+@needs_amx
+@pytest.mark.parametrize("rows, features, channels, with_bias", [
+    (1, 16, 32, False), (5, 48, 64, True), (16, 32, 96, False), (17, 960, 576, True), (33, 3072, 576, False),
+    (64, 576, 1536, True), (100, 80, 128, True), (256, 16, 32, False)])
+def test_amx_product_is_the_float32_product_rounded_once(rows, features, channels, with_bias):
+    """Every shape the tiles take: one or two 16-feature tiles a block, one or two 16-row tiles, rows past a tile's
+    16 (zeros), a bias: within a bfloat16 rounding of the float32 product (the sums run in another order than
+    torch's, so the bits differ from it at some ties), and each row's result the same alone as in the batch."""
+    torch.manual_seed(rows * features)
+    x = torch.randn(rows, channels, dtype=torch.bfloat16)
+    weight = torch.randn(features, channels, dtype=torch.bfloat16) / channels ** 0.5
+    bias = torch.randn(features, dtype=torch.bfloat16) if with_bias else None
+    got = linear.amx_or_torch_product(x, weight, bias)
+    want = rounded_once(x, weight, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, features)
+    # at most half a bfloat16 step (up to 2^-8 of the value) from the float32 sum, plus the sums' own float32 rounding
+    assert ((got.float() - want).abs() <= want.abs() * 2.0 ** -8 + 1e-5).all()
+    assert (got == want.bfloat16()).float().mean() > 0.99
+    for row in (0, rows - 1):
+        assert torch.equal(linear.amx_or_torch_product(x[row:row + 1], weight, bias), got[row:row + 1])
+
+
+@needs_amx
+def test_amx_product_takes_strided_and_batched_rows():
+    torch.manual_seed(1)
+    weight = torch.randn(64, 96, dtype=torch.bfloat16)
+    wide = torch.randn(3, 7, 200, dtype=torch.bfloat16)
+    x = wide[..., 50:146]  # rows 200 elements apart, leading dimensions kept
+    got = linear.amx_or_torch_product(x, weight, None)
+    assert got.shape == (3, 7, 64)
+    assert torch.equal(got, linear.amx_or_torch_product(x.contiguous(), weight, None))
+    assert ((got.float() - rounded_once(x, weight)).abs() <= rounded_once(x, weight).abs() * 2.0 ** -8 + 1e-5).all()
+    assert linear.amx_or_torch_product(x[:0], weight, None).shape == (0, 7, 64)
+
+
+@needs_amx
+def test_bfloat16_layers_multiply_on_amx_tiles_from_their_weight(monkeypatch):
+    """A bfloat16 layer keeps its weight (no reordered copy) and runs decode-sized products on the tiles, more rows
+    (or, past 128, rows whose packed copy outgrows 1 MiB) through torch's linear on a bucket's rows; in batch-invariant
+    mode torch's linear, tiled by the mode; its shapes the tiles cannot take (K not a multiple of 32) keep oneDNN's
+    copy; KVSHARD_AMX_LINEAR=0 keeps it for all."""
+    torch.manual_seed(2)
+    layer, odd = ReplicatedLinear(64, 96, True, torch.bfloat16), ReplicatedLinear(40, 96, False, torch.bfloat16)
+    for param in (layer.weight, layer.bias, odd.weight):
+        torch.nn.init.normal_(param)
+    weight, bias = layer.weight, layer.bias
+    assert reorder_linear_weights(torch.nn.Sequential(layer, odd)) == 2
+    assert layer.amx_weight and layer.weight is weight and layer.packed_weight is None
+    assert not odd.amx_weight and odd.weight is None and odd.packed_weight.is_mkldnn
+    tiles, torch_rows = [], []
+    from kvshard.attention import paged
+
+    module = paged.load_extension()
+    real_tiles, real_linear = module.amx_linear, torch.nn.functional.linear
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(module, name)
+
+        def amx_linear(self, x, *args):
+            tiles.append(x.shape[0])
+            return real_tiles(x, *args)
+
+    monkeypatch.setattr(paged, "load_extension", lambda: Spy())
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, *args: torch_rows.append(x.shape[0]) or
+                        real_linear(x, *args))
+    for rows in (1, 32, 256, 257, 700):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        want = rounded_once(x, weight, bias)
+        got = layer(x)
+        assert ((got.float() - want).abs() <= want.abs() * 2.0 ** -8 + 1e-4).all(), rows
+    assert tiles == [1, 32, 256] and torch_rows == [288, 704]  # 257 and 700 rows on their buckets' rows
+    assert linear.amx_takes(128, 8192) and linear.amx_takes(256, 2048) and not linear.amx_takes(129, 4097)
+    tiles.clear()
+    torch_rows.clear()
+    x = torch.randn(45, 64, dtype=torch.bfloat16)
+    with batch_invariant.batch_invariant_mode():
+        together, alone = layer(x), layer(x[7:8])
+    assert tiles == [] and torch_rows == [45, 1] and torch.equal(together[7:8], alone)
+    monkeypatch.setenv("KVSHARD_AMX_LINEAR", "0")
+    other = ReplicatedLinear(64, 96, False, torch.bfloat16)
+    assert reorder_linear_weights(other) == 1 and not other.amx_weight and other.packed_weight.is_mkldnn
+
+
+@needs_amx
+def test_the_lm_head_on_amx_tiles_reads_its_weight_and_keeps_no_copy():
+    from kvshard.bench.decode_floor import weight_bytes_per_step
+
+    torch.manual_seed(3)
+    head = ParallelLMHead(96, 64, torch.bfloat16, single_rank_state())
+    torch.nn.init.normal_(head.weight)
+    model = torch.nn.Sequential(head)
+    assert reorder_linear_weights(model) == 0  # the head is no linear layer; it keeps its product's form itself
+    assert head.amx_weight and head.packed_weight is None and head.product_weight is None
+    x = torch.randn(9, 64, dtype=torch.bfloat16)
+    got = head.logits(x)
+    want = rounded_once(x, head.weight)
+    assert got.dtype == torch.float32 and got.shape == (9, 96)
+    assert ((got - want).abs() <= want.abs() * 2.0 ** -8 + 1e-4).all()
+    head.weight.data.zero_()  # the logits come from the weight itself
+    assert not head.logits(x).any()
+    assert weight_bytes_per_step(model, batch_size=4) == 96 * 64 * 2
+
+
+@needs_amx
+def test_the_compiled_steps_opaque_amx_product_is_the_eager_one():
+    import kvshard.compilation  # noqa: F401 (registers torch.ops.kvshard.amx_linear)
+
+    torch.manual_seed(4)
+    weight, bias = torch.randn(48, 64, dtype=torch.bfloat16), torch.randn(48, dtype=torch.bfloat16)
+    for rows in (3, 300):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        assert torch.equal(torch.ops.kvshard.amx_linear(x, weight, bias), linear.amx_or_torch_product(x, weight, bias))
+    compiled = torch.compile(lambda x: linear.amx_product(x, weight, bias) * 2, dynamic=True, fullgraph=True)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    assert torch.equal(compiled(x), linear.amx_product(x, weight, bias) * 2)

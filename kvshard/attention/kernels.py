@@ -13,7 +13,7 @@ import torch
 
 from kvshard.attention.merge import merge_attention_states
 from kvshard.layers.batch_invariant import batch_invariant_active
-from kvshard.layers.linear import cpu_product_dtype
+from kvshard.layers.cpu_dtypes import cpu_product_dtype
 
 # PyTorch's fused CPU attention (flash-style, tiled, one pass) returns the log-sum-exp with the
 # output; it is what `scaled_dot_product_attention` runs on CPU. On CUDA, a chunk's own causal

@@ -60,7 +60,7 @@ def matmul_rate(rows: int, dtype: torch.dtype, repeats: int = 10, size: int = 20
                 device: str | torch.device = "cpu") -> float:
     """Multiply-adds per second of the best of `repeats` products [rows, size] x [size, size] in `dtype` on
     `device` (on a CPU in the dtype its products run in: cpu_product_dtype), on this process's threads."""
-    from kvshard.layers.linear import cpu_product_dtype
+    from kvshard.layers.cpu_dtypes import cpu_product_dtype
 
     device = torch.device(device)
     if device.type == "cpu":

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvshard.layers.linear import cpu_product_dtype, onednn_reordered, packed_linear
+from kvshard.layers.cpu_dtypes import cpu_product_dtype
+from kvshard.layers.linear import amx_linear_weight, amx_product, onednn_reordered, packed_linear
 from kvshard.parallel import ParallelState, tp_all_reduce, tp_gather_to_driver
 
 
@@ -38,16 +39,20 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden_size, dtype, parallel)
         self.register_buffer("product_weight", None, persistent=False)
         self.register_buffer("packed_weight", None, persistent=False)
+        self.amx_weight = False  # the product runs through `amx_product` from the weight itself
 
     def keep_product_copy(self) -> bool:
         """A copy of the weight for the product on a CPU, the weight itself staying (the embedding may share it):
         oneDNN's reordered copy where oneDNN multiplies the weight's dtype (SmolLM2's head, bfloat16 at 32 rows:
         5.7 ms against torch's linear's 7.9, the same bits: BENCHMARKS.md section 24), else a float32 copy of a
-        half-precision weight the CPU has no arithmetic for (layers/linear.py's cpu_product_dtype). Whether it
-        made one."""
+        half-precision weight the CPU has no arithmetic for (layers/cpu_dtypes.py's cpu_product_dtype). Whether it
+        made one. A bfloat16 weight that `amx_linear_weight` takes needs no copy: the AMX tiles read it as it lies."""
         weight = self.weight
         if weight.device.type != "cpu":
             return False
+        if amx_linear_weight(weight):
+            self.amx_weight = True
+            return True
         product = cpu_product_dtype(weight.dtype)
         if product == weight.dtype:
             self.packed_weight = onednn_reordered(weight)
@@ -57,7 +62,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[t, D] -> full-vocabulary logits [t, V] in float32 on rank 0, None elsewhere."""
-        if self.packed_weight is not None:
+        if self.amx_weight:
+            local = amx_product(hidden, self.weight).float()
+        elif self.packed_weight is not None:
             local = packed_linear(hidden, self.packed_weight).float()
         elif self.product_weight is not None:  # the float32 product, rounded as the half-precision one rounds
             local = nn.functional.linear(hidden.float(), self.product_weight).to(hidden.dtype).float()

@@ -7,12 +7,11 @@ layer that needs it.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
 from kvshard import envs
+from kvshard.layers.cpu_dtypes import cpu_product_dtype, onednn_dtypes
 from kvshard.parallel import ParallelState, tp_all_reduce
 
 # On CPU, oneDNN multiplies by a weight reordered once into its blocked layout 1.3-2x faster than
@@ -20,26 +19,6 @@ from kvshard.parallel import ParallelState, tp_all_reduce
 # reorder is what vLLM's CPU backend does too). Row hint for the reorder: a decode batch.
 ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
 ONEDNN_REORDER_ROWS = 32
-
-
-@functools.cache
-def onednn_dtypes() -> tuple[torch.dtype, ...]:
-    """The weight dtypes oneDNN's packed linear takes on this CPU: float32, and bfloat16 only where oneDNN has
-    a bfloat16 path (AVX-512 BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only CPU has none, and its reorder raises)."""
-    bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
-
-
-def cpu_product_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a CPU matrix product of `dtype` operands runs in: `dtype` itself, or float32 for a half
-    precision the CPU has no arithmetic for (bfloat16 and float16 on AVX2, where torch emulates the product
-    element by element, 5-6x slower than float32's). A half-precision product accumulates in float32 and
-    rounds its result once, and so does the float32 one below, rounded back to `dtype`."""
-    if dtype in (torch.bfloat16, torch.float16) and dtype not in onednn_dtypes():
-        fp16 = getattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", None)
-        if dtype == torch.bfloat16 or fp16 is None or not fp16():
-            return torch.float32
-    return dtype
 
 
 def _parameter(shape: tuple[int, ...], dtype: torch.dtype, loader) -> nn.Parameter:
@@ -79,16 +58,75 @@ def onednn_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def onednn_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """oneDNN's x @ weight.T (+ bias) from the reordered weight, run on `onednn_rows` rows, zeros padding the rest
-    (a row's result does not depend on the others): the eager layers' product and the compiled graph's opaque one."""
+def on_bucket_rows(product, x: torch.Tensor) -> torch.Tensor:
+    """product(x) run on `onednn_rows` rows, zeros padding the rest (a row's result does not depend on the others)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     padded = onednn_rows(rows)
     if padded == rows or not rows:
-        return ONEDNN_LINEAR(x, packed_weight, bias, "none", [], "")
+        return product(x)
     flat = x.reshape(rows, x.shape[-1])
     flat = torch.cat([flat, flat.new_zeros(padded - rows, flat.shape[1])])
-    return ONEDNN_LINEAR(flat, packed_weight, bias, "none", [], "")[:rows].unflatten(0, x.shape[:-1])
+    return product(flat)[:rows].unflatten(0, x.shape[:-1])
+
+
+def onednn_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's x @ weight.T (+ bias) from the reordered weight, on `onednn_rows` rows: the eager layers' product and
+    the compiled graph's opaque one."""
+    return on_bucket_rows(lambda rows: ONEDNN_LINEAR(rows, packed_weight, bias, "none", [], ""), x)
+
+
+# Products of bfloat16 weights on a CPU with AMX tiles run from the weight as it lies, not from oneDNN's reordered
+# copy: a decode step's on the kernel extension's AMX tiles (`amx_linear`: 1.2-1.4x oneDNN's from its copy at 1 to
+# 128 rows on SmolLM2's and Llama-3-8B's shapes, 2.3-3.2x on the GQA demo's), more rows in torch's linear (oneDNN from
+# the plain weight, as fast as from its copy from 256 rows; BENCHMARKS.md section 38). The tiles take up to
+# AMX_LINEAR_ROWS rows, and more than AMX_LINEAR_ALWAYS only while the rows' packed copy stays within
+# AMX_LINEAR_ROW_BYTES (every 32 output features read all of it: SmolLM2's 256 rows ran 1.1x faster on the tiles,
+# Llama-3-8B's, 2 MB a product, 0.9x).
+AMX_LINEAR_ROWS = 256
+AMX_LINEAR_ALWAYS = 128
+AMX_LINEAR_ROW_BYTES = 1 << 20
+
+
+def amx_takes(rows: int, in_features: int) -> bool:
+    """Whether a product of `rows` rows of `in_features` bfloat16 channels runs on the AMX tiles."""
+    return rows <= AMX_LINEAR_ALWAYS or (rows <= AMX_LINEAR_ROWS and rows * in_features * 2 <= AMX_LINEAR_ROW_BYTES)
+
+
+def amx_linear_weight(weight: torch.Tensor) -> bool:
+    """Whether `weight` [N, K] multiplies through `amx_product`: KVSHARD_AMX_LINEAR is not 0, a contiguous bfloat16
+    CPU weight with K a multiple of 32 and N of 16, and the kernel extension built with its AMX path on a CPU whose
+    system gave this process the tiles (asking builds the extension where it is not built yet)."""
+    if (not envs.get("KVSHARD_AMX_LINEAR") or weight.device.type != "cpu" or weight.dtype != torch.bfloat16
+            or weight.dim() != 2 or weight.shape[1] % 32 or weight.shape[0] % 16 or not weight.is_contiguous()):
+        return False
+    from kvshard.attention import paged
+
+    module = paged.load_extension()
+    return module is not None and bool(module.amx_ready())
+
+
+def amx_or_torch_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T (+ bias) of a weight `amx_linear_weight` took: on the AMX tiles where `amx_takes` its rows, else
+    (and in batch-invariant mode, which tiles torch's linear) by torch's linear on `onednn_rows` rows (so that oneDNN
+    keeps a primitive for few shapes). The eager layers' product and the compiled graph's opaque one."""
+    from kvshard.layers.batch_invariant import batch_invariant_active
+
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not amx_takes(rows, x.shape[-1]) or x.dtype != torch.bfloat16 or batch_invariant_active():
+        return on_bucket_rows(lambda flat: nn.functional.linear(flat, weight, bias), x)
+    from kvshard.attention import paged
+
+    flat = x.reshape(rows, x.shape[-1])
+    if flat.stride(-1) != 1 or flat.stride(0) % 2:
+        flat = flat.contiguous()
+    return paged.load_extension().amx_linear(flat, weight, bias).unflatten(0, x.shape[:-1])
+
+
+def amx_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`amx_or_torch_product`, an opaque op in a compiled graph."""
+    if torch.compiler.is_compiling():
+        return torch.ops.kvshard.amx_linear(x, weight, bias)
+    return amx_or_torch_product(x, weight, bias)
 
 
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -106,15 +144,18 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tens
 
 class LinearBase(nn.Module):
     """What every linear layer below shares: the product x @ weight.T (+ bias), from a weight that
-    `reorder_for_onednn` may have replaced by oneDNN's blocked copy of it."""
+    `reorder_for_onednn` may have replaced by oneDNN's blocked copy of it, or marked for the AMX tiles."""
 
     def __init__(self) -> None:
         super().__init__()
         self.register_buffer("packed_weight", None, persistent=False)
+        self.amx_weight = False  # the weight multiplies through `amx_product`
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, bias)
+        if self.amx_weight:
+            return amx_product(x, self.weight, bias)
         return nn.functional.linear(x, self.weight, bias)
 
     @property
@@ -123,7 +164,11 @@ class LinearBase(nn.Module):
         return (self.weight if self.packed_weight is None else self.packed_weight).shape
 
     def reorder_for_onednn(self) -> bool:
-        """Keep only oneDNN's reordered copy of the weight (`onednn_reordered`); whether it did."""
+        """Mark the weight for the AMX tiles where `amx_linear_weight` takes it, else keep only oneDNN's reordered
+        copy of it (`onednn_reordered`); whether it did either."""
+        if amx_linear_weight(self.weight):
+            self.amx_weight = True
+            return True
         packed = onednn_reordered(self.weight)
         if packed is None:
             return False
@@ -133,8 +178,8 @@ class LinearBase(nn.Module):
 
 
 def reorder_linear_weights(model: nn.Module) -> int:
-    """Reorder every linear layer's weight for oneDNN once its weights are loaded (CPU; KVSHARD_ONEDNN_LINEAR=0
-    keeps torch's linear). Returns the number of layers reordered."""
+    """Reorder every linear layer's weight for oneDNN, or mark it for the AMX tiles, once its weights are loaded
+    (CPU; KVSHARD_ONEDNN_LINEAR=0 keeps torch's linear for both). Returns the number of layers reordered or marked."""
     if not envs.get("KVSHARD_ONEDNN_LINEAR"):
         return 0
     for module in model.modules():  # the LM head (not a LinearBase): a copy of its own for the product

@@ -2421,11 +2421,118 @@ std::vector<at::Tensor> amx_attention(const at::Tensor& q, const at::Tensor& k, 
   }
   return {out, lse};
 }
+
+// y [M, N] = x [M, K] @ w [N, K]ᵀ (+ bias [N]), bfloat16, on AMX tiles: a decode step's linear layers, reading the
+// weight as it lies (no reordered copy). The weight's rows are the A tile (16 output features x 32 input channels a
+// tile, at the weight's row stride: no transpose), x the B tile (per 32 channels, 16 rows of channel pairs x 16 rows
+// of x, packed once a call by transposing its 32-bit words), so that a tile product gives 16 features x 16 rows of
+// x, transposed in registers on the way out. Every output is a sum in float32, in the order of the channels whatever
+// M is (a row's result does not depend on the other rows), rounded once to bfloat16 after the bias is added. A thread
+// takes a contiguous run of 32-feature blocks (one stretch of the weight's memory, which the hardware prefetchers
+// stream) and runs every 32 rows of x over a block in turn, the block cached. K: a multiple of 32; N: of 16.
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(tiled::tiles_permitted(), "the AMX tiles' state was refused by the system");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "amx_linear: x [M, K] and w [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "amx_linear: bfloat16 only");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), kb = K / 32, mg = (M + 15) / 16;
+  TORCH_CHECK(K % 32 == 0 && N % 16 == 0, "amx_linear: K a multiple of 32 and N of 16");
+  TORCH_CHECK(x.stride(1) == 1 && x.stride(0) % 2 == 0 && w.is_contiguous(), "amx_linear: rows contiguous");
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
+                        bias->scalar_type() == at::kBFloat16), "amx_linear: a bfloat16 bias [N]");
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  // x as B tiles: [mg][kb][16 channel pairs][16 rows] 32-bit words, rows past M zero
+  auto xb = at::empty({mg * kb * 256}, x.options().dtype(at::kInt));
+  const auto* xw = reinterpret_cast<const float*>(x.data_ptr());
+  auto* xbd = reinterpret_cast<float*>(xb.data_ptr());
+  const int64_t xs = x.stride(0) / 2;
+  at::parallel_for(0, mg * kb, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t g = i / kb, c = i % kb, rows = std::min<int64_t>(16, M - g * 16);
+      __m512 r[16];
+      for (int64_t j = 0; j < 16; ++j) r[j] = j < rows ? _mm512_loadu_ps(xw + (g * 16 + j) * xs + c * 16) : _mm512_setzero_ps();
+      tiled::transpose16(r);
+      for (int64_t p = 0; p < 16; ++p) _mm512_store_ps(xbd + (i * 16 + p) * 16, r[p]);
+    }
+  });
+  const char* wd = reinterpret_cast<const char*>(w.data_ptr());
+  auto* yd = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const auto* bd = bias ? reinterpret_cast<const c10::BFloat16*>(bias->data_ptr()) : nullptr;
+  const int64_t wrow = K * 2;
+  at::parallel_for(0, (N + 31) / 32, 1, [&](int64_t begin, int64_t end) {
+    tiled::TileScope scope(true);
+    alignas(64) float acc[4][256];  // [feature half + 2 x row half]: 16 features x 16 rows
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t n0 = blk * 32;
+      const bool two = n0 + 16 < N;
+      const char* w0 = wd + n0 * wrow;
+      const char* w1 = w0 + 16 * wrow;
+      __m512 bias_lo = _mm512_setzero_ps(), bias_hi = _mm512_setzero_ps();
+      if (bd) {
+        bias_lo = tiled::load16f(bd + n0, 0xFFFF);
+        if (two) bias_hi = tiled::load16f(bd + n0 + 16, 0xFFFF);
+      }
+      for (int64_t g = 0; g < mg; g += 2) {
+        const bool g2 = g + 1 < mg;
+        const float* b0 = xbd + g * kb * 256;
+        const float* b1 = b0 + kb * 256;
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+        for (int64_t c = 0; c < kb; ++c) {
+          _tile_loadd(0, w0 + c * 64, wrow);
+          _tile_loadd(2, b0 + c * 256, 64);
+          _tile_dpbf16ps(4, 0, 2);
+          if (two) {
+            _tile_loadd(1, w1 + c * 64, wrow);
+            _tile_dpbf16ps(5, 1, 2);
+          }
+          if (g2) {
+            _tile_loadd(3, b1 + c * 256, 64);
+            _tile_dpbf16ps(6, 0, 3);
+            if (two) _tile_dpbf16ps(7, 1, 3);
+          }
+        }
+        _tile_stored(4, acc[0], 64);
+        _tile_stored(5, acc[1], 64);
+        _tile_stored(6, acc[2], 64);
+        _tile_stored(7, acc[3], 64);
+        for (int64_t h = 0; h < (g2 ? 2 : 1); ++h) {
+          __m512 lo[16], hi[16];
+          for (int j = 0; j < 16; ++j) {
+            lo[j] = _mm512_load_ps(acc[2 * h] + j * 16);
+            hi[j] = _mm512_load_ps(acc[2 * h + 1] + j * 16);
+          }
+          tiled::transpose16(lo);  // now lo[r]: row r's 16 features
+          if (two) tiled::transpose16(hi);
+          const int64_t m0 = (g + h) * 16, rows = std::min<int64_t>(16, M - m0);
+          for (int64_t r = 0; r < rows; ++r) {
+            uint16_t* out = yd + (m0 + r) * N + n0;
+            if (two) {
+              const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_add_ps(hi[r], bias_hi), _mm512_add_ps(lo[r], bias_lo));
+              _mm512_storeu_si512(out, reinterpret_cast<__m512i>(v));
+            } else {
+              const __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(lo[r], bias_lo));
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), reinterpret_cast<__m256i>(v));
+            }
+          }
+        }
+      }
+    }
+  });
+  return y;
+}
 #else
 bool amx_ready() { return false; }
 
 std::vector<at::Tensor> amx_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, bool, int64_t) {
   TORCH_CHECK(false, "amx_attention: this build has no AMX path (the CPU or compiler lacks AMX tiles)");
+  return {};
+}
+
+at::Tensor amx_linear(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "amx_linear: this build has no AMX path (the CPU or compiler lacks AMX tiles)");
   return {};
 }
 #endif
@@ -2441,6 +2548,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_ready", &amx_ready, "Whether this build has the AMX path and the system gave the process the tiles");
   m.def("amx_attention", &amx_attention,
         "Attention with LSE of bfloat16 rows on AMX tiles (CPU; head size 32, 64 or 128)");
+  m.def("amx_linear", &amx_linear, "x @ w.T (+ bias) of bfloat16 rows on AMX tiles from the weight as it lies (CPU)");
   m.def("moe_select", &moe_select, "The experts a token's router picks from its scores, and their weights (CPU)");
   m.def("moe_experts", &moe_experts, "The routed experts of one MoE layer: sorted, gathered, ATen's products (CPU)");
 #if defined(KVSHARD_TILED)
