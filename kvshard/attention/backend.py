@@ -160,8 +160,8 @@ class Attention:
                 merged, _ = merge_states([out, chunk_out[:c]], [lse, chunk_lse[:c]])
                 chunk_out[:c] = merged
             out = chunk_out
-        if self._whole_heads:
-            return out.flatten(1).to(q.dtype)
+        if self._whole_heads:  # converted first: `out` is often a view of the kernel's packed [o | lse], which
+            return out.to(q.dtype).flatten(1)  # flatten would copy before the conversion copies again
         return out.flatten(1)[:, self._share(out.shape[-1])].to(q.dtype)  # [t, H/A * dv / N]
 
     def _expanded_groups(self, meta: AttentionMetadata, expanded: ExpandedContext | None,
