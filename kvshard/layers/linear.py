@@ -78,7 +78,7 @@ def onednn_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Ten
 # Products of bfloat16 weights on a CPU with AMX tiles run from the weight as it lies, not from oneDNN's reordered
 # copy: a decode step's on the kernel extension's AMX tiles (`amx_linear`: 1.2-1.4x oneDNN's from its copy at 1 to
 # 128 rows on SmolLM2's and Llama-3-8B's shapes, 2.3-3.2x on the GQA demo's), more rows in torch's linear (oneDNN from
-# the plain weight, as fast as from its copy from 256 rows; BENCHMARKS.md section 38). The tiles take up to
+# the plain weight, as fast as from its copy from 384 rows; BENCHMARKS.md section 38). The tiles take up to
 # AMX_LINEAR_ROWS rows, and more than AMX_LINEAR_ALWAYS only while the rows' packed copy stays within
 # AMX_LINEAR_ROW_BYTES (every 32 output features read all of it: SmolLM2's 256 rows ran 1.1x faster on the tiles,
 # Llama-3-8B's, 2 MB a product, 0.9x).
