@@ -154,7 +154,8 @@ REGISTRY: dict[str, EnvVar] = _declare(
            "1: every step's plan also carries each request's whole block table, and every rank checks the "
            "tables it keeps against them (slow: for tests and debugging)"),
     EnvVar("KVSHARD_ONEDNN_LINEAR", SWITCH, True,
-           "CPU: linear layers run oneDNN on weights reordered once at load; 0 keeps torch's linear",
+           "CPU: linear layers run oneDNN on weights reordered once at load (bfloat16 ones on a CPU with AMX tiles: "
+           "KVSHARD_AMX_LINEAR); 0 keeps torch's linear for every weight",
            numerics=True),
     EnvVar("KVSHARD_AMX_LINEAR", SWITCH, True,
            "CPU with AMX tiles: bfloat16 linear layers and the LM head multiply from the weight as it lies, a "

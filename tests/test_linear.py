@@ -82,6 +82,8 @@ def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("KVSHARD_ONEDNN_LINEAR", "0")
     layer = ReplicatedLinear(8, 8, False, torch.float32)
     assert reorder_linear_weights(layer) == 0 and layer.weight is not None
+    half = ReplicatedLinear(64, 32, False, torch.bfloat16)  # a shape the AMX tiles take: torch's linear too
+    assert reorder_linear_weights(half) == 0 and half.packed_weight is None and not half.amx_weight
 
 
 def test_batch_invariant_mode_tiles_the_onednn_product(monkeypatch):
