@@ -143,6 +143,48 @@ def test_the_kernel_runs_on_torchs_threads():
             torch.set_num_threads(1)
 
 
+def test_the_kernels_run_with_pythons_lock_released():
+    """rank 0's engine loop runs in the server's process: while a kernel runs, the event loop's thread must run too
+    (as it does while PyTorch's own operators run), not only between calls. A thread stamps the time as fast as it
+    can; holding Python's lock for a call leaves a gap in its stamps as long as the call (less the moment the thread
+    may still run after the call's start is read: 85-95% of it here), letting it go only the scheduler's gaps."""
+    import threading
+    import time
+
+    module = paged.load_extension()
+    rows, keys = 64, 65536  # one request's keys as one block, every row over all of them: ~0.1 s
+    q, k, v = torch.randn(rows, 8, 64), torch.randn(keys, 1, 64), torch.randn(keys, 1, 64)
+    calls = {  # the arguments made beforehand: PyTorch's operators let the lock go themselves
+        "paged_attention": (module.paged_attention, (
+            q, k, v, torch.zeros(1, 1, dtype=torch.int32), torch.zeros(rows, dtype=torch.int32),
+            torch.full((rows,), keys, dtype=torch.int32), keys, 0.125, 1.0, 1.0, 0, False, True, False)),
+    }
+    if module.amx_ready():  # 256 rows over a 16,384 x 4,096 weight: ~0.1 s
+        calls["amx_linear"] = (module.amx_linear, (torch.randn(256, 4096, dtype=torch.bfloat16),
+                                                   torch.randn(16384, 4096, dtype=torch.bfloat16), None))
+    stamps: list[float] = []
+    stop = threading.Event()
+
+    def stamp() -> None:
+        while not stop.is_set():
+            stamps.append(time.perf_counter())
+
+    thread = threading.Thread(target=stamp, daemon=True)
+    thread.start()
+    try:
+        for name, (call, args) in calls.items():
+            start = time.perf_counter()
+            call(*args)
+            end = time.perf_counter()
+            during = [start] + [t for t in stamps if start < t < end] + [end]
+            gap = max(b - a for a, b in zip(during, during[1:]))
+            assert gap < (end - start) * 2 / 3, f"{name} held Python's lock: no other thread ran for {1e3 * gap:.0f} " \
+                                             f"of its {1e3 * (end - start):.0f} ms"
+    finally:
+        stop.set()
+        thread.join()
+
+
 def test_threads_share_a_chunks_rows_and_give_the_bits_of_one():
     # the units go to whichever thread is free, the most work first (a causal chunk's last rows see the most
     # keys): each is computed alone, so one thread and two give the same bits

@@ -2537,20 +2537,27 @@ at::Tensor amx_linear(const at::Tensor&, const at::Tensor&, const c10::optional<
 }
 #endif
 
+// The computing calls run with Python's lock released, as PyTorch's own operators do: their arguments are converted
+// before it is let go and their results after it is taken back, and none of them touches a Python object, so that the
+// server's event loop (in the same process as rank 0's engine loop) runs while a kernel does, not only between calls.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  const auto unlocked = py::call_guard<py::gil_scoped_release>();
   m.def("parallel_threads", &parallel_threads, "Threads at::parallel_for runs n items on");
-  m.def("paged_attention", &paged_attention, "Paged attention with LSE over kvshard's KV cache (CPU)");
-  m.def("rms_norm", &rms_norm, "RMSNorm with float32 statistics, fused (CPU)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up, fused (CPU)");
-  m.def("rotary", &rotary, "Rotary embedding of [t, h, d] by [t, d / 2] angles, fused (CPU)");
-  m.def("merge_states", &merge_states, "Partial attentions merged by their LSE, fused (CPU)");
-  m.def("merge_stacked", &merge_stacked, "merge_states of parts stacked along a first dimension (CPU)");
+  m.def("paged_attention", &paged_attention, "Paged attention with LSE over kvshard's KV cache (CPU)", unlocked);
+  m.def("rms_norm", &rms_norm, "RMSNorm with float32 statistics, fused (CPU)", unlocked);
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up, fused (CPU)", unlocked);
+  m.def("rotary", &rotary, "Rotary embedding of [t, h, d] by [t, d / 2] angles, fused (CPU)", unlocked);
+  m.def("merge_states", &merge_states, "Partial attentions merged by their LSE, fused (CPU)", unlocked);
+  m.def("merge_stacked", &merge_stacked, "merge_states of parts stacked along a first dimension (CPU)", unlocked);
   m.def("amx_ready", &amx_ready, "Whether this build has the AMX path and the system gave the process the tiles");
   m.def("amx_attention", &amx_attention,
-        "Attention with LSE of bfloat16 rows on AMX tiles (CPU; head size 32, 64 or 128)");
-  m.def("amx_linear", &amx_linear, "x @ w.T (+ bias) of bfloat16 rows on AMX tiles from the weight as it lies (CPU)");
-  m.def("moe_select", &moe_select, "The experts a token's router picks from its scores, and their weights (CPU)");
-  m.def("moe_experts", &moe_experts, "The routed experts of one MoE layer: sorted, gathered, ATen's products (CPU)");
+        "Attention with LSE of bfloat16 rows on AMX tiles (CPU; head size 32, 64 or 128)", unlocked);
+  m.def("amx_linear", &amx_linear, "x @ w.T (+ bias) of bfloat16 rows on AMX tiles from the weight as it lies (CPU)",
+        unlocked);
+  m.def("moe_select", &moe_select, "The experts a token's router picks from its scores, and their weights (CPU)",
+        unlocked);
+  m.def("moe_experts", &moe_experts, "The routed experts of one MoE layer: sorted, gathered, ATen's products (CPU)",
+        unlocked);
 #if defined(KVSHARD_TILED)
   m.attr("tiled") = true;
 #else
