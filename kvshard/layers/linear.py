@@ -114,12 +114,11 @@ def amx_or_torch_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     rows = x.shape[0] if flat else x.numel() // channels if channels else 0
     if x.dtype != torch.bfloat16 or not amx_takes(rows, channels) or batch_invariant_active():
         return on_bucket_rows(lambda xs: nn.functional.linear(xs, weight, bias), x)
-    if flat and x.stride(-1) == 1 and x.stride(0) % 2 == 0:  # the rows as they come (a reshape and unflatten: ~6 us)
-        return paged.load_extension().amx_linear(x, weight, bias)
-    x2 = x.reshape(rows, channels)
+    x2 = x if flat else x.reshape(rows, channels)  # 2-D rows as they come (a reshape and unflatten: ~6 us)
     if x2.stride(-1) != 1 or x2.stride(0) % 2:
         x2 = x2.contiguous()
-    return paged.load_extension().amx_linear(x2, weight, bias).unflatten(0, x.shape[:-1])
+    out = paged.load_extension().amx_linear(x2, weight, bias)
+    return out if flat else out.unflatten(0, x.shape[:-1])
 
 
 def amx_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
