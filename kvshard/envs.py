@@ -162,8 +162,9 @@ REGISTRY: dict[str, EnvVar] = _declare(
            "decode step's rows on the kernel extension's AMX tiles and a prefill's in torch's linear; 0 keeps "
            "oneDNN's reordered copy", numerics=True),
     EnvVar("KVSHARD_FUSED_ELEMENTWISE", SWITCH, True,
-           "CPU: RMSNorm, SiLU-and-multiply, the rotary embedding, the attention's LSE merge and the MoE router's "
-           "choice run as fused C++ operators of kvshard's kernel extension; 0 keeps PyTorch's eager operators",
+           "CPU: RMSNorm (with the residual add before it), SiLU-and-multiply, the rotary embedding, the cache "
+           "write, the attention's LSE merge and the MoE router's choice run as fused C++ operators of kvshard's "
+           "kernel extension; 0 keeps PyTorch's eager operators",
            numerics=True),
     EnvVar("KVSHARD_NUM_THREADS", POSITIVE_INT, None,
            "torch threads per rank (a matmul's split over threads can change its rounding)", numerics=True,

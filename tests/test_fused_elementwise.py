@@ -76,6 +76,99 @@ def test_rms_norm_reads_strided_rows_and_does_not_depend_on_the_batch(ops, dtype
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,d", [(1, 256), (32, 576), (37, 50), (2000, 64)])
+def test_the_residual_add_and_norm_give_the_bits_of_an_add_then_the_norm(ops, dtype, rows, d):
+    """`add_rms_norm` (the decoder layers' residual add and the norm after it) against PyTorch's add followed by the
+    extension's RMSNorm: the same bits, the sum rounded to the dtype first; d = 50 takes the loops' scalar tail, 2,000
+    rows share the threads; the residual's rows may lie apart."""
+    torch.manual_seed(5)
+    norm = RMSNorm(d, 1e-5, dtype)
+    norm.weight.data = (torch.randn(d) * 0.5 + 1).to(dtype)
+    x = (torch.randn(rows, d) * 3).to(dtype)
+    wide = (torch.randn(rows, d + 30) * 20).to(dtype)
+    residual = wide[:, 7:7 + d]  # rows d + 30 apart
+    x[0, :2], residual[0, :2] = torch.tensor([1e-39, 1 + 2 ** -8]), torch.tensor([0.0, 2 ** -9])  # subnormal; a tie
+    out, total = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+    assert torch.equal(total, x + residual)
+    assert torch.equal(out, ops.rms_norm(x + residual, norm.weight, norm.eps))
+    _assert_roundings_apart(out, norm.eager(x + residual))
+    layer_out, layer_total = norm.add_and_norm(x, residual)  # what the layers call
+    assert torch.equal(layer_total, total) and torch.equal(layer_out, out if ops.tiled else norm.eager(total))
+
+
+def test_the_residual_add_keeps_to_the_eager_form_where_it_cannot_fuse(ops):
+    norm = RMSNorm(40, 1e-5, torch.float32)
+    x, residual = torch.randn(3, 4, 40), torch.randn(3, 4, 40)  # 3-D: the eager add and norm
+    out, total = norm.add_and_norm(x, residual)
+    assert torch.equal(total, x + residual) and torch.equal(out, norm(x + residual))
+    with pytest.raises(RuntimeError, match="x and residual"):
+        ops.add_rms_norm(torch.randn(3, 40), torch.randn(4, 40), norm.weight, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_cache_write_puts_the_bits_index_copy_puts(ops, dtype):
+    """`write_kv`: a step's keys and values (views of a fused projection's output) into their slots, against
+    index_copy_; a value that is a view of the key (MLA) is left to the key; slots out of range are refused before
+    anything is written."""
+    torch.manual_seed(6)
+    t, heads, d = 9, 3, 64
+    qkv = torch.randn(t, (4 + 2 * heads) * d).to(dtype)
+    k = qkv[:, 4 * d:(4 + heads) * d].view(t, heads, d)
+    v = qkv[:, (4 + heads) * d:].view(t, heads, d)
+    slots = torch.randperm(100)[:t]
+    key, value = torch.zeros(100, heads, d, dtype=dtype), torch.zeros(100, heads, d, dtype=dtype)
+    ops.write_kv(key, value, slots, k, v)
+    want_key, want_value = torch.zeros_like(key), torch.zeros_like(value)
+    want_key.index_copy_(0, slots, k)
+    want_value.index_copy_(0, slots, v)
+    assert torch.equal(key, want_key) and torch.equal(value, want_value)
+    heads_apart = torch.randn(t, heads, 2 * d).to(dtype)[..., :d]  # each head's channels alone contiguous
+    ops.write_kv(key, None, slots, heads_apart, None)
+    want_key.index_copy_(0, slots, heads_apart)
+    assert torch.equal(key, want_key) and torch.equal(value, want_value)
+    before = key.clone()
+    with pytest.raises(RuntimeError, match="slot 100 out of the cache's 100"):
+        ops.write_kv(key, value, torch.tensor([3, 100]), k[:2], v[:2])
+    with pytest.raises(RuntimeError, match="slot -1"):
+        ops.write_kv(key, value, torch.tensor([-1]), k[:1], v[:1])
+    assert torch.equal(key, before)
+    with pytest.raises(RuntimeError, match="of its cache's dtype"):
+        ops.write_kv(key, value, slots, k.float() if dtype != torch.float32 else k.double(), v)
+
+
+def test_the_cache_layer_writes_through_the_extension_and_index_copy_alike(ops):
+    from kvshard.kv.cache import FP8_DTYPE, KVCacheLayer, KVScales
+
+    torch.manual_seed(7)
+    k, v, slots = torch.randn(5, 2, 32).bfloat16(), torch.randn(5, 2, 32).bfloat16(), torch.tensor([9, 0, 4, 17, 2])
+    layers = [KVCacheLayer(torch.zeros(20, 2, 32, dtype=torch.bfloat16), torch.zeros(20, 2, 32, dtype=torch.bfloat16),
+                           4, torch.bfloat16) for _ in range(2)]
+    layers[0].write(slots, k, v, ops)
+    layers[1].write(slots, k, v)  # no extension: index_copy_
+    assert torch.equal(layers[0].key, layers[1].key) and torch.equal(layers[0].value, layers[1].value)
+    assert torch.equal(layers[0].key[slots], k)
+    fp8 = KVCacheLayer(torch.zeros(20, 2, 32, dtype=FP8_DTYPE), torch.zeros(20, 2, 32, dtype=FP8_DTYPE), 4,
+                       torch.bfloat16, KVScales(0.5, 0.25))
+    fp8.write(slots, k, v, ops)  # rounded on the way in: the PyTorch path
+    assert torch.equal(fp8.key[slots].to(torch.bfloat16), (k.float() / 0.5).to(FP8_DTYPE).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_attention_output_flattens_to_the_bits_of_to_then_flatten(ops, dtype):
+    from kvshard.attention.fused_ops import flatten_heads
+
+    torch.manual_seed(8)
+    packed = torch.randn(33, 9, 65) * 4
+    packed[0, 0, :4] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, float("inf"), 1e-40])  # ties to even, inf, tiny
+    out = packed[..., :-1]  # the attention's output as a view of its packed [o | lse]
+    got = ops.flatten_heads(out, dtype == torch.bfloat16)
+    assert got.dtype == dtype and got.is_contiguous()
+    assert torch.equal(got, out.to(dtype).flatten(1))
+    assert torch.equal(flatten_heads(out, dtype), got)
+    assert torch.equal(flatten_heads(out.half(), torch.float16), out.half().flatten(1))  # not fused: PyTorch's
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 2 * 768), (9, 2 * 37), (4, 3, 2 * 64)])
 def test_silu_and_mul_matches_the_eager_form(ops, dtype, shape):
     torch.manual_seed(2)
@@ -165,7 +258,7 @@ def test_a_build_without_avx512_fuses_the_rotary_embedding_alone(ops, monkeypatc
 
     monkeypatch.setattr(paged, "load_extension", lambda: Avx2Build())
     config = EngineArgs(model="kvshard-demo-gqa", dtype="bfloat16").create_engine_config()
-    assert "fused C++ rotary embedding and LSE merge; PyTorch's eager RMSNorm" in fused.describe(config, "cpu")
+    assert "fused C++ rotary embedding, cache write and LSE merge; PyTorch's eager RMSNorm" in fused.describe(config, "cpu")
 
 
 def test_the_switch_turns_them_off(monkeypatch):
@@ -185,7 +278,7 @@ def test_the_start_up_report_names_them(ops, monkeypatch):
 
     config = EngineArgs(model="kvshard-demo-gqa", dtype="bfloat16").create_engine_config()
     assert ("elementwise operators: fused C++ RMSNorm" if ops.tiled else
-            "elementwise operators: fused C++ rotary embedding and LSE merge; PyTorch's eager RMSNorm"
+            "elementwise operators: fused C++ rotary embedding, cache write and LSE merge; PyTorch's eager RMSNorm"
             ) in config.layout_report()
     assert "(fused on a CPU only)" in fused.describe(config, "cuda")
     half = EngineArgs(model="kvshard-demo-gqa", dtype="float16").create_engine_config()

@@ -307,6 +307,11 @@ def test_the_lm_head_on_amx_tiles_reads_its_weight_and_keeps_no_copy():
     want = rounded_once(x, head.weight)
     assert got.dtype == torch.float32 and got.shape == (9, 96)
     assert ((got - want).abs() <= want.abs() * 2.0 ** -8 + 1e-4).all()
+    # the tiles write the float32 logits themselves: the bfloat16 product's values, widened
+    assert torch.equal(got, linear.amx_or_torch_product(x, head.weight, None).float())
+    assert torch.equal(linear.amx_or_torch_product(x, head.weight, None, float_out=True), got)
+    many = torch.randn(300, 64, dtype=torch.bfloat16)  # past the tiles' rows: torch's product, widened after
+    assert torch.equal(head.logits(many), linear.amx_or_torch_product(many, head.weight, None).float())
     head.weight.data.zero_()  # the logits come from the weight itself
     assert not head.logits(x).any()
     assert weight_bytes_per_step(model, batch_size=4) == 96 * 64 * 2

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvshard.attention.fused_ops import merge_states
+from kvshard.attention.fused_ops import flatten_heads, merge_states
 from kvshard.attention.merge import lse_weights
 from kvshard.attention.metadata import AttentionMetadata
 from kvshard.attention.paged import empty_packed, packed_of
@@ -160,8 +160,8 @@ class Attention:
                 merged, _ = merge_states([out, chunk_out[:c]], [lse, chunk_lse[:c]])
                 chunk_out[:c] = merged
             out = chunk_out
-        if self._whole_heads:  # converted first: `out` is often a view of the kernel's packed [o | lse], which
-            return out.to(q.dtype).flatten(1)  # flatten would copy before the conversion copies again
+        if self._whole_heads:  # converted in one pass: `out` is often a view of the kernel's packed [o | lse]
+            return flatten_heads(out, q.dtype)
         return out.flatten(1)[:, self._share(out.shape[-1])].to(q.dtype)  # [t, H/A * dv / N]
 
     def _expanded_groups(self, meta: AttentionMetadata, expanded: ExpandedContext | None,

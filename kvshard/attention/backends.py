@@ -46,6 +46,7 @@ import torch
 
 from kvshard import envs
 from kvshard.attention import paged
+from kvshard.attention.fused_ops import ops_for
 from kvshard.attention.kernels import attention_with_lse, reference_attention_with_lse
 from kvshard.errors import ConfigError
 from kvshard.layers.batch_invariant import batch_invariant_active
@@ -105,9 +106,9 @@ class _Backend:
 
     def write(self, cache, meta, k, v):
         if meta.writes_every_token:  # no index copy of k and v (every decode without DCP)
-            cache.write(meta.write_slots, k, v)
+            cache.write(meta.write_slots, k, v, ops_for(k))
         elif meta.write_index.numel():
-            cache.write(meta.write_slots, k[meta.write_index], v[meta.write_index])
+            cache.write(meta.write_slots, k[meta.write_index], v[meta.write_index], ops_for(k))
 
     def attend_chunks(self, q, k, v, meta, scale):
         out = q.new_zeros((q.shape[0], q.shape[1], v.shape[-1]), dtype=torch.float32)

@@ -66,3 +66,13 @@ def merge_states(outputs: Sequence[torch.Tensor] | torch.Tensor,
     if stacked:
         return merge_attention_states(outputs, lses)
     return merge_attention_states(torch.stack(list(outputs)), torch.stack(list(lses)))
+
+
+def flatten_heads(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x [t, H, d] float32 (the attention's output, often a view of the kernel's packed [o | lse]) -> [t, H * d] in
+    `dtype`: one C++ call where `ops_for` gives it (float32 or bfloat16), else `.to(dtype).flatten(1)` (the same
+    values: rounded to nearest even)."""
+    ops = ops_for(x)
+    if ops is not None and x.dtype == torch.float32 and x.dim() == 3 and x.stride(-1) == 1 and dtype in FUSED_DTYPES:
+        return ops.flatten_heads(x, dtype == torch.bfloat16)
+    return x.to(dtype).flatten(1)

@@ -281,7 +281,9 @@ class LLMEngine:
         first_rows = [rows.requests[i].sampled_start for i in sampled]  # each one's first row among the logits
         logit_rows = [row for i, first in zip(sampled, first_rows)
                       for row in range(first, first + rows.requests[i].num_sampled)]
-        outcomes = verify_drafts(logits[logit_rows], seqs, [batch.drafts[i] for i in sampled], self.default_generator,
+        # every row, as they lie, where they are all sampled (a copy of them took 0.7 ms at 32 rows)
+        sampled_logits = logits if logit_rows == list(range(logits.shape[0])) else logits[logit_rows]
+        outcomes = verify_drafts(sampled_logits, seqs, [batch.drafts[i] for i in sampled], self.default_generator,
                                  [draft_probs.get(seq.seq_id) for seq in seqs] if draft_probs else None)
         sampled = [(batch.seqs[i], batch.drafts[i]) for i in sampled]
         touched: dict[str, Request] = {}

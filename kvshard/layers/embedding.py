@@ -63,7 +63,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[t, D] -> full-vocabulary logits [t, V] in float32 on rank 0, None elsewhere."""
         if self.amx_weight:
-            local = amx_product(hidden, self.weight).float()
+            local = amx_product(hidden, self.weight, float_out=True)
         elif self.packed_weight is not None:
             local = packed_linear(hidden, self.packed_weight).float()
         elif self.product_weight is not None:  # the float32 product, rounded as the half-precision one rounds

@@ -1,5 +1,6 @@
-"""The model step's elementwise operators fused on CPU: RMSNorm, SiLU-and-multiply, the rotary
-embedding and the attention's LSE merge (attention/fused_ops.py's `merge_states`), each one C++ call of
+"""The model step's elementwise operators fused on CPU: RMSNorm (with the residual add before it), SiLU-and-multiply,
+the rotary embedding, the cache write and the attention's LSE merge (attention/fused_ops.py's `merge_states`), each
+one C++ call of
 kvshard's kernel extension (attention/csrc/paged_attention.cpp) instead of PyTorch's eager chain of a
 multiply, a conversion or a reduction per operator. Whether they are on, and for which tensors, is
 attention/fused_ops.py's (`cpu_ops`, `ops_for`: the merge runs inside the attention, which the layers import);
@@ -57,9 +58,10 @@ def _elementwise(config, device_type: str) -> str:
     if config.model.dtype not in FUSED_DTYPES:
         return f"elementwise operators: fused C++ LSE merge; PyTorch's eager {three} (fused for float32 and bfloat16 only)"
     if compile_unavailable(config, device_type) is None:
-        return "elementwise operators: inductor's, fused in the compiled model step; fused C++ LSE merge"
+        return "elementwise operators: inductor's, fused in the compiled model step; fused C++ cache write and LSE merge"
     if not paged.load_extension().tiled:
-        return ("elementwise operators: fused C++ rotary embedding and LSE merge; PyTorch's eager RMSNorm and "
-                "SiLU-and-multiply (fused on AVX-512 CPUs only; KVSHARD_FUSED_ELEMENTWISE=0 keeps all four eager)")
-    return ("elementwise operators: fused C++ RMSNorm, SiLU-and-multiply, rotary embedding and LSE merge "
-            "(KVSHARD_FUSED_ELEMENTWISE=0 keeps PyTorch's eager ones)")
+        return ("elementwise operators: fused C++ rotary embedding, cache write and LSE merge; PyTorch's eager "
+                "RMSNorm and SiLU-and-multiply (fused on AVX-512 CPUs only; KVSHARD_FUSED_ELEMENTWISE=0 keeps all "
+                "eager)")
+    return ("elementwise operators: fused C++ RMSNorm (with the residual add before it), SiLU-and-multiply, rotary "
+            "embedding, cache write and LSE merge (KVSHARD_FUSED_ELEMENTWISE=0 keeps PyTorch's eager ones)")

@@ -105,27 +105,32 @@ def amx_linear_weight(weight: torch.Tensor) -> bool:
     return module is not None and bool(module.amx_ready())
 
 
-def amx_or_torch_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def amx_or_torch_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         float_out: bool = False) -> torch.Tensor:
     """x @ weight.T (+ bias) of a weight `amx_linear_weight` took: on the AMX tiles where `amx_takes` its rows, else
     (and in batch-invariant mode, which tiles torch's linear) by torch's linear on `onednn_rows` rows (so that oneDNN
-    keeps a primitive for few shapes). The eager layers' product and the compiled graph's opaque one."""
+    keeps a primitive for few shapes). The eager layers' product and the compiled graph's opaque one. `float_out`:
+    the product's bfloat16 result widened to float32 (the tiles write it so, without a pass of `.float()`)."""
     channels = x.shape[-1]
     flat = x.dim() == 2
     rows = x.shape[0] if flat else x.numel() // channels if channels else 0
     if x.dtype != torch.bfloat16 or not amx_takes(rows, channels) or batch_invariant_active():
-        return on_bucket_rows(lambda xs: nn.functional.linear(xs, weight, bias), x)
+        out = on_bucket_rows(lambda xs: nn.functional.linear(xs, weight, bias), x)
+        return out.float() if float_out else out
     x2 = x if flat else x.reshape(rows, channels)  # 2-D rows as they come (a reshape and unflatten: ~6 us)
     if x2.stride(-1) != 1 or x2.stride(0) % 2:
         x2 = x2.contiguous()
-    out = paged.load_extension().amx_linear(x2, weight, bias)
+    out = paged.load_extension().amx_linear(x2, weight, bias, float_out)
     return out if flat else out.unflatten(0, x.shape[:-1])
 
 
-def amx_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`amx_or_torch_product`, an opaque op in a compiled graph."""
+def amx_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                float_out: bool = False) -> torch.Tensor:
+    """`amx_or_torch_product`, an opaque op in a compiled graph (which widens a `float_out` result itself)."""
     if torch.compiler.is_compiling():
-        return torch.ops.kvshard.amx_linear(x, weight, bias)
-    return amx_or_torch_product(x, weight, bias)
+        out = torch.ops.kvshard.amx_linear(x, weight, bias)
+        return out.float() if float_out else out
+    return amx_or_torch_product(x, weight, bias, float_out)
 
 
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,6 +20,18 @@ class RMSNorm(nn.Module):
             return ops.rms_norm(x, self.weight, self.eps)
         return self.eager(x)
 
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): a decoder layer's residual add and the next norm, one call of the
+        kernel extension where RMSNorm's is one (the sum rounded to the dtype, as the eager add rounds it)."""
+        ops = fused.ops_for(x, avx512=True)
+        if (ops is not None and x.dim() == 2 and residual.shape == x.shape and residual.dtype == x.dtype
+                and self.weight.dtype == x.dtype and x.stride(-1) == 1 and residual.stride(-1) == 1
+                and self.weight.is_contiguous()):
+            out, total = ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return out, total
+        total = x + residual
+        return self(total), total
+
     def eager(self, x: torch.Tensor) -> torch.Tensor:
         # float32 statistics, as the reference implementations do
         xf = x.float()

@@ -26,7 +26,7 @@ from kvshard import envs
 from kvshard.attention.backend import Attention, ExpandedContext
 from kvshard.compilation import call_opaque
 from kvshard.forward_context import get_forward_context
-from kvshard.models.causal_lm import CausalLM
+from kvshard.models.causal_lm import CausalLM, PreNormDecoderLayer
 from kvshard.layers.activation import silu_and_mul
 from kvshard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvshard.layers.linear import (
@@ -270,7 +270,7 @@ class DeepseekV2MoE(nn.Module):
         return tp_all_reduce(partial, self.parallel)  # one all-reduce for both
 
 
-class DeepseekV2DecoderLayer(nn.Module):
+class DeepseekV2DecoderLayer(PreNormDecoderLayer):
     def __init__(
         self, cfg, layer_index: int, rope_interleaved: bool, routing: Routing | None, dtype: torch.dtype,
         parallel: ParallelState, cache_index: int | None = None,
@@ -286,10 +286,6 @@ class DeepseekV2DecoderLayer(nn.Module):
             self.mlp = DeepseekV2MoE(cfg, routing, dtype, parallel)
         else:
             self.mlp = DeepseekV2MLP(cfg.hidden_size, cfg.intermediate_size, dtype, parallel)
-
-    def forward(self, x, cos, sin) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DeepseekV2Model(nn.Module):

@@ -16,7 +16,7 @@ from kvshard.attention.backend import Attention
 from kvshard.compilation import call_opaque
 from kvshard.forward_context import get_forward_context
 from kvshard.kv.cache import head_dim_of
-from kvshard.models.causal_lm import CausalLM
+from kvshard.models.causal_lm import CausalLM, PreNormDecoderLayer
 from kvshard.layers.activation import silu_and_mul
 from kvshard.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvshard.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -67,7 +67,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg, layer_index: int, qkv_bias: bool, o_bias: bool, dtype: torch.dtype,
                  parallel: ParallelState, qk_norm: bool = False) -> None:
         super().__init__()
@@ -76,10 +76,6 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         mlp_bias = bool(getattr(cfg, "mlp_bias", False))
         self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, dtype, parallel, mlp_bias)
-
-    def forward(self, x, cos, sin) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Module):

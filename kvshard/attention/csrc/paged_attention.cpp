@@ -1657,6 +1657,183 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 floats rounded to bfloat16 as c10's conversion (and `.to`) rounds them: to nearest even on the bits, NaN to
+// 0x7FC0, subnormals kept (the AVX512-BF16 instruction would flush them to zero)
+inline __m256i bf16_bits16(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+inline __m512 widen_bf16_16(__m256i b) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+#endif
+
+// x + residual (rounded to the dtype, as the eager add rounds) and RMSNorm of that sum, in one pass: the decoder
+// layers' residual add before each norm (models/causal_lm.py's `PreNormDecoderLayer`). Returns [norm(sum), sum].
+template <typename T>
+void add_rms_norm_rows(const T* x, int64_t x_row, const T* res, int64_t res_row, const T* w, T* out, T* sum,
+                       int64_t rows, int64_t d, float eps) {
+  const int64_t grain = std::max<int64_t>(1, kElementwiseGrain / std::max<int64_t>(d, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(d), wf(d);
+    for (int64_t i = 0; i < d; ++i) wf[i] = static_cast<float>(w[i]);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * x_row;
+      const T* rr = res + r * res_row;
+      T* s = sum + r * d;
+      T* o = out + r * d;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (d % 16 == 0) {  // the same roundings and the same order of the sum of squares, 16 channels a step
+          const auto load = [](const T* p) {
+            return widen_bf16_16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+          };
+          const auto store = [](T* p, __m512 v) {
+            const __m256i b = bf16_bits16(v);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), b);
+            return b;
+          };
+          v16 acc = {};  // as sum_of_squares adds them up
+          for (int64_t i = 0; i < d; i += 16) {
+            _mm512_storeu_ps(xf.data() + i, widen_bf16_16(store(s + i, _mm512_add_ps(load(xr + i), load(rr + i)))));
+            const v16 v = load16(xf.data() + i);
+            acc += v * v;
+          }
+          float ss = 0.0f;
+          for (int k = 0; k < 16; ++k) ss += acc[k];
+          const __m512 rstd = _mm512_set1_ps(1.0f / std::sqrt(ss / static_cast<float>(d) + eps));
+          for (int64_t i = 0; i < d; i += 16) {
+            const __m512 normed = widen_bf16_16(bf16_bits16(_mm512_mul_ps(_mm512_loadu_ps(xf.data() + i), rstd)));
+            store(o + i, _mm512_mul_ps(_mm512_loadu_ps(wf.data() + i), normed));
+          }
+          continue;
+        }
+      }
+#endif
+      for (int64_t i = 0; i < d; ++i) {
+        s[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
+        xf[i] = static_cast<float>(s[i]);
+      }
+      const float rstd = 1.0f / std::sqrt(sum_of_squares(xf.data(), d) / static_cast<float>(d) + eps);
+      for (int64_t i = 0; i < d; ++i) {
+        o[i] = static_cast<T>(wf[i] * static_cast<float>(static_cast<T>(xf[i] * rstd)));
+      }
+    }
+  });
+}
+
+// x, residual [t, d] (rows of any stride, channels contiguous), weight [d] -> [rms_norm(x + residual), x + residual]
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                                     double eps) {
+  TORCH_CHECK(x.device().is_cpu() && residual.device().is_cpu() && weight.device().is_cpu(),
+              "add_rms_norm: CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes() && x.stride(1) == 1 && residual.stride(1) == 1 &&
+                  residual.scalar_type() == x.scalar_type(),
+              "add_rms_norm: x and residual [t, d] of one dtype, channels contiguous");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
+                  weight.scalar_type() == x.scalar_type(),
+              "add_rms_norm: a contiguous weight of the input's size and dtype");
+  const int64_t rows = x.size(0), d = x.size(1);
+  auto out = at::empty({rows, d}, x.options());
+  auto sum = at::empty({rows, d}, x.options());
+  const float e = static_cast<float>(eps);
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      add_rms_norm_rows(x.data_ptr<float>(), x.stride(0), residual.data_ptr<float>(), residual.stride(0),
+                        weight.data_ptr<float>(), out.data_ptr<float>(), sum.data_ptr<float>(), rows, d, e);
+      break;
+    case at::kBFloat16:
+      add_rms_norm_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), residual.data_ptr<c10::BFloat16>(),
+                        residual.stride(0), weight.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(),
+                        sum.data_ptr<c10::BFloat16>(), rows, d, e);
+      break;
+    default: TORCH_CHECK(false, "add_rms_norm: unsupported dtype ", x.scalar_type());
+  }
+  return {out, sum};
+}
+
+// x [t, H, d] float32 (any row and head strides, channels contiguous: the attention's output, a view of its packed
+// [o | lse]) -> [t, H * d] contiguous, in float32 or (bf16) rounded to bfloat16 to nearest even as `.to` rounds: the
+// attention output as the output projection takes it, one pass where `.to(dtype).flatten(1)` of the view took two
+// (36 us at a decode step's 32 x 9 x 64 against a few).
+at::Tensor flatten_heads(const at::Tensor& x, bool bf16) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 3 && x.stride(2) == 1,
+              "flatten_heads: x [t, H, d] float32 on a CPU, channels contiguous");
+  const int64_t t = x.size(0), heads = x.size(1), d = x.size(2), s0 = x.stride(0), s1 = x.stride(1);
+  auto out = at::empty({t, heads * d}, x.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  const float* src = x.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, kElementwiseGrain / std::max<int64_t>(heads * d, 1));
+  at::parallel_for(0, t, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* in = src + r * s0 + h * s1;
+        const int64_t o = (r * heads + h) * d;
+        if (!bf16) {
+          std::memcpy(out.data_ptr<float>() + o, in, d * sizeof(float));
+          continue;
+        }
+        c10::BFloat16* dst = out.data_ptr<c10::BFloat16>() + o;
+        int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        for (; i + 16 <= d; i += 16) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), bf16_bits16(_mm512_loadu_ps(in + i)));
+        }
+#endif
+        for (; i < d; ++i) dst[i] = static_cast<c10::BFloat16>(in[i]);
+      }
+    }
+  });
+  return out;
+}
+
+// A step's new keys and values into the cache's slots, one call for both (kv/cache.py's `write`): key [n, Hk, dk]
+// and value [n, Hk, dv] (any token stride; each head's channels contiguous) into key_cache [S, Hk, dk] and
+// value_cache [S, Hk, dv] (contiguous, the inputs' dtype) at slots [n] (int64), checked against S first, as
+// index_copy_ checks them. An undefined value_cache writes the key alone (MLA: the value is a view of the key).
+void write_kv(const at::Tensor& key_cache, const c10::optional<at::Tensor>& value_cache, const at::Tensor& slots,
+              const at::Tensor& key, const c10::optional<at::Tensor>& value) {
+  TORCH_CHECK(slots.device().is_cpu() && slots.scalar_type() == at::kLong && slots.dim() == 1 &&
+                  slots.is_contiguous(), "write_kv: slots: a contiguous int64 CPU vector");
+  const int64_t n = slots.size(0);
+  const auto check = [&](const at::Tensor& cache, const at::Tensor& x, const char* what) {
+    TORCH_CHECK(cache.device().is_cpu() && x.device().is_cpu() && cache.is_contiguous() && cache.dim() == 3 &&
+                    x.dim() == 3 && x.size(0) == n && x.size(1) == cache.size(1) && x.size(2) == cache.size(2) &&
+                    x.stride(2) == 1 && x.scalar_type() == cache.scalar_type(),
+                "write_kv: ", what, " [n, Hk, d] of its cache's dtype and heads, channels contiguous, into a "
+                "contiguous cache [slots, Hk, d]");
+  };
+  check(key_cache, key, "key");
+  TORCH_CHECK(value_cache.has_value() == value.has_value(), "write_kv: a value with its cache, or neither");
+  if (value_cache) check(*value_cache, *value, "value");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t num_slots = key_cache.size(0);
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(sl[i] >= 0 && sl[i] < num_slots, "write_kv: slot ", sl[i], " out of the cache's ", num_slots);
+  }
+  TORCH_CHECK(!value_cache || value_cache->size(0) == num_slots, "write_kv: key and value caches of one length");
+  const auto copy = [&](const at::Tensor& cache, const at::Tensor& x) {
+    const int64_t heads = x.size(1), d = x.size(2), bytes = d * x.element_size();
+    const char* src = static_cast<const char*>(x.data_ptr());
+    char* dst = static_cast<char*>(cache.data_ptr());
+    const int64_t ts = x.stride(0) * x.element_size(), hs = x.stride(1) * x.element_size(), row = heads * bytes;
+    for (int64_t i = 0; i < n; ++i) {
+      char* to = dst + sl[i] * row;
+      if (hs == bytes) {
+        std::memcpy(to, src + i * ts, row);
+      } else {
+        for (int64_t h = 0; h < heads; ++h) std::memcpy(to + h * bytes, src + i * ts + h * hs, bytes);
+      }
+    }
+  };
+  copy(key_cache, key);
+  if (value_cache) copy(*value_cache, *value);
+}
+
 // silu(g) = g * sigmoid(g), sigmoid from exp(-|g|) (the kernel's exp): never overflows; below -87 (past float32's
 // range) sigmoid(-|g|) is 0, as PyTorch's
 inline float silu(float g) {
@@ -2430,7 +2607,10 @@ std::vector<at::Tensor> amx_attention(const at::Tensor& q, const at::Tensor& k, 
 // M is (a row's result does not depend on the other rows), rounded once to bfloat16 after the bias is added. A thread
 // takes a contiguous run of 32-feature blocks (one stretch of the weight's memory, which the hardware prefetchers
 // stream) and runs every 32 rows of x over a block in turn, the block cached. K: a multiple of 32; N: of 16.
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+// float_out: y in float32, each the bfloat16 result widened (what `.float()` of the bfloat16 y gives, without its
+// pass over y: the LM head's logits).
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                      bool float_out) {
   TORCH_CHECK(tiled::tiles_permitted(), "the AMX tiles' state was refused by the system");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "amx_linear: x [M, K] and w [N, K]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "amx_linear: bfloat16 only");
@@ -2439,7 +2619,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& w, const c10::optio
   TORCH_CHECK(x.stride(1) == 1 && x.stride(0) % 2 == 0 && w.is_contiguous(), "amx_linear: rows contiguous");
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
                         bias->scalar_type() == at::kBFloat16), "amx_linear: a bfloat16 bias [N]");
-  auto y = at::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, float_out ? x.options().dtype(at::kFloat) : x.options());
   if (M == 0) return y;
   // x as B tiles: [mg][kb][16 channel pairs][16 rows] 32-bit words, rows past M zero
   auto xb = at::empty({mg * kb * 256}, x.options().dtype(at::kInt));
@@ -2457,6 +2637,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& w, const c10::optio
   });
   const char* wd = reinterpret_cast<const char*>(w.data_ptr());
   auto* yd = reinterpret_cast<uint16_t*>(y.data_ptr());
+  auto* yf = reinterpret_cast<float*>(y.data_ptr());
   const auto* bd = bias ? reinterpret_cast<const c10::BFloat16*>(bias->data_ptr()) : nullptr;
   const int64_t wrow = K * 2;
   at::parallel_for(0, (N + 31) / 32, 1, [&](int64_t begin, int64_t end) {
@@ -2509,7 +2690,15 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& w, const c10::optio
           const int64_t m0 = (g + h) * 16, rows = std::min<int64_t>(16, M - m0);
           for (int64_t r = 0; r < rows; ++r) {
             uint16_t* out = yd + (m0 + r) * N + n0;
-            if (two) {
+            if (float_out) {  // rounded to bfloat16, then widened exactly (its bits in the upper half)
+              const auto widen = [](__m512 v) {
+                const __m256i b = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+                return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+              };
+              float* outf = yf + (m0 + r) * N + n0;
+              _mm512_storeu_ps(outf, widen(_mm512_add_ps(lo[r], bias_lo)));
+              if (two) _mm512_storeu_ps(outf + 16, widen(_mm512_add_ps(hi[r], bias_hi)));
+            } else if (two) {
               const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_add_ps(hi[r], bias_hi), _mm512_add_ps(lo[r], bias_lo));
               _mm512_storeu_si512(out, reinterpret_cast<__m512i>(v));
             } else {
@@ -2531,7 +2720,7 @@ std::vector<at::Tensor> amx_attention(const at::Tensor&, const at::Tensor&, cons
   return {};
 }
 
-at::Tensor amx_linear(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {
+at::Tensor amx_linear(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, bool) {
   TORCH_CHECK(false, "amx_linear: this build has no AMX path (the CPU or compiler lacks AMX tiles)");
   return {};
 }
@@ -2545,6 +2734,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("parallel_threads", &parallel_threads, "Threads at::parallel_for runs n items on");
   m.def("paged_attention", &paged_attention, "Paged attention with LSE over kvshard's KV cache (CPU)", unlocked);
   m.def("rms_norm", &rms_norm, "RMSNorm with float32 statistics, fused (CPU)", unlocked);
+  m.def("add_rms_norm", &add_rms_norm, "x + residual and its RMSNorm, fused (CPU)", unlocked);
+  m.def("flatten_heads", &flatten_heads, "[t, H, d] float32 -> [t, H * d] in float32 or bfloat16 (CPU)", unlocked);
+  m.def("write_kv", &write_kv, "A step's keys and values into their cache slots, one call (CPU)", unlocked);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up, fused (CPU)", unlocked);
   m.def("rotary", &rotary, "Rotary embedding of [t, h, d] by [t, d / 2] angles, fused (CPU)", unlocked);
   m.def("merge_states", &merge_states, "Partial attentions merged by their LSE, fused (CPU)", unlocked);
@@ -2553,7 +2745,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_attention", &amx_attention,
         "Attention with LSE of bfloat16 rows on AMX tiles (CPU; head size 32, 64 or 128)", unlocked);
   m.def("amx_linear", &amx_linear, "x @ w.T (+ bias) of bfloat16 rows on AMX tiles from the weight as it lies (CPU)",
-        unlocked);
+        py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("float_out") = false, unlocked);
   m.def("moe_select", &moe_select, "The experts a token's router picks from its scores, and their weights (CPU)",
         unlocked);
   m.def("moe_experts", &moe_experts, "The routed experts of one MoE layer: sorted, gathered, ATen's products (CPU)",
