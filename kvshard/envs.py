@@ -166,6 +166,10 @@ REGISTRY: dict[str, EnvVar] = _declare(
            "write, the attention's LSE merge and the MoE router's choice run as fused C++ operators of kvshard's "
            "kernel extension; 0 keeps PyTorch's eager operators",
            numerics=True),
+    EnvVar("KVSHARD_DECODE_PROGRAM", SWITCH, True,
+           "CPU, one rank, a Llama-family model: steps of decodes (and speculative verification rows) run as one "
+           "flat program of the kernel extension's calls, the same bits as the layers' modules; 0 keeps the "
+           "modules for every step"),
     EnvVar("KVSHARD_NUM_THREADS", POSITIVE_INT, None,
            "torch threads per rank (a matmul's split over threads can change its rounding)", numerics=True,
            shown_default="cores / ranks"),

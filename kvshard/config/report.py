@@ -110,9 +110,12 @@ def _elementwise_line(config: EngineConfig) -> str:
 
 
 def _decode_graphs_line(config: EngineConfig) -> str:
-    from kvshard.engine.cuda_graphs import describe_decode_graphs
+    import torch
 
-    return describe_decode_graphs(config)
+    from kvshard.engine.cuda_graphs import describe_decode_graphs
+    from kvshard.models.decode_program import describe_decode_program
+
+    return describe_decode_graphs(config) if torch.cuda.is_available() else describe_decode_program(config)
 
 
 def _attention_backend_line(name: str, dtype) -> str:

@@ -19,6 +19,7 @@ from kvshard.forward_context import forward_context
 from kvshard.kv.cache import allocate_kv_cache, load_kv_scales
 from kvshard.layers.batch_invariant import batch_invariant_mode
 from kvshard.layers.linear import reorder_linear_weights
+from kvshard.models.decode_program import DecodeProgram, program_unavailable
 from kvshard.models.loader import load_weights
 from kvshard.models.registry import model_class
 from kvshard.parallel import ParallelState
@@ -88,6 +89,8 @@ class ModelRunner:
                 raise RuntimeError(f"compiling the model step failed ({type(error).__name__}: {error}); "
                                    "--enforce-eager (or -O 0) runs it eagerly") from error
         self.step_model = self.compiled or self.model  # what runs the target's forward
+        if self.compiled is None and program_unavailable(config, device.type) is None:
+            self.step_model = DecodeProgram(self.model, self.model)  # steps of context rows as one flat program
 
     @property
     def compile_seconds(self) -> float | None:
