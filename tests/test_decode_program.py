@@ -13,6 +13,7 @@ import torch
 from transformers import Qwen2Config, Qwen3Config
 
 from kvshard import LLM, SamplingParams
+from kvshard.attention import paged
 from kvshard.engine.arg_utils import EngineArgs
 from kvshard.models import decode_program
 from kvshard.models.decode_program import DecodeProgram, program_unavailable
@@ -56,14 +57,19 @@ def _started(checkpoint, name: str, monkeypatch, program: bool) -> LLM:
     return LLM(str(checkpoint(name)), dtype=MODELS[name][1], block_size=4, seed=0, max_num_seqs=8)
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_every_decode_step_gives_the_modules_bits(checkpoint, monkeypatch, name):
+@pytest.mark.parametrize("name,native", [(name, True) for name in MODELS] + [("llama-bf16", False)])
+def test_every_decode_step_gives_the_modules_bits(checkpoint, monkeypatch, name, native):
     """At each step the program runs, the modules run the same step too: the states must be equal bit for bit
-    (the modules write the same keys and values to the same slots again)."""
+    (the modules write the same keys and values to the same slots again). Where the CPU has AMX tiles a bfloat16
+    model's layers run in one call of the extension (`decode_layers`); float32 ones, and bfloat16 ones with that
+    call taken away, run the same calls from Python."""
     with _started(checkpoint, name, monkeypatch, program=True) as llm:
         runner = llm.engine.runner
         program = runner.step_model
         assert isinstance(program, DecodeProgram)
+        assert (program.native is not None) == (MODELS[name][1] == "bfloat16" and paged.amx_ready())
+        if not native:
+            program.native = None
         compared, left = [], []
         real_run = program.run
 

@@ -12,7 +12,10 @@ RMSNorm, the QKV product, the rotary embedding, the cache write, the paged kerne
 output product, the residual add and RMSNorm, the MLP's products around SiLU-and-multiply. They are the calls the
 modules make for such a step, in the same order on the same tensors, so the states are the same bits
 (tests/test_decode_program.py holds the two against each other); the modules stay the oracle and run every other
-step (a prefill chunk, more rows than the AMX products take, the batch-invariant mode).
+step (a prefill chunk, more rows than the AMX products take, the batch-invariant mode). Where every product takes the
+AMX tiles, the whole row of calls is one call of the extension (`decode_layers`): from Python, the first operator
+after each long kernel call paid for the interpreter's code and data that the kernel's stream had evicted from the
+core's caches (40 us where it takes 2-4).
 
 Where it runs (`program_unavailable` says why not): a CPU, one rank (the layers' collectives live in their modules),
 a Llama-family model (MLA's attention runs its own modules), float32 or bfloat16 without FP8 weights or an FP8 KV
@@ -97,6 +100,31 @@ class DecodeProgram:
         self.max_rows = AMX_LINEAR_ALWAYS  # the AMX products' rows (more run torch's linear in the modules)
         self._ext = ext
         self._layers = [self._bind(layer, ext) for layer in model.model.layers]
+        self.native = self._native_arguments(model)  # the extension's `decode_layers`, where it takes the layers
+
+    @staticmethod
+    def _native_arguments(model) -> tuple | None:
+        """What the extension's `decode_layers` needs besides the step's tensors, where every product of every layer
+        takes the AMX tiles and the layers share their norms' eps, their heads and their attention's scale (one call
+        runs them all, with no return to Python between the calls: see its comment); else None."""
+        weights, shapes = [], set()
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            products = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(p.amx_weight for p in products):
+                return None
+            norms = (layer.input_layernorm, layer.post_attention_layernorm) + (
+                (attn.q_norm, attn.k_norm) if attn.qk_norm else ())
+            qkv = attn.qkv_proj
+            shapes.add((qkv.num_heads, qkv.num_kv_heads, qkv.head_dim, attn.attn.scale, *(n.eps for n in norms)))
+            weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                        qkv.weight, qkv.bias, attn.o_proj.weight, attn.o_proj.bias,
+                        mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias,
+                        attn.q_norm.weight if attn.qk_norm else None, attn.k_norm.weight if attn.qk_norm else None]
+        if len(shapes) != 1 or len(set(next(iter(shapes))[4:])) != 1:
+            return None
+        hq, hk, d, scale, eps = next(iter(shapes))[:5]
+        return weights, hq, hk, d, scale, eps
 
     @staticmethod
     def _bind(layer, ext) -> tuple:
@@ -129,6 +157,11 @@ class DecodeProgram:
         x = model.model.embed_tokens(input_ids)  # [t, D]
         t = x.shape[0]
         slots, tables, seqs, lens = meta.write_slots, meta.block_tables, meta.row_seq, meta.row_lens
+        if self.native is not None:  # every layer in one call of the extension
+            weights, hq, hk, d, scale, eps = self.native
+            layers = [caches[layer[8]] for layer in self._layers]
+            return ext.decode_layers(x, cos, sin, weights, [c.key for c in layers], [c.value for c in layers], slots,
+                                     tables, seqs, lens, layers[0].block_size, scale, hq, hk, d, eps, self.amx_tiles)
         residual = None
         for (norm_in, norm_post, qkv_product, o_product, gate_up_product, down_product, (q_end, k_end, hq, hk, d),
              qk_norm, index, scale) in self._layers:

@@ -16,6 +16,7 @@
 // the build: 65 s).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
@@ -2726,6 +2727,70 @@ at::Tensor amx_linear(const at::Tensor&, const at::Tensor&, const c10::optional<
 }
 #endif
 
+// A Llama-family decode step's layers in one call (models/decode_program.py's `DecodeProgram`, where every product
+// takes the AMX tiles): per layer the residual add and RMSNorm, the QKV product, Qwen3's per-head norms where given,
+// the rotary embedding, the cache write, the paged kernel, the output's conversion, the output product (its bias
+// added apart, as a row-parallel layer adds it), the residual add and RMSNorm, the MLP's products around
+// SiLU-and-multiply: the calls the layers' modules make for such a step, in their order, so the same bits. Run from
+// Python the calls are the same but each comes back to an interpreter whose code and data the kernels' streams of
+// keys, values and weights have evicted from the core's caches (the first operator after a paged-kernel call took 40
+// us where it takes 2-4): here they follow each other directly. weights: kLayerWeights a layer (absent ones None);
+// x [t, D] the embedded tokens; returns the states before the final norm (the last layer's output plus its residual).
+constexpr int64_t kLayerWeights = 12;  // in norm, post norm, qkv w, qkv b, o w, o b, gate_up w, gate_up b,
+                                       // down w, down b, q norm, k norm
+
+at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
+                         const std::vector<c10::optional<at::Tensor>>& weights,
+                         const std::vector<at::Tensor>& key_caches, const std::vector<at::Tensor>& value_caches,
+                         const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& row_seq,
+                         const at::Tensor& row_lens, int64_t block_size, double scale, int64_t hq, int64_t hk,
+                         int64_t d, double eps, bool tiles) {
+  const int64_t layers = static_cast<int64_t>(key_caches.size());
+  TORCH_CHECK(x_in.dim() == 2 && static_cast<int64_t>(weights.size()) == layers * kLayerWeights &&
+                  static_cast<int64_t>(value_caches.size()) == layers,
+              "decode_layers: x [t, D], ", kLayerWeights, " weights and a key and value cache a layer");
+  const auto need = [&](int64_t l, int64_t i) -> const at::Tensor& {
+    const auto& w = weights[l * kLayerWeights + i];
+    TORCH_CHECK(w.has_value(), "decode_layers: layer ", l, " lacks weight ", i);
+    return *w;
+  };
+  const int64_t t = x_in.size(0);
+  const bool bf16 = x_in.scalar_type() == at::kBFloat16;
+  at::Tensor x = x_in, residual;
+  for (int64_t l = 0; l < layers; ++l) {
+    const auto* w = &weights[l * kLayerWeights];
+    at::Tensor h;
+    if (!residual.defined()) {  // the first layer: its input is the residual stream
+      h = rms_norm(x, need(l, 0), eps);
+      residual = x;
+    } else {
+      auto hr = add_rms_norm(x, residual, need(l, 0), eps);
+      h = hr[0];
+      residual = hr[1];
+    }
+    const at::Tensor qkv = amx_linear(h, need(l, 2), w[3], false);
+    at::Tensor q = qkv.narrow(1, 0, hq * d).view({t, hq, d});
+    at::Tensor k = qkv.narrow(1, hq * d, hk * d).view({t, hk, d});
+    const at::Tensor v = qkv.narrow(1, (hq + hk) * d, hk * d).view({t, hk, d});
+    if (w[10].has_value()) {
+      q = rms_norm(q, *w[10], eps);
+      k = rms_norm(k, need(l, 11), eps);
+    }
+    q = rotary(q, cos, sin, false);
+    k = rotary(k, cos, sin, false);
+    write_kv(key_caches[l], value_caches[l], slots, k, v);
+    const at::Tensor packed = paged_attention(q, key_caches[l], value_caches[l], block_tables, row_seq, row_lens,
+                                              block_size, scale, 1.0, 1.0, 0, false, true, tiles);
+    at::Tensor y = amx_linear(flatten_heads(packed.narrow(2, 0, d), bf16), need(l, 4), c10::nullopt, false);
+    if (w[5].has_value()) y = at::add(y, *w[5]);
+    auto hr = add_rms_norm(y, residual, need(l, 1), eps);
+    residual = hr[1];
+    x = amx_linear(silu_and_mul(amx_linear(hr[0], need(l, 6), w[7], false)), need(l, 8), c10::nullopt, false);
+    if (w[9].has_value()) x = at::add(x, *w[9]);
+  }
+  return residual.defined() ? at::add(x, residual) : x;
+}
+
 // The computing calls run with Python's lock released, as PyTorch's own operators do: their arguments are converted
 // before it is let go and their results after it is taken back, and none of them touches a Python object, so that the
 // server's event loop (in the same process as rank 0's engine loop) runs while a kernel does, not only between calls.
@@ -2741,6 +2806,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "Rotary embedding of [t, h, d] by [t, d / 2] angles, fused (CPU)", unlocked);
   m.def("merge_states", &merge_states, "Partial attentions merged by their LSE, fused (CPU)", unlocked);
   m.def("merge_stacked", &merge_stacked, "merge_states of parts stacked along a first dimension (CPU)", unlocked);
+  m.def("decode_layers", &decode_layers, "A Llama-family decode step's layers in one call (CPU, AMX products)",
+        unlocked);
   m.def("amx_ready", &amx_ready, "Whether this build has the AMX path and the system gave the process the tiles");
   m.def("amx_attention", &amx_attention,
         "Attention with LSE of bfloat16 rows on AMX tiles (CPU; head size 32, 64 or 128)", unlocked);
