@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvshard.bench.decode_floor import measure_decode_floor
+from kvshard.bench.decode_floor import format_decode_floor, measure_decode_floor
 from kvshard.engine.arg_utils import EngineArgs
+from kvshard.models.decode_program import program_unavailable
 
 from conftest import tiny_llama_config
 
@@ -25,6 +26,12 @@ def test_every_timed_step_decodes_the_whole_batch(checkpoints):
     assert result["batch_size"] == 4 and result["steps"] == 6 and result["median_step_ms"] > 0
     # the timed steps attend to all four requests' prompts and more
     assert result["kv_bytes_per_step"] > 4 * 24 * args.create_engine_config().kv_bytes_per_token_per_rank
+    # a float32 Llama at tp=1 on a CPU: its decode steps run as the flat program (models/decode_program.py) where the
+    # machine has what it calls
+    here = program_unavailable(args.create_engine_config(), "cpu") is None
+    path = "a flat program of the kernel extension's calls" if here else "the layers' modules"
+    assert result["decode_layers"] == path
+    assert f"; decode steps' layers: {path}" in format_decode_floor(result)
 
 
 def test_a_request_that_would_finish_while_timing_is_an_error_not_a_smaller_batch(checkpoints):

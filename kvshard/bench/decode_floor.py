@@ -230,6 +230,7 @@ def measure_decode_floor(engine_args: EngineArgs, batch_size: int, context_len: 
         product_rate = matmul_rate(batch_size, config.model.dtype, device=device)
         hf_config, tp = config.model.hf_config, config.parallel.tensor_parallel_size
         compile_s = engine.runner.compile_seconds  # None: the model step ran eagerly
+        layers = decode_path(engine.runner.step_model)
         kv_per_token = config.kv_bytes_per_token_per_rank
         for request_id in generated:
             engine.abort_request(request_id)
@@ -253,11 +254,23 @@ def measure_decode_floor(engine_args: EngineArgs, batch_size: int, context_len: 
         "compute_floor_ms": compute_floor_s * 1e3, "ratio_to_compute_floor": step_s / compute_floor_s,
         "decode_tokens_per_s": batch_size / step_s,
         "compile_s": compile_s,
+        "decode_layers": layers,
         "alternation_ms": alternation,
         "dcp_ms_per_step": ({phase: [t * 1e3 for t in dcp.per_step(phase)] for phase in PHASES} | {
             "steps": dcp.steps, "merges": dcp.merges} if dcp is not None else None),
         "dcp_summary": dcp.summary() if dcp is not None else None,
     }
+
+
+def decode_path(step_model) -> str:
+    """How rank 0's decode steps ran their layers (models/decode_program.py): the report's words."""
+    from kvshard.models.decode_program import DecodeProgram
+
+    if not isinstance(step_model, DecodeProgram):
+        return "the layers' modules"
+    if step_model.native is not None:
+        return "one call of the kernel extension (decode_layers)"
+    return "a flat program of the kernel extension's calls"
 
 
 def format_decode_floor(result: dict) -> str:
@@ -276,7 +289,8 @@ def format_decode_floor(result: dict) -> str:
         + ("the arithmetic, not the memory, bounds this step here"
            if result["compute_floor_ms"] > result["floor_ms"] else "the memory bounds this step"),
         "model step: " + ("eager" if result.get("compile_s") is None
-                          else f"compiled (torch.compile, {result['compile_s']:.1f} s at start-up)"),
+                          else f"compiled (torch.compile, {result['compile_s']:.1f} s at start-up)")
+        + (f"; decode steps' layers: {result['decode_layers']}" if result.get("decode_layers") else ""),
         *([result["dcp_summary"]] if result.get("dcp_summary") else []),
         *(["compiled vs eager, blocks in turn (median ms per step): " + ", ".join(
             f"{name} {ms:.2f}" for name, ms in result["alternation_ms"])] if result.get("alternation_ms") else []),
