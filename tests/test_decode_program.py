@@ -62,7 +62,8 @@ def _started(checkpoint, name: str, monkeypatch, program: bool) -> LLM:
 
 
 @needs_program
-@pytest.mark.parametrize("name,native", [(name, True) for name in MODELS] + [("llama-bf16", False)])
+@pytest.mark.parametrize("name,native", [(name, True) for name in MODELS] + [
+    (name, False) for name in ("llama-bf16", "qwen2-bias-bf16", "llama-all-biases-bf16", "qwen3-qk-norm-bf16")])
 def test_every_decode_step_gives_the_modules_bits(checkpoint, monkeypatch, name, native):
     """At each step the program runs, the modules run the same step too: the states must be equal bit for bit
     (the modules write the same keys and values to the same slots again). Where the CPU has AMX tiles a bfloat16
@@ -119,14 +120,13 @@ def test_steps_it_leaves_to_the_modules(checkpoint, monkeypatch):
     with _started(checkpoint, "llama-bf16", monkeypatch, program=True) as llm:
         program = llm.engine.runner.step_model
 
-        class Meta:
-            backend = type("Paged", (), {})()
-            writes_every_token, has_prefill, uses_context, context_rows = True, False, True, 4
-
         from kvshard.attention.backends import PagedBackend
 
+        class Meta:
+            backend = object.__new__(PagedBackend)
+            writes_every_token, has_prefill, uses_context, context_rows = True, False, True, 4
+
         meta = Meta()
-        meta.backend = object.__new__(PagedBackend)
         assert program.takes(meta, 4)
         assert not program.takes(meta, 3)  # a row past the context rows: a chunk's own rows
         meta.has_prefill = True

@@ -258,7 +258,8 @@ def test_a_build_without_avx512_fuses_the_rotary_embedding_alone(ops, monkeypatc
 
     monkeypatch.setattr(paged, "load_extension", lambda: Avx2Build())
     config = EngineArgs(model="kvshard-demo-gqa", dtype="bfloat16").create_engine_config()
-    assert "fused C++ rotary embedding, cache write and LSE merge; PyTorch's eager RMSNorm" in fused.describe(config, "cpu")
+    assert ("fused C++ rotary embedding, cache write and LSE merge; PyTorch's eager RMSNorm"
+            in fused.describe(config, "cpu"))
 
 
 def test_the_switch_turns_them_off(monkeypatch):

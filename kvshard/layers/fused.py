@@ -58,7 +58,8 @@ def _elementwise(config, device_type: str) -> str:
     if config.model.dtype not in FUSED_DTYPES:
         return f"elementwise operators: fused C++ LSE merge; PyTorch's eager {three} (fused for float32 and bfloat16 only)"
     if compile_unavailable(config, device_type) is None:
-        return "elementwise operators: inductor's, fused in the compiled model step; fused C++ cache write and LSE merge"
+        return ("elementwise operators: inductor's, fused in the compiled model step; fused C++ cache write and LSE "
+                "merge")
     if not paged.load_extension().tiled:
         return ("elementwise operators: fused C++ rotary embedding, cache write and LSE merge; PyTorch's eager "
                 "RMSNorm and SiLU-and-multiply (fused on AVX-512 CPUs only; KVSHARD_FUSED_ELEMENTWISE=0 keeps all "

@@ -8,7 +8,8 @@ from torch import nn
 
 
 class CausalLM(nn.Module):
-    """Subclasses build `self.model` (embed_tokens, layers, norm), `self.lm_head` and `self.rotary`.
+    """Subclasses build `self.model` (embed_tokens, layers of `PreNormDecoderLayer`, norm), `self.lm_head` and
+    `self.rotary`.
 
     `forward` takes tensors alone; the step's metadata and caches come from the forward context the
     caller sets (kvshard/forward_context.py), so that torch.compile can trace it (kvshard/compilation.py)."""
@@ -18,13 +19,9 @@ class CausalLM(nn.Module):
         norm (what an MTP module reads)."""
         cos, sin = self.rotary.cos_sin(positions)  # global positions, once per step for every layer
         x = self.model.embed_tokens(input_ids)  # [t, D]
-        residual = None
-        for layer in self.model.layers:
-            if isinstance(layer, PreNormDecoderLayer):  # the residual stream apart: the add fused with the next norm
-                x, residual = layer.forward_residual(x, residual, cos, sin)
-            else:
-                x = layer(x if residual is None else x + residual, cos, sin)
-                residual = None
+        residual = None  # the residual stream apart from each layer's output: the add fused with the next norm
+        for layer in self.model.layers:  # PreNormDecoderLayer's
+            x, residual = layer.forward_residual(x, residual, cos, sin)
         return x if residual is None else x + residual
 
     def compute_logits(self, states: torch.Tensor) -> torch.Tensor | None:

@@ -27,7 +27,7 @@ off) and KVSHARD_DECODE_PROGRAM=0 keep the modules for every step.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -42,6 +42,25 @@ if TYPE_CHECKING:
     from kvshard.config import EngineConfig
 
 Product = Callable[[torch.Tensor], torch.Tensor]
+
+
+class _Layer(NamedTuple):
+    """One layer as the program calls it, bound once."""
+
+    norm_in: torch.nn.Module  # RMSNorm before the attention, and after it
+    norm_post: torch.nn.Module
+    qkv: Product  # x -> the layer's forward of each product (bias included)
+    o: Product
+    gate_up: Product
+    down: Product
+    q_end: int  # where q and k end among the QKV product's features
+    k_end: int
+    hq: int  # query heads, KV heads, head size
+    hk: int
+    d: int
+    qk_norm: tuple | None  # Qwen3's per-head norms of q and k
+    index: int  # its cache among the forward context's
+    scale: float
 
 
 def program_unavailable(config: EngineConfig, device_type: str) -> str | None:
@@ -127,15 +146,14 @@ class DecodeProgram:
         return weights, hq, hk, d, scale, eps
 
     @staticmethod
-    def _bind(layer, ext) -> tuple:
-        attn = layer.self_attn
+    def _bind(layer, ext) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
         qkv = attn.qkv_proj
         hq, hk, d = qkv.num_heads, qkv.num_kv_heads, qkv.head_dim
-        return (layer.input_layernorm, layer.post_attention_layernorm,
-                _product(ext, qkv, qkv.bias), _row_product(ext, attn.o_proj),
-                _product(ext, layer.mlp.gate_up_proj, layer.mlp.gate_up_proj.bias), _row_product(ext, layer.mlp.down_proj),
-                (hq * d, (hq + hk) * d, hq, hk, d), (attn.q_norm, attn.k_norm) if attn.qk_norm else None,
-                attn.layer_index, attn.attn.scale)
+        return _Layer(layer.input_layernorm, layer.post_attention_layernorm, _product(ext, qkv, qkv.bias),
+                      _row_product(ext, attn.o_proj), _product(ext, mlp.gate_up_proj, mlp.gate_up_proj.bias),
+                      _row_product(ext, mlp.down_proj), hq * d, (hq + hk) * d, hq, hk, d,
+                      (attn.q_norm, attn.k_norm) if attn.qk_norm else None, attn.layer_index, attn.attn.scale)
 
     def takes(self, meta, rows: int) -> bool:
         """Whether a step of `rows` tokens with this metadata runs as the program: context rows alone, each written
@@ -159,28 +177,30 @@ class DecodeProgram:
         slots, tables, seqs, lens = meta.write_slots, meta.block_tables, meta.row_seq, meta.row_lens
         if self.native is not None:  # every layer in one call of the extension
             weights, hq, hk, d, scale, eps = self.native
-            layers = [caches[layer[8]] for layer in self._layers]
+            layers = [caches[layer.index] for layer in self._layers]
             return ext.decode_layers(x, cos, sin, weights, [c.key for c in layers], [c.value for c in layers], slots,
                                      tables, seqs, lens, layers[0].block_size, scale, hq, hk, d, eps, self.amx_tiles)
         residual = None
-        for (norm_in, norm_post, qkv_product, o_product, gate_up_product, down_product, (q_end, k_end, hq, hk, d),
-             qk_norm, index, scale) in self._layers:
+        for layer in self._layers:
             if residual is None:  # the first layer: its input is the residual stream
-                h, residual = norm_in(x), x
+                h, residual = layer.norm_in(x), x
             else:
-                h, residual = ext.add_rms_norm(x, residual, norm_in.weight, norm_in.eps)
-            qkv = qkv_product(h)  # [t, (hq + 2 hk) d]
-            q, k, v = qkv[:, :q_end].view(t, hq, d), qkv[:, q_end:k_end].view(t, hk, d), qkv[:, k_end:].view(t, hk, d)
-            if qk_norm is not None:
-                q, k = qk_norm[0](q), qk_norm[1](k)
+                h, residual = ext.add_rms_norm(x, residual, layer.norm_in.weight, layer.norm_in.eps)
+            qkv = layer.qkv(h)  # [t, (hq + 2 hk) d]
+            hq, hk, d = layer.hq, layer.hk, layer.d
+            q = qkv[:, :layer.q_end].view(t, hq, d)
+            k = qkv[:, layer.q_end:layer.k_end].view(t, hk, d)
+            v = qkv[:, layer.k_end:].view(t, hk, d)
+            if layer.qk_norm is not None:
+                q, k = layer.qk_norm[0](q), layer.qk_norm[1](k)
             q, k = ext.rotary(q, cos, sin, False), ext.rotary(k, cos, sin, False)
-            cache = caches[index]
+            cache = caches[layer.index]
             ext.write_kv(cache.key, cache.value, slots, k, v)
-            packed = ext.paged_attention(q, cache.key, cache.value, tables, seqs, lens, cache.block_size, scale, 1.0,
-                                         1.0, 0, False, True, self.amx_tiles)  # [t, hq, d + 1]: [o | lse]
+            packed = ext.paged_attention(q, cache.key, cache.value, tables, seqs, lens, cache.block_size, layer.scale,
+                                         1.0, 1.0, 0, False, True, self.amx_tiles)  # [t, hq, d + 1]: [o | lse]
             o = ext.flatten_heads(packed[..., :-1], q.dtype == torch.bfloat16)  # [t, hq d]
-            h, residual = ext.add_rms_norm(o_product(o), residual, norm_post.weight, norm_post.eps)
-            x = down_product(ext.silu_and_mul(gate_up_product(h)))
+            h, residual = ext.add_rms_norm(layer.o(o), residual, layer.norm_post.weight, layer.norm_post.eps)
+            x = layer.down(ext.silu_and_mul(layer.gate_up(h)))
         return x + residual
 
 
