@@ -199,6 +199,10 @@ REGISTRY: dict[str, EnvVar] = _declare(
     EnvVar("KVSHARD_KV_HUGE_PAGES", SWITCH, True,
            "CPU, Linux: a rank's KV cache is one 2 MiB-aligned buffer advised for transparent huge pages "
            "(madvise) before its first touch; 0 leaves it on the allocator's pages"),
+    EnvVar("KVSHARD_WEIGHT_HUGE_PAGES", SWITCH, True,
+           "CPU, Linux: a rank's weights are moved, once loaded, into one 2 MiB-aligned buffer advised for "
+           "transparent huge pages (oneDNN's reordered copies stay on its own); 0 leaves them on the allocator's "
+           "pages"),
     EnvVar("KVSHARD_CACHE_DIR", PATH, None,
            "where kvshard keeps the demo models, converted GGUF checkpoints, compiled kernels and the generated "
            "KV-transfer secret", shown_default="~/.cache/kvshard"),

@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvshard import host_pages
+from kvshard.host_pages import HUGE_PAGE_BYTES
 from kvshard.kv import cache as kv_cache
-from kvshard.kv.cache import HUGE_PAGE_BYTES, KVCacheSpec, allocate_kv_cache, describe_kv_pages
+from kvshard.kv.cache import KVCacheSpec, allocate_kv_cache, describe_kv_pages
 
 CPU = torch.device("cpu")
 
@@ -94,7 +96,7 @@ def test_without_huge_pages_the_cache_is_the_allocators_zeros(monkeypatch):
 ])
 def test_the_start_up_report_says_which_pages(mode, wanted, monkeypatch):
     monkeypatch.delenv("KVSHARD_KV_HUGE_PAGES", raising=False)
-    monkeypatch.setattr(kv_cache, "transparent_huge_pages", lambda: mode)
-    monkeypatch.setattr(kv_cache.sys, "platform", "linux")
+    monkeypatch.setattr(host_pages, "transparent_huge_pages", lambda: mode)
+    monkeypatch.setattr(host_pages.sys, "platform", "linux")
     assert describe_kv_pages(CPU) == wanted
     assert describe_kv_pages(torch.device("meta")) == "KV cache pages: the device's"

@@ -50,6 +50,7 @@ def startup_report(config: EngineConfig, compile_seconds: float | None = None) -
         f"KV blocks per rank: {config.num_kv_blocks:,} of {config.cache.block_size} tokens "
         f"({config.num_kv_blocks * config.cache.block_size * config.kv_bytes_per_slot / 2**20:,.1f} MiB per rank)",
         _kv_pages_line(),
+        _weight_pages_line(),
         f"KV capacity: {config.kv_capacity_tokens:,} tokens",
         f"Maximum concurrency for {config.scheduler.max_model_len:,} tokens per request: "
         f"{config.max_concurrency:.2f}x",
@@ -101,6 +102,12 @@ def _kv_pages_line() -> str:
     from kvshard.kv.cache import describe_kv_pages
 
     return describe_kv_pages()
+
+
+def _weight_pages_line() -> str:
+    from kvshard.host_pages import describe_weight_pages
+
+    return describe_weight_pages()
 
 
 def _elementwise_line(config: EngineConfig) -> str:

@@ -16,6 +16,7 @@ from kvshard.engine import cuda_graphs
 from kvshard.engine.block_tables import RankBlockTables
 from kvshard.engine.step_plan import StepPlan
 from kvshard.forward_context import forward_context
+from kvshard.host_pages import place_weights_on_huge_pages, weight_huge_pages
 from kvshard.kv.cache import allocate_kv_cache, load_kv_scales
 from kvshard.layers.batch_invariant import batch_invariant_mode
 from kvshard.layers.linear import reorder_linear_weights
@@ -33,11 +34,13 @@ def load_module(build: Callable[[], torch.nn.Module], model_config: ModelConfig,
                 device: torch.device) -> torch.nn.Module:
     """The one way a rank loads a module of a checkpoint (the target, a draft model, the MTP layer):
     `build()` made on `device`, its weights loaded from `model_config`'s checkpoint, linear weights
-    reordered for the kernels, in eval mode."""
+    reordered for the kernels, on a CPU moved onto huge pages (kvshard/host_pages.py), in eval mode."""
     with torch.device(device):
         module = build()
     load_weights(module, model_config.path, model_config.quantization)
     reorder_linear_weights(module)
+    if weight_huge_pages(device):
+        place_weights_on_huge_pages(module)
     return module.eval()
 
 

@@ -17,9 +17,7 @@ BENCHMARKS.md section 24).
 
 from __future__ import annotations
 
-import mmap
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,6 +26,7 @@ import torch
 
 from kvshard import envs
 from kvshard.errors import ConfigError
+from kvshard import host_pages
 
 if TYPE_CHECKING:
     from kvshard.config import ModelConfig
@@ -240,23 +239,10 @@ def _reusable(buffer: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.
     return buffer
 
 
-HUGE_PAGE_BYTES = 2 << 20
-
-
-def transparent_huge_pages() -> str | None:
-    """The kernel's transparent-huge-page mode ("always", "madvise" or "never"); None where there is none."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return f.read().split("[", 1)[1].split("]", 1)[0]
-    except (OSError, IndexError):
-        return None
-
-
 def kv_huge_pages(device: torch.device) -> bool:
     """Whether a rank's KV cache on `device` is allocated for transparent huge pages: a CPU under Linux whose
     kernel gives them on advice (or always), unless KVSHARD_KV_HUGE_PAGES=0."""
-    return (torch.device(device).type == "cpu" and sys.platform.startswith("linux")
-            and envs.get("KVSHARD_KV_HUGE_PAGES") and transparent_huge_pages() in ("always", "madvise"))
+    return host_pages.huge_pages_on_advice(device, "KVSHARD_KV_HUGE_PAGES")
 
 
 def describe_kv_pages(device: torch.device | None = None) -> str:
@@ -266,7 +252,7 @@ def describe_kv_pages(device: torch.device | None = None) -> str:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if torch.device(device).type != "cpu":
         return "KV cache pages: the device's"
-    mode = transparent_huge_pages()
+    mode = host_pages.transparent_huge_pages()
     if kv_huge_pages(device):
         return (f"KV cache pages: one buffer advised for 2 MiB transparent huge pages (THP {mode}; "
                 "KVSHARD_KV_HUGE_PAGES=0 keeps the allocator's)")
@@ -284,14 +270,7 @@ def kv_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
         check_host_memory(nbytes)
     if not kv_huge_pages(device):
         return torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    # private anonymous memory: zero pages, none touched yet (a shared mapping's would follow shmem's THP setting)
-    room = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    whole = torch.frombuffer(room, dtype=torch.uint8)
-    start = -whole.data_ptr() % HUGE_PAGE_BYTES
-    advised = nbytes // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES  # whole huge pages inside the buffer
-    if advised:
-        room.madvise(mmap.MADV_HUGEPAGE, start, advised)  # advice: the kernel may still give 4 KiB pages
-    return whole[start:start + nbytes].zero_()  # every page faulted in now, not in a step
+    return host_pages.huge_page_buffer(nbytes).zero_()  # every page faulted in now, not in a step
 
 
 def available_host_bytes() -> int | None:
