@@ -513,3 +513,29 @@ def test_greedy_tokens_are_argmax_with_ties_infinities_and_nans(dtype):
     wide = torch.randn(32, 49152, generator=g).to(dtype)
     wide[:, 100] = wide[:, 40000] = wide.max()
     assert greedy_tokens(wide) == [100] * 32
+
+
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 97, 4096, 49152])
+def test_the_extensions_argmax_gives_torchs_indices(width, fused_ops):
+    """`row_argmax` (the greedy tokens of float32 logits on a CPU) against its oracle, torch's `max(dim=-1)`:
+    ties (small integers), rows of -inf, a NaN in the first sixteen, in a later block after the maximum, in the
+    tail past the last block, several NaNs, and rows that are views into wider ones (a row stride past V)."""
+    g = torch.Generator().manual_seed(width)
+    for trial in range(20):
+        wider = torch.randint(-4, 4, (9, width + 5), generator=g).float()
+        if trial % 3 == 0:
+            wider = torch.randn(9, width + 5, generator=g)
+        logits = wider[:, 2:2 + width]  # rows width + 5 apart
+        logits[1] = float("-inf")
+        spots = torch.randint(0, width, (6,), generator=g).tolist()
+        logits[2, spots[0]] = float("nan")
+        logits[3, min(width - 1, 16 + spots[1] % 64)] = float("nan")
+        logits[4, width - 1] = float("nan")
+        logits[5, spots[2]] = logits[5, spots[3]] = float("nan")
+        logits[6, spots[4]] = float("inf")
+        logits[7, spots[5]] = logits.max() + 1  # one clear maximum anywhere
+        assert fused_ops.row_argmax(logits).tolist() == logits.max(dim=-1).indices.tolist(), trial
+        assert greedy_tokens(logits) == logits.max(dim=-1).indices.tolist()
+    assert fused_ops.row_argmax(torch.empty(0, width)).tolist() == []
+    with pytest.raises(RuntimeError, match="row_argmax"):
+        fused_ops.row_argmax(torch.zeros(2, width, dtype=torch.bfloat16))

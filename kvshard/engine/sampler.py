@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvshard.attention.fused_ops import ops_for
 from kvshard.engine.sequence import Sequence
 from kvshard.errors import RequestSettingsError
 from kvshard.outputs import Logprob
@@ -150,7 +151,12 @@ def _filtered_probs(logits: torch.Tensor, params) -> torch.Tensor:
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
     """Each row's argmax (the first of tied maxima; a NaN counts as the largest): `max(dim=-1)`'s indices, which
     torch's CPU kernel finds 2.7x faster than `argmax` over a decode step's [32, 49,152] float32 logits (0.41 against
-    1.11 ms on two threads)."""
+    1.11 ms on two threads); float32 logits on a CPU with the kernel extension's fused operators, its `row_argmax`
+    (one pass, the same indices; BENCHMARKS.md section 40), of which `max` is the oracle."""
+    ops = ops_for(logits)
+    if ops is not None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] \
+            and logits.stride(1) == 1:
+        return ops.row_argmax(logits).tolist()
     return logits.max(dim=-1).indices.tolist()
 
 

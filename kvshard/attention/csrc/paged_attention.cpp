@@ -1792,6 +1792,78 @@ at::Tensor flatten_heads(const at::Tensor& x, bool bf16) {
   return out;
 }
 
+// Each row's argmax of float32 logits [r, V] (the sampler's greedy tokens): the first of tied maxima, and where a row
+// holds a NaN its first NaN, as torch's `max(dim=-1).indices` gives them (its oracle in tests/test_sampler.py). One
+// pass over the row, sixteen lanes each keeping its own first maximum, then the lanes reduced, the lower index
+// winning a tie; the rows spread over the threads.
+at::Tensor row_argmax(const at::Tensor& logits) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
+                  logits.stride(1) == 1 && logits.size(1) > 0, "row_argmax: logits [r, V > 0] float32, rows contiguous");
+  const int64_t rows = logits.size(0), V = logits.size(1), stride = logits.stride(0);
+  auto out = at::empty({rows}, logits.options().dtype(at::kLong));
+  const float* src = logits.data_ptr<float>();
+  int64_t* dst = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = src + r * stride;
+      int64_t best = 0, i = 0;
+      float top = x[0];
+      bool nan = std::isnan(top);
+#if defined(__AVX512F__)
+      if (!nan && V >= 16) {
+        __m512 lane_top = _mm512_loadu_ps(x);
+        __m512i lane_at = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        const __m512i sixteen = _mm512_set1_epi32(16);
+        __m512i at = lane_at;
+        __mmask16 unordered = _mm512_cmp_ps_mask(lane_top, lane_top, _CMP_UNORD_Q);
+        for (i = 16; i + 16 <= V && !unordered; i += 16) {
+          const __m512 v = _mm512_loadu_ps(x + i);
+          at = _mm512_add_epi32(at, sixteen);
+          unordered = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+          const __mmask16 above = _mm512_cmp_ps_mask(v, lane_top, _CMP_GT_OQ);  // strictly: a lane keeps its first
+          lane_top = _mm512_mask_mov_ps(lane_top, above, v);
+          lane_at = _mm512_mask_mov_epi32(lane_at, above, at);
+        }
+        if (unordered) {  // the block holding the first NaN: the scalar loop below finds it from its start
+          i -= 16;
+          nan = true;
+        } else {
+          alignas(64) float tops[16];
+          alignas(64) int32_t ats[16];
+          _mm512_store_ps(tops, lane_top);
+          _mm512_store_si512(ats, lane_at);
+          top = tops[0];
+          best = ats[0];
+          for (int j = 1; j < 16; ++j) {
+            if (tops[j] > top || (tops[j] == top && ats[j] < best)) {
+              top = tops[j];
+              best = ats[j];
+            }
+          }
+        }
+      }
+#endif
+      if (nan) {  // the first NaN at or after i (a NaN at 0 is one)
+        while (i < V && !std::isnan(x[i])) ++i;
+        best = i;
+      } else {
+        for (; i < V; ++i) {
+          if (std::isnan(x[i])) {
+            best = i;
+            break;
+          }
+          if (x[i] > top) {
+            top = x[i];
+            best = i;
+          }
+        }
+      }
+      dst[r] = best;
+    }
+  });
+  return out;
+}
+
 // A step's new keys and values into the cache's slots, one call for both (kv/cache.py's `write`): key [n, Hk, dk]
 // and value [n, Hk, dv] (any token stride; each head's channels contiguous) into key_cache [S, Hk, dk] and
 // value_cache [S, Hk, dv] (contiguous, the inputs' dtype) at slots [n] (int64), checked against S first, as
@@ -2801,6 +2873,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm with float32 statistics, fused (CPU)", unlocked);
   m.def("add_rms_norm", &add_rms_norm, "x + residual and its RMSNorm, fused (CPU)", unlocked);
   m.def("flatten_heads", &flatten_heads, "[t, H, d] float32 -> [t, H * d] in float32 or bfloat16 (CPU)", unlocked);
+  m.def("row_argmax", &row_argmax, "Each row's first maximum, or first NaN, of float32 logits (CPU)", unlocked);
   m.def("write_kv", &write_kv, "A step's keys and values into their cache slots, one call (CPU)", unlocked);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up, fused (CPU)", unlocked);
   m.def("rotary", &rotary, "Rotary embedding of [t, h, d] by [t, d / 2] angles, fused (CPU)", unlocked);
