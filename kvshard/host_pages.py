@@ -3,7 +3,7 @@
 A decode step on a CPU reads every weight and the whole live KV cache from memory. On 4 KiB pages each page of
 such a stream costs a TLB miss and restarts the hardware prefetchers, which do not cross a 4 KiB boundary; on
 2 MiB pages the same reads run faster (the KV cache's scattered blocks 1.09-1.28x cold, BENCHMARKS.md section
-24; the linear layers' AMX products 1.15-1.25x, section 40). Linux gives a process huge pages for anonymous
+24; the linear layers' AMX products 1.07-1.28x, section 40). Linux gives a process huge pages for anonymous
 memory it advises (`madvise(MADV_HUGEPAGE)`) when its THP mode is "madvise" or "always"; the size of a page is
 fixed when it is first touched, so a buffer is advised before anything writes to it.
 
