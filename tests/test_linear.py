@@ -231,6 +231,50 @@ def test_amx_product_is_the_float32_product_rounded_once(rows, features, channel
 
 
 @needs_amx
+@pytest.mark.parametrize("rows, intermediate, channels, with_bias", [
+    (1, 16, 32, False), (5, 48, 64, True), (17, 1536, 576, False), (33, 80, 96, True), (64, 16, 576, True)])
+def test_gate_up_with_silu_in_its_epilogue_gives_the_bits_of_the_two_calls(rows, intermediate, channels, with_bias,
+                                                                            fused_ops):
+    """`amx_linear_silu` (the decode program's MLP: SiLU-and-multiply in the gate-up product's epilogue) against
+    the two calls it replaces, `silu_and_mul(amx_linear(...))`: the same bits, for gates far into both tails of SiLU
+    (where it rounds to 0 or to the gate), subnormal products and a bias; one or two 16-row tiles."""
+    torch.manual_seed(rows + intermediate)
+    x = torch.randn(rows, channels, dtype=torch.bfloat16)
+    weight = torch.randn(2 * intermediate, channels, dtype=torch.bfloat16) * (4 / channels ** 0.5)
+    weight[intermediate // 2] *= 40  # gates of +-100: SiLU's tails
+    weight[-1] *= 1e-38  # an up product in float32's subnormals: silu(g) * up rounds there
+    bias = torch.randn(2 * intermediate, dtype=torch.bfloat16) if with_bias else None
+    two_calls = fused_ops.silu_and_mul(fused_ops.amx_linear(x, weight, bias))
+    one = fused_ops.amx_linear_silu(x, weight, bias)
+    assert one.shape == (rows, intermediate) and one.dtype == torch.bfloat16
+    assert torch.equal(one.view(torch.int16), two_calls.view(torch.int16))
+    assert (fused_ops.amx_linear(x, weight, bias)[:, intermediate // 2].float().abs() > 20).any()  # a tail's gate
+    with pytest.raises(RuntimeError, match="I a multiple of 16"):
+        fused_ops.amx_linear_silu(x, weight[:2 * intermediate - 16], None)
+
+
+@needs_amx
+@pytest.mark.parametrize("rows, heads, head_size", [(1, 9, 64), (32, 9, 64), (17, 4, 32), (40, 2, 128)])
+def test_the_heads_float32_output_is_packed_as_flatten_heads_rounds_it(rows, heads, head_size, fused_ops):
+    """`amx_linear` of the paged kernel's float32 output per head, a view that skips each head's LSE column (the
+    decode program's output product), against `flatten_heads` to bfloat16 and then the product: the same bits,
+    subnormals (which the tiles' products take as zeros either way) and values halfway between two bfloat16 steps
+    included."""
+    torch.manual_seed(rows * heads)
+    packed = torch.randn(rows, heads, head_size + 1) * 3
+    packed[0, 0, :4] = torch.tensor([1e-40, -3e-39, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8])  # subnormals, ties to even
+    out = packed[..., :head_size]
+    weight = torch.randn(48, heads * head_size, dtype=torch.bfloat16) / (heads * head_size) ** 0.5
+    weight[:2] = 0  # features 0 and 1 read channels 2 and 3 alone: their rounding to even shows
+    weight[0, 2] = weight[1, 3] = 1.0
+    want = fused_ops.amx_linear(fused_ops.flatten_heads(out, True), weight, None)
+    assert want[0, :2].tolist() == [1.0, 1.0 + 2 ** -6]
+    assert torch.equal(fused_ops.amx_linear(out, weight, None).view(torch.int16), want.view(torch.int16))
+    with pytest.raises(RuntimeError, match="multiple of 32 a head"):
+        fused_ops.amx_linear(torch.randn(rows, 2, 50)[..., :48], torch.zeros(16, 96, dtype=torch.bfloat16), None)
+
+
+@needs_amx
 def test_amx_product_takes_strided_and_batched_rows():
     torch.manual_seed(1)
     weight = torch.randn(64, 96, dtype=torch.bfloat16)

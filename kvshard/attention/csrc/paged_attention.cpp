@@ -2680,51 +2680,84 @@ std::vector<at::Tensor> amx_attention(const at::Tensor& q, const at::Tensor& k, 
 // M is (a row's result does not depend on the other rows), rounded once to bfloat16 after the bias is added. A thread
 // takes a contiguous run of 32-feature blocks (one stretch of the weight's memory, which the hardware prefetchers
 // stream) and runs every 32 rows of x over a block in turn, the block cached. K: a multiple of 32; N: of 16.
-// float_out: y in float32, each the bfloat16 result widened (what `.float()` of the bfloat16 y gives, without its
-// pass over y: the LM head's logits).
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                      bool float_out) {
-  TORCH_CHECK(tiled::tiles_permitted(), "the AMX tiles' state was refused by the system");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "amx_linear: x [M, K] and w [N, K]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "amx_linear: bfloat16 only");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), kb = K / 32, mg = (M + 15) / 16;
-  TORCH_CHECK(K % 32 == 0 && N % 16 == 0, "amx_linear: K a multiple of 32 and N of 16");
-  TORCH_CHECK(x.stride(1) == 1 && x.stride(0) % 2 == 0 && w.is_contiguous(), "amx_linear: rows contiguous");
-  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
-                        bias->scalar_type() == at::kBFloat16), "amx_linear: a bfloat16 bias [N]");
-  auto y = at::empty({M, N}, float_out ? x.options().dtype(at::kFloat) : x.options());
-  if (M == 0) return y;
-  // x as B tiles: [mg][kb][16 channel pairs][16 rows] 32-bit words, rows past M zero
+// Epilogues (AmxOut): the bfloat16 y; float32 y, each the bfloat16 result widened (what `.float()` of the bfloat16
+// y gives, without its pass over y: the LM head's logits); or SiLU-and-multiply of a gate-up weight [2I, K], whose
+// blocks pair 16 gate features with the same 16 up features (I apart in the weight), each rounded to bfloat16 as
+// the product's y, then silu(gate) * up rounded as `silu_and_mul` rounds it: y [M, I], its bits.
+// x: bfloat16 rows [M, K], or the paged kernel's float32 output per head [M, H, d] (d a multiple of 32, any row and
+// head strides), each value rounded to bfloat16 as `flatten_heads` rounds it while it is packed.
+enum class AmxOut { kBFloat16, kFloat, kSiluMul };
+
+namespace {
+// x's rows as B tiles: [mg][kb][16 channel pairs][16 rows] 32-bit words, rows past M zero
+at::Tensor amx_pack_rows(const at::Tensor& x, int64_t M, int64_t K) {
+  const int64_t kb = K / 32, mg = (M + 15) / 16;
   auto xb = at::empty({mg * kb * 256}, x.options().dtype(at::kInt));
-  const auto* xw = reinterpret_cast<const float*>(x.data_ptr());
   auto* xbd = reinterpret_cast<float*>(xb.data_ptr());
-  const int64_t xs = x.stride(0) / 2;
+  const bool heads = x.dim() == 3;
+  const char* base = reinterpret_cast<const char*>(x.data_ptr());
+  const int64_t s0 = x.stride(0) * x.element_size(), s1 = heads ? x.stride(1) * 4 : 0, d = heads ? x.size(2) : 0;
+  const auto row_chunk = [&](int64_t row, int64_t c) -> __m512 {  // channels 32c..32c+31 of a row as 16 words
+    if (!heads) return _mm512_loadu_ps(reinterpret_cast<const float*>(base + row * s0) + c * 16);
+    const float* src = reinterpret_cast<const float*>(base + row * s0 + (c * 32 / d) * s1) + (c * 32) % d;
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(bf16_bits16(_mm512_loadu_ps(src))),
+                                            bf16_bits16(_mm512_loadu_ps(src + 16)), 1);
+    return _mm512_castsi512_ps(both);
+  };
   at::parallel_for(0, mg * kb, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t g = i / kb, c = i % kb, rows = std::min<int64_t>(16, M - g * 16);
       __m512 r[16];
-      for (int64_t j = 0; j < 16; ++j) r[j] = j < rows ? _mm512_loadu_ps(xw + (g * 16 + j) * xs + c * 16) : _mm512_setzero_ps();
+      for (int64_t j = 0; j < 16; ++j) r[j] = j < rows ? row_chunk(g * 16 + j, c) : _mm512_setzero_ps();
       tiled::transpose16(r);
       for (int64_t p = 0; p < 16; ++p) _mm512_store_ps(xbd + (i * 16 + p) * 16, r[p]);
     }
   });
+  return xb;
+}
+}  // namespace
+
+at::Tensor amx_product(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, AmxOut mode) {
+  TORCH_CHECK(tiled::tiles_permitted(), "the AMX tiles' state was refused by the system");
+  const bool heads = x.dim() == 3;
+  TORCH_CHECK(w.dim() == 2 && (x.dim() == 2 || heads), "amx_linear: x [M, K] (or [M, H, d]) and w [N, K]");
+  const int64_t M = x.size(0), K = heads ? x.size(1) * x.size(2) : x.size(1), N = w.size(0), kb = K / 32;
+  TORCH_CHECK(K == w.size(1), "amx_linear: x's features (", K, ") are not w's (", w.size(1), ")");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && x.scalar_type() == (heads ? at::kFloat : at::kBFloat16),
+              "amx_linear: a bfloat16 w and x (or float32 heads)");
+  TORCH_CHECK(K % 32 == 0 && N % 16 == 0, "amx_linear: K a multiple of 32 and N of 16");
+  TORCH_CHECK(heads ? (x.stride(2) == 1 && x.size(2) % 32 == 0) : (x.stride(1) == 1 && x.stride(0) % 2 == 0),
+              "amx_linear: rows contiguous (heads: channels contiguous, a multiple of 32 a head)");
+  TORCH_CHECK(w.is_contiguous(), "amx_linear: a contiguous w");
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
+                        bias->scalar_type() == at::kBFloat16), "amx_linear: a bfloat16 bias [N]");
+  const bool silu = mode == AmxOut::kSiluMul, float_out = mode == AmxOut::kFloat;
+  TORCH_CHECK(!silu || N % 32 == 0, "amx_linear_silu: 2I gate-up features, I a multiple of 16");
+  const int64_t out_n = silu ? N / 2 : N;
+  auto y = at::empty({M, out_n}, w.options().dtype(float_out ? at::kFloat : at::kBFloat16));
+  if (M == 0) return y;
+  const auto xb = amx_pack_rows(x, M, K);
+  const auto* xbd = reinterpret_cast<const float*>(xb.data_ptr());
+  const int64_t mg = (M + 15) / 16;
   const char* wd = reinterpret_cast<const char*>(w.data_ptr());
   auto* yd = reinterpret_cast<uint16_t*>(y.data_ptr());
   auto* yf = reinterpret_cast<float*>(y.data_ptr());
   const auto* bd = bias ? reinterpret_cast<const c10::BFloat16*>(bias->data_ptr()) : nullptr;
   const int64_t wrow = K * 2;
-  at::parallel_for(0, (N + 31) / 32, 1, [&](int64_t begin, int64_t end) {
+  // a block: the features of its two A tiles (n0 and n1) and the output column its results start at
+  const int64_t blocks = silu ? out_n / 16 : (N + 31) / 32;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     tiled::TileScope scope(true);
     alignas(64) float acc[4][256];  // [feature half + 2 x row half]: 16 features x 16 rows
     for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t n0 = blk * 32;
-      const bool two = n0 + 16 < N;
+      const int64_t n0 = silu ? blk * 16 : blk * 32, n1 = silu ? out_n + blk * 16 : n0 + 16;
+      const bool two = n1 < N;
       const char* w0 = wd + n0 * wrow;
-      const char* w1 = w0 + 16 * wrow;
+      const char* w1 = wd + n1 * wrow;
       __m512 bias_lo = _mm512_setzero_ps(), bias_hi = _mm512_setzero_ps();
       if (bd) {
         bias_lo = tiled::load16f(bd + n0, 0xFFFF);
-        if (two) bias_hi = tiled::load16f(bd + n0 + 16, 0xFFFF);
+        if (two) bias_hi = tiled::load16f(bd + n1, 0xFFFF);
       }
       for (int64_t g = 0; g < mg; g += 2) {
         const bool g2 = g + 1 < mg;
@@ -2761,16 +2794,25 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& w, const c10::optio
           tiled::transpose16(lo);  // now lo[r]: row r's 16 features
           if (two) tiled::transpose16(hi);
           const int64_t m0 = (g + h) * 16, rows = std::min<int64_t>(16, M - m0);
+          // a product's bfloat16 result, widened back (its bits in the upper half)
+          const auto rounded = [](__m512 v) {
+            const __m256i b = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+            return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+          };
           for (int64_t r = 0; r < rows; ++r) {
+            if (silu) {  // silu_and_mul_rows' arithmetic on the gate and up values the bfloat16 y would hold
+              const __m512 gate = rounded(_mm512_add_ps(lo[r], bias_lo));
+              const __m512 up = rounded(_mm512_add_ps(hi[r], bias_hi));
+              const __m512 act = widen_bf16_16(bf16_bits16(silu16(gate)));
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(yd + (m0 + r) * out_n + n0),
+                                  bf16_bits16(_mm512_mul_ps(act, up)));
+              continue;
+            }
             uint16_t* out = yd + (m0 + r) * N + n0;
-            if (float_out) {  // rounded to bfloat16, then widened exactly (its bits in the upper half)
-              const auto widen = [](__m512 v) {
-                const __m256i b = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
-                return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-              };
+            if (float_out) {  // rounded to bfloat16, then widened exactly
               float* outf = yf + (m0 + r) * N + n0;
-              _mm512_storeu_ps(outf, widen(_mm512_add_ps(lo[r], bias_lo)));
-              if (two) _mm512_storeu_ps(outf + 16, widen(_mm512_add_ps(hi[r], bias_hi)));
+              _mm512_storeu_ps(outf, rounded(_mm512_add_ps(lo[r], bias_lo)));
+              if (two) _mm512_storeu_ps(outf + 16, rounded(_mm512_add_ps(hi[r], bias_hi)));
             } else if (two) {
               const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_add_ps(hi[r], bias_hi), _mm512_add_ps(lo[r], bias_lo));
               _mm512_storeu_si512(out, reinterpret_cast<__m512i>(v));
@@ -2785,6 +2827,16 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& w, const c10::optio
   });
   return y;
 }
+
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                      bool float_out) {
+  return amx_product(x, w, bias, float_out ? AmxOut::kFloat : AmxOut::kBFloat16);
+}
+
+// silu_and_mul(amx_linear(x, w, bias)) in one pass, the same bits: a gate-up weight [2I, K] (I a multiple of 16)
+at::Tensor amx_linear_silu(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  return amx_product(x, w, bias, AmxOut::kSiluMul);
+}
 #else
 bool amx_ready() { return false; }
 
@@ -2795,6 +2847,10 @@ std::vector<at::Tensor> amx_attention(const at::Tensor&, const at::Tensor&, cons
 
 at::Tensor amx_linear(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, bool) {
   TORCH_CHECK(false, "amx_linear: this build has no AMX path (the CPU or compiler lacks AMX tiles)");
+}
+
+at::Tensor amx_linear_silu(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "amx_linear_silu: this build has no AMX path (the CPU or compiler lacks AMX tiles)");
   return {};
 }
 #endif
@@ -2803,7 +2859,10 @@ at::Tensor amx_linear(const at::Tensor&, const at::Tensor&, const c10::optional<
 // takes the AMX tiles): per layer the residual add and RMSNorm, the QKV product, Qwen3's per-head norms where given,
 // the rotary embedding, the cache write, the paged kernel, the output's conversion, the output product (its bias
 // added apart, as a row-parallel layer adds it), the residual add and RMSNorm, the MLP's products around
-// SiLU-and-multiply: the calls the layers' modules make for such a step, in their order, so the same bits. Run from
+// SiLU-and-multiply: the calls the layers' modules make for such a step, in their order, so the same bits. Two pairs
+// of them run as one pass where the shapes let them: the output's conversion inside the output product's packing of
+// its rows, and SiLU-and-multiply in the gate-up product's epilogue (`amx_product`: the heads' output, and the gate
+// and up values, as they lie in the core that made them, no pass of their own over them). Run from
 // Python the calls are the same but each comes back to an interpreter whose code and data the kernels' streams of
 // keys, values and weights have evicted from the core's caches (the first operator after a paged-kernel call took 40
 // us where it takes 2-4): here they follow each other directly. weights: kLayerWeights a layer (absent ones None);
@@ -2853,11 +2912,16 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const at
     write_kv(key_caches[l], value_caches[l], slots, k, v);
     const at::Tensor packed = paged_attention(q, key_caches[l], value_caches[l], block_tables, row_seq, row_lens,
                                               block_size, scale, 1.0, 1.0, 0, false, true, tiles);
-    at::Tensor y = amx_linear(flatten_heads(packed.narrow(2, 0, d), bf16), need(l, 4), c10::nullopt, false);
+    // the heads' float32 output packed for the tiles as it lies, rounded as flatten_heads rounds it
+    at::Tensor y = d % 32 == 0 && bf16 ? amx_linear(packed.narrow(2, 0, d), need(l, 4), c10::nullopt, false)
+                                        : amx_linear(flatten_heads(packed.narrow(2, 0, d), bf16), need(l, 4),
+                                                     c10::nullopt, false);
     if (w[5].has_value()) y = at::add(y, *w[5]);
     auto hr = add_rms_norm(y, residual, need(l, 1), eps);
     residual = hr[1];
-    x = amx_linear(silu_and_mul(amx_linear(hr[0], need(l, 6), w[7], false)), need(l, 8), c10::nullopt, false);
+    const at::Tensor act = need(l, 6).size(0) % 32 == 0 ? amx_linear_silu(hr[0], need(l, 6), w[7])
+                                                         : silu_and_mul(amx_linear(hr[0], need(l, 6), w[7], false));
+    x = amx_linear(act, need(l, 8), c10::nullopt, false);
     if (w[9].has_value()) x = at::add(x, *w[9]);
   }
   return residual.defined() ? at::add(x, residual) : x;
@@ -2884,6 +2948,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_ready", &amx_ready, "Whether this build has the AMX path and the system gave the process the tiles");
   m.def("amx_attention", &amx_attention,
         "Attention with LSE of bfloat16 rows on AMX tiles (CPU; head size 32, 64 or 128)", unlocked);
+  m.def("amx_linear_silu", &amx_linear_silu, "silu_and_mul(amx_linear(x, w, bias)) of a gate-up weight, one pass (CPU)",
+        unlocked);
   m.def("amx_linear", &amx_linear, "x @ w.T (+ bias) of bfloat16 rows on AMX tiles from the weight as it lies (CPU)",
         py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("float_out") = false, unlocked);
   m.def("moe_select", &moe_select, "The experts a token's router picks from its scores, and their weights (CPU)",
