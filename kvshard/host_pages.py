@@ -112,18 +112,23 @@ def place_weights_on_huge_pages(module: torch.nn.Module) -> int:
     return total
 
 
-def describe_weight_pages(device: torch.device | None = None) -> str:
-    """The start-up report's line on the pages under a rank's weights (on `device`: by default a GPU where there is
-    one, as the ranks choose, else the CPU)."""
+def describe_pages(subject: str, switch: str, advised: str, device: torch.device | None = None) -> str:
+    """The start-up report's line on the pages under `subject` (the KV cache, the weights) on `device` (by default
+    a GPU where there is one, as the ranks choose, else the CPU): `advised` where they go onto huge pages (the
+    environment's `switch` on), else why not."""
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if torch.device(device).type != "cpu":
-        return "weight pages: the device's"
+        return f"{subject} pages: the device's"
     mode = transparent_huge_pages()
-    if weight_huge_pages(device):
-        return (f"weight pages: each rank's weights moved into one buffer advised for 2 MiB transparent huge pages "
-                f"(THP {mode}; oneDNN's reordered copies stay on its own; KVSHARD_WEIGHT_HUGE_PAGES=0 keeps the "
-                "allocator's)")
-    why = ("KVSHARD_WEIGHT_HUGE_PAGES=0" if not envs.get("KVSHARD_WEIGHT_HUGE_PAGES")
+    if huge_pages_on_advice(device, switch):
+        return f"{subject} pages: {advised} (THP {mode}; {switch}=0 keeps the allocator's)"
+    why = (f"{switch}=0" if not envs.get(switch)
            else "no transparent huge pages here" if mode is None else f"THP {mode}")
-    return f"weight pages: the allocator's ({why})"
+    return f"{subject} pages: the allocator's ({why})"
+
+
+def describe_weight_pages(device: torch.device | None = None) -> str:
+    """The start-up report's line on the pages under a rank's weights."""
+    return describe_pages("weight", "KVSHARD_WEIGHT_HUGE_PAGES", "each rank's weights moved into one buffer advised "
+                          "for 2 MiB transparent huge pages, oneDNN's reordered copies apart", device)

@@ -125,8 +125,8 @@ def test_an_engine_on_huge_pages_gives_the_tokens_of_one_without(dtype, checkpoi
 
 @pytest.mark.parametrize("mode, switch, wanted", [
     ("madvise", None, "weight pages: each rank's weights moved into one buffer advised for 2 MiB transparent huge "
-                      "pages (THP madvise; oneDNN's reordered copies stay on its own; KVSHARD_WEIGHT_HUGE_PAGES=0 "
-                      "keeps the allocator's)"),
+                      "pages, oneDNN's reordered copies apart (THP madvise; KVSHARD_WEIGHT_HUGE_PAGES=0 keeps the "
+                      "allocator's)"),
     ("always", "0", "weight pages: the allocator's (KVSHARD_WEIGHT_HUGE_PAGES=0)"),
     ("never", None, "weight pages: the allocator's (THP never)"),
     (None, None, "weight pages: the allocator's (no transparent huge pages here)"),

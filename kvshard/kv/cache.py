@@ -246,19 +246,9 @@ def kv_huge_pages(device: torch.device) -> bool:
 
 
 def describe_kv_pages(device: torch.device | None = None) -> str:
-    """The start-up report's line on the pages under the KV cache (on `device`: by default a GPU where there is
-    one, as the ranks choose, else the CPU)."""
-    if device is None:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if torch.device(device).type != "cpu":
-        return "KV cache pages: the device's"
-    mode = host_pages.transparent_huge_pages()
-    if kv_huge_pages(device):
-        return (f"KV cache pages: one buffer advised for 2 MiB transparent huge pages (THP {mode}; "
-                "KVSHARD_KV_HUGE_PAGES=0 keeps the allocator's)")
-    why = ("KVSHARD_KV_HUGE_PAGES=0" if not envs.get("KVSHARD_KV_HUGE_PAGES")
-           else "no transparent huge pages here" if mode is None else f"THP {mode}")
-    return f"KV cache pages: the allocator's ({why})"
+    """The start-up report's line on the pages under the KV cache."""
+    return host_pages.describe_pages("KV cache", "KVSHARD_KV_HUGE_PAGES",
+                                     "one buffer advised for 2 MiB transparent huge pages", device)
 
 
 def kv_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
