@@ -24,9 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvshard import envs
-from kvshard.errors import ConfigError
 from kvshard import host_pages
+from kvshard.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvshard.config import ModelConfig
