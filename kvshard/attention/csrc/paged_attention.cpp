@@ -1614,21 +1614,32 @@ inline float sum_of_squares(const float* x, int64_t n) {
   return ss;
 }
 
-template <typename T>
-void rms_norm_rows(const T* x, int64_t x_row, const T* w, T* out, int64_t rows, int64_t d, float eps) {
+// The row loop of the RMSNorms below: rows over the threads (a decode step's few on one), each thread with its
+// float32 scratch row and the weight widened once; row(r, xf, wf) computes row r.
+template <typename T, typename Row>
+void norm_rows(const T* w, int64_t rows, int64_t d, const Row& row) {
   const int64_t grain = std::max<int64_t>(1, kElementwiseGrain / std::max<int64_t>(d, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> xf(d), wf(d);
     for (int64_t i = 0; i < d; ++i) wf[i] = static_cast<float>(w[i]);
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * x_row;
-      T* o = out + r * d;
-      for (int64_t i = 0; i < d; ++i) xf[i] = static_cast<float>(xr[i]);
-      const float rstd = 1.0f / std::sqrt(sum_of_squares(xf.data(), d) / static_cast<float>(d) + eps);
-      for (int64_t i = 0; i < d; ++i) {
-        o[i] = static_cast<T>(wf[i] * static_cast<float>(static_cast<T>(xf[i] * rstd)));
-      }
-    }
+    for (int64_t r = begin; r < end; ++r) row(r, xf.data(), wf.data());
+  });
+}
+
+// xf [d] (float32) normalized by its sum of squares, rounded to the dtype, times the weight, rounded again: the
+// eager RMSNorm's two roundings
+template <typename T>
+void norm_row_scalar(const float* xf, const float* wf, T* o, int64_t d, float eps) {
+  const float rstd = 1.0f / std::sqrt(sum_of_squares(xf, d) / static_cast<float>(d) + eps);
+  for (int64_t i = 0; i < d; ++i) o[i] = static_cast<T>(wf[i] * static_cast<float>(static_cast<T>(xf[i] * rstd)));
+}
+
+template <typename T>
+void rms_norm_rows(const T* x, int64_t x_row, const T* w, T* out, int64_t rows, int64_t d, float eps) {
+  norm_rows(w, rows, d, [&](int64_t r, float* xf, const float* wf) {
+    const T* xr = x + r * x_row;
+    for (int64_t i = 0; i < d; ++i) xf[i] = static_cast<float>(xr[i]);
+    norm_row_scalar(xf, wf, out + r * d, d, eps);
   });
 }
 
@@ -1679,52 +1690,44 @@ inline __m512 widen_bf16_16(__m256i b) {
 template <typename T>
 void add_rms_norm_rows(const T* x, int64_t x_row, const T* res, int64_t res_row, const T* w, T* out, T* sum,
                        int64_t rows, int64_t d, float eps) {
-  const int64_t grain = std::max<int64_t>(1, kElementwiseGrain / std::max<int64_t>(d, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> xf(d), wf(d);
-    for (int64_t i = 0; i < d; ++i) wf[i] = static_cast<float>(w[i]);
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * x_row;
-      const T* rr = res + r * res_row;
-      T* s = sum + r * d;
-      T* o = out + r * d;
+  norm_rows(w, rows, d, [&](int64_t r, float* xf, const float* wf) {
+    const T* xr = x + r * x_row;
+    const T* rr = res + r * res_row;
+    T* s = sum + r * d;
+    T* o = out + r * d;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (d % 16 == 0) {  // the same roundings and the same order of the sum of squares, 16 channels a step
-          const auto load = [](const T* p) {
-            return widen_bf16_16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-          };
-          const auto store = [](T* p, __m512 v) {
-            const __m256i b = bf16_bits16(v);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), b);
-            return b;
-          };
-          v16 acc = {};  // as sum_of_squares adds them up
-          for (int64_t i = 0; i < d; i += 16) {
-            _mm512_storeu_ps(xf.data() + i, widen_bf16_16(store(s + i, _mm512_add_ps(load(xr + i), load(rr + i)))));
-            const v16 v = load16(xf.data() + i);
-            acc += v * v;
-          }
-          float ss = 0.0f;
-          for (int k = 0; k < 16; ++k) ss += acc[k];
-          const __m512 rstd = _mm512_set1_ps(1.0f / std::sqrt(ss / static_cast<float>(d) + eps));
-          for (int64_t i = 0; i < d; i += 16) {
-            const __m512 normed = widen_bf16_16(bf16_bits16(_mm512_mul_ps(_mm512_loadu_ps(xf.data() + i), rstd)));
-            store(o + i, _mm512_mul_ps(_mm512_loadu_ps(wf.data() + i), normed));
-          }
-          continue;
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (d % 16 == 0) {  // the same roundings and the same order of the sum of squares, 16 channels a step
+        const auto load = [](const T* p) {
+          return widen_bf16_16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+        };
+        const auto store = [](T* p, __m512 v) {
+          const __m256i b = bf16_bits16(v);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), b);
+          return b;
+        };
+        v16 acc = {};  // as sum_of_squares adds them up
+        for (int64_t i = 0; i < d; i += 16) {
+          _mm512_storeu_ps(xf + i, widen_bf16_16(store(s + i, _mm512_add_ps(load(xr + i), load(rr + i)))));
+          const v16 v = load16(xf + i);
+          acc += v * v;
         }
-      }
-#endif
-      for (int64_t i = 0; i < d; ++i) {
-        s[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
-        xf[i] = static_cast<float>(s[i]);
-      }
-      const float rstd = 1.0f / std::sqrt(sum_of_squares(xf.data(), d) / static_cast<float>(d) + eps);
-      for (int64_t i = 0; i < d; ++i) {
-        o[i] = static_cast<T>(wf[i] * static_cast<float>(static_cast<T>(xf[i] * rstd)));
+        float ss = 0.0f;
+        for (int k = 0; k < 16; ++k) ss += acc[k];
+        const __m512 rstd = _mm512_set1_ps(1.0f / std::sqrt(ss / static_cast<float>(d) + eps));
+        for (int64_t i = 0; i < d; i += 16) {
+          const __m512 normed = widen_bf16_16(bf16_bits16(_mm512_mul_ps(_mm512_loadu_ps(xf + i), rstd)));
+          store(o + i, _mm512_mul_ps(_mm512_loadu_ps(wf + i), normed));
+        }
+        return;
       }
     }
+#endif
+    for (int64_t i = 0; i < d; ++i) {
+      s[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
+      xf[i] = static_cast<float>(s[i]);
+    }
+    norm_row_scalar(xf, wf, o, d, eps);
   });
 }
 
