@@ -144,7 +144,9 @@ def amx_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 @amx_linear_op.register_fake
 def _(x, weight, bias):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+    from kvshard.layers.linear import weight_features
+
+    return x.new_empty(*x.shape[:-1], weight_features(weight)[0])
 
 
 # --- whether, and how -----------------------------------------------------------------------------------

@@ -158,9 +158,9 @@ REGISTRY: dict[str, EnvVar] = _declare(
            "KVSHARD_AMX_LINEAR); 0 keeps torch's linear for every weight",
            numerics=True),
     EnvVar("KVSHARD_AMX_LINEAR", SWITCH, True,
-           "CPU with AMX tiles: bfloat16 linear layers and the LM head multiply from the weight as it lies, a "
-           "decode step's rows on the kernel extension's AMX tiles and a prefill's in torch's linear; 0 keeps "
-           "oneDNN's reordered copy", numerics=True),
+           "CPU with AMX tiles: bfloat16 linear layers multiply from their weight in the tiles' pair layout (up "
+           "to 512 rows on the kernel extension's AMX tiles, more in torch's linear from a plain copy), the LM "
+           "head from its weight as it lies; 0 keeps oneDNN's reordered copy", numerics=True),
     EnvVar("KVSHARD_FUSED_ELEMENTWISE", SWITCH, True,
            "CPU: RMSNorm (with the residual add before it), SiLU-and-multiply, the rotary embedding, the cache "
            "write, the attention's LSE merge and the MoE router's choice run as fused C++ operators of kvshard's "

@@ -275,6 +275,40 @@ def test_the_heads_float32_output_is_packed_as_flatten_heads_rounds_it(rows, hea
 
 
 @needs_amx
+@pytest.mark.parametrize("rows", [1, 7, 16, 20, 33, 128])
+def test_the_pair_layout_gives_the_bits_of_the_weight_as_it_lies(rows, fused_ops):
+    """The products from a weight in the tiles' pair layout (the rows the A tiles, the weight the B tiles) against
+    the weight as it lies (the weight the A tiles): the same bits in every form of output (bfloat16, with a bias,
+    widened to float32, SiLU-and-multiply in the epilogue), from the heads' float32 output and from strided rows;
+    whole and partial 16-row groups, one and two 16-feature tiles a block; and the layout is a permutation."""
+    torch.manual_seed(rows)
+    for features, channels in ((960, 576), (48, 64), (3072, 576), (576, 1536)):
+        weight = torch.randn(features, channels, dtype=torch.bfloat16) / channels ** 0.5
+        paired = linear.pair_weight(weight).contiguous()
+        assert paired.shape == (features // 16, channels // 32, 16, 32)
+        assert paired[1, 1, 3, 9].item() == weight[16 + 4, 32 + 7].item()  # [t][c][p][2n + j]: w[16t + n][32c + 2p + j]
+        assert torch.equal(linear.plain_weight(paired), weight)
+        x = torch.randn(rows, channels, dtype=torch.bfloat16)
+        bias = torch.randn(features, dtype=torch.bfloat16)
+        for b in (None, bias):
+            for float_out in (False, True):
+                assert torch.equal(fused_ops.amx_linear(x, paired, b, float_out).view(torch.int16 if not float_out
+                                                                                     else torch.int32),
+                                   fused_ops.amx_linear(x, weight, b, float_out).view(torch.int16 if not float_out
+                                                                                      else torch.int32))
+        if features % 32 == 0:
+            assert torch.equal(fused_ops.amx_linear_silu(x, paired, bias), fused_ops.amx_linear_silu(x, weight, bias))
+        wide = torch.randn(rows, channels + 64, dtype=torch.bfloat16)[:, 32:32 + channels]
+        assert torch.equal(fused_ops.amx_linear(wide, paired, None), fused_ops.amx_linear(wide, weight, None))
+    heads = torch.randn(rows, 9, 65)[..., :64]
+    weight = torch.randn(576, 576, dtype=torch.bfloat16) / 24
+    paired = linear.pair_weight(weight).contiguous()
+    assert torch.equal(fused_ops.amx_linear(heads, paired, None), fused_ops.amx_linear(heads, weight, None))
+    with pytest.raises(RuntimeError, match="are not w's"):
+        fused_ops.amx_linear(torch.randn(rows, 64, dtype=torch.bfloat16), paired, None)
+
+
+@needs_amx
 def test_amx_product_takes_strided_and_batched_rows():
     torch.manual_seed(1)
     weight = torch.randn(64, 96, dtype=torch.bfloat16)
@@ -289,17 +323,20 @@ def test_amx_product_takes_strided_and_batched_rows():
 
 @needs_amx
 def test_bfloat16_layers_multiply_on_amx_tiles_from_their_weight(monkeypatch):
-    """A bfloat16 layer keeps its weight (no reordered copy) and runs decode-sized products on the tiles, more rows
-    (or, past 128, rows whose packed copy outgrows 1 MiB) through torch's linear on a bucket's rows; in batch-invariant
-    mode torch's linear, tiled by the mode; its shapes the tiles cannot take (K not a multiple of 32) keep oneDNN's
-    copy; KVSHARD_AMX_LINEAR=0 keeps it for all."""
+    """A bfloat16 layer keeps its weight, the same Parameter in the tiles' pair layout (no second copy), and runs
+    products of up to 512 rows on the tiles from it, more rows through torch's linear from a plain copy on a bucket's
+    rows; in batch-invariant mode torch's linear, tiled by the mode; its shapes the tiles cannot take (K not a
+    multiple of 32) keep oneDNN's copy; KVSHARD_AMX_LINEAR=0 keeps it for all. (A weight as it lies, the LM head's,
+    takes the tiles up to 128 rows, or 256 while its rows' packed copy stays within 1 MiB.)"""
     torch.manual_seed(2)
     layer, odd = ReplicatedLinear(64, 96, True, torch.bfloat16), ReplicatedLinear(40, 96, False, torch.bfloat16)
     for param in (layer.weight, layer.bias, odd.weight):
         torch.nn.init.normal_(param)
-    weight, bias = layer.weight, layer.bias
+    weight, bias, plain = layer.weight, layer.bias, layer.weight.detach().clone()
     assert reorder_linear_weights(torch.nn.Sequential(layer, odd)) == 2
     assert layer.amx_weight and layer.weight is weight and layer.packed_weight is None
+    assert weight.shape == (6, 2, 16, 32) and torch.equal(linear.plain_weight(weight), plain)
+    assert layer.weight_shape == (96, 64)
     assert not odd.amx_weight and odd.weight is None and odd.packed_weight.is_mkldnn
     tiles, torch_rows = [], []
     from kvshard.attention import paged
@@ -320,11 +357,12 @@ def test_bfloat16_layers_multiply_on_amx_tiles_from_their_weight(monkeypatch):
                         real_linear(x, *args))
     for rows in (1, 32, 256, 257, 700):
         x = torch.randn(rows, 64, dtype=torch.bfloat16)
-        want = rounded_once(x, weight, bias)
+        want = rounded_once(x, plain, bias)
         got = layer(x)
         assert ((got.float() - want).abs() <= want.abs() * 2.0 ** -8 + 1e-4).all(), rows
-    assert tiles == [1, 32, 256] and torch_rows == [288, 704]  # 257 and 700 rows on their buckets' rows
+    assert tiles == [1, 32, 256, 257] and torch_rows == [704]  # 700 rows on its bucket's rows
     assert linear.amx_takes(128, 8192) and linear.amx_takes(256, 2048) and not linear.amx_takes(129, 4097)
+    assert linear.amx_takes(512, 8192, paired=True) and not linear.amx_takes(513, 64, paired=True)
     tiles.clear()
     torch_rows.clear()
     x = torch.randn(45, 64, dtype=torch.bfloat16)

@@ -77,20 +77,55 @@ def onednn_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Ten
     return on_bucket_rows(lambda rows: ONEDNN_LINEAR(rows, packed_weight, bias, "none", [], ""), x)
 
 
-# Products of bfloat16 weights on a CPU with AMX tiles run from the weight as it lies, not from oneDNN's reordered
-# copy: a decode step's on the kernel extension's AMX tiles (`amx_linear`: 1.2-1.4x oneDNN's from its copy at 1 to
-# 128 rows on SmolLM2's and Llama-3-8B's shapes, 2.3-3.2x on the GQA demo's), more rows in torch's linear (oneDNN from
-# the plain weight, as fast as from its copy from 384 rows; BENCHMARKS.md section 38). The tiles take up to
-# AMX_LINEAR_ROWS rows, and more than AMX_LINEAR_ALWAYS only while the rows' packed copy stays within
-# AMX_LINEAR_ROW_BYTES (every 32 output features read all of it: SmolLM2's 256 rows ran 1.1x faster on the tiles,
-# Llama-3-8B's, 2 MB a product, 0.9x).
+# Products of bfloat16 weights on a CPU with AMX tiles run from the weight in the tiles' pair layout (`pair_weight`),
+# not from oneDNN's reordered copy: a decode step's on the kernel extension's AMX tiles (`amx_linear`: 1.2-1.4x
+# oneDNN's from its copy at 1 to 128 rows on SmolLM2's and Llama-3-8B's shapes, 2.3-3.2x on the GQA demo's, from the
+# weight as it lies; from the pair layout, the rows the A tiles as they lie and each result row's features together,
+# up to 1.8x more with the weight in cache, 1.05-1.14x from memory: BENCHMARKS.md section 42), more rows in torch's
+# linear from a plain copy made for the product (`plain_weight`; oneDNN from the plain weight is as fast as from its
+# copy from 384 rows: section 38). From a weight as it lies (the LM head's) the tiles take up to AMX_LINEAR_ROWS rows,
+# and more than AMX_LINEAR_ALWAYS only while the rows' packed copy stays within AMX_LINEAR_ROW_BYTES (every 32 output
+# features read all of it: SmolLM2's 256 rows ran 1.1x faster on the tiles, Llama-3-8B's, 2 MB a product, 0.9x); from
+# the pair layout up to AMX_PAIRED_ROWS.
 AMX_LINEAR_ROWS = 256
 AMX_LINEAR_ALWAYS = 128
 AMX_LINEAR_ROW_BYTES = 1 << 20
+AMX_PAIRED_ROWS = 512
 
 
-def amx_takes(rows: int, in_features: int) -> bool:
-    """Whether a product of `rows` rows of `in_features` bfloat16 channels runs on the AMX tiles."""
+def pair_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A weight [N, K] (N a multiple of 16, K of 32) in the AMX tiles' pair layout [N / 16, K / 32, 16, 32]: element
+    [t][c][p][2n + j] is weight[16t + n][32c + 2p + j], so each 32-channel step of 16 features is one B tile of the
+    tiles' products (a channel pair of each feature a 32-bit word), 1 KiB contiguous."""
+    n, k = weight.shape
+    return weight.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).reshape(n // 16, k // 32, 16, 32)
+
+
+def plain_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A weight [N, K] from `pair_weight`'s layout (a copy: the kernel extension's, on both threads, where the weight
+    is a contiguous CPU tensor), or the weight itself where it is [N, K]."""
+    if weight.dim() == 2:
+        return weight
+    module = paged.load_extension() if weight.device.type == "cpu" and weight.is_contiguous() else None
+    if module is not None and module.amx_ready():
+        return module.amx_plain_weight(weight)
+    t, c = weight.shape[:2]
+    return weight.reshape(t, c, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(t * 16, c * 32)
+
+
+def weight_features(weight: torch.Tensor) -> tuple[int, int]:
+    """[out_features, in_features] of a weight as it lies or in `pair_weight`'s layout."""
+    if weight.dim() == 4:
+        return weight.shape[0] * 16, weight.shape[1] * 32
+    return tuple(weight.shape)
+
+
+def amx_takes(rows: int, in_features: int, paired: bool = False) -> bool:
+    """Whether a product of `rows` rows of `in_features` bfloat16 channels runs on the AMX tiles: from a weight in the
+    pair layout up to AMX_PAIRED_ROWS rows (as fast as oneDNN from its plain copy, or faster, up there on SmolLM2's
+    four shapes; more rows multiply from a plain copy, whose cost is then a few percent: BENCHMARKS.md section 42)."""
+    if paired:
+        return rows <= AMX_PAIRED_ROWS
     return rows <= AMX_LINEAR_ALWAYS or (rows <= AMX_LINEAR_ROWS and rows * in_features * 2 <= AMX_LINEAR_ROW_BYTES)
 
 
@@ -107,15 +142,18 @@ def amx_linear_weight(weight: torch.Tensor) -> bool:
 
 def amx_or_torch_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          float_out: bool = False) -> torch.Tensor:
-    """x @ weight.T (+ bias) of a weight `amx_linear_weight` took: on the AMX tiles where `amx_takes` its rows, else
-    (and in batch-invariant mode, which tiles torch's linear) by torch's linear on `onednn_rows` rows (so that oneDNN
-    keeps a primitive for few shapes). The eager layers' product and the compiled graph's opaque one. `float_out`:
-    the product's bfloat16 result widened to float32 (the tiles write it so, without a pass of `.float()`)."""
+    """x @ weight.T (+ bias) of a weight `amx_linear_weight` took (as it lies, or in `pair_weight`'s layout): on the
+    AMX tiles where `amx_takes` its rows, else (and in batch-invariant mode, which tiles torch's linear) by torch's
+    linear on `onednn_rows` rows (so that oneDNN keeps a primitive for few shapes), from a plain copy of a paired
+    weight (`plain_weight`: its cost grows with the weight, not with the rows). The eager layers' product and the
+    compiled graph's opaque one. `float_out`: the product's bfloat16 result widened to float32 (the tiles write it
+    so, without a pass of `.float()`)."""
     channels = x.shape[-1]
     flat = x.dim() == 2
     rows = x.shape[0] if flat else x.numel() // channels if channels else 0
-    if x.dtype != torch.bfloat16 or not amx_takes(rows, channels) or batch_invariant_active():
-        out = on_bucket_rows(lambda xs: nn.functional.linear(xs, weight, bias), x)
+    if x.dtype != torch.bfloat16 or not amx_takes(rows, channels, weight.dim() == 4) or batch_invariant_active():
+        plain = plain_weight(weight)
+        out = on_bucket_rows(lambda xs: nn.functional.linear(xs, plain, bias), x)
         return out.float() if float_out else out
     x2 = x if flat else x.reshape(rows, channels)  # 2-D rows as they come (a reshape and unflatten: ~6 us)
     if x2.stride(-1) != 1 or x2.stride(0) % 2:
@@ -164,13 +202,17 @@ class LinearBase(nn.Module):
 
     @property
     def weight_shape(self) -> torch.Size:
-        """[out_features, in_features] of this rank's weight, in either form."""
-        return (self.weight if self.packed_weight is None else self.packed_weight).shape
+        """[out_features, in_features] of this rank's weight, in any of its forms."""
+        if self.packed_weight is not None:
+            return self.packed_weight.shape
+        return torch.Size(weight_features(self.weight))
 
     def reorder_for_onednn(self) -> bool:
-        """Mark the weight for the AMX tiles where `amx_linear_weight` takes it, else keep only oneDNN's reordered
-        copy of it (`onednn_reordered`); whether it did either."""
+        """Put the weight in the AMX tiles' pair layout where `amx_linear_weight` takes it (`pair_weight`: the same
+        Parameter, its data replaced), else keep only oneDNN's reordered copy of it (`onednn_reordered`); whether it
+        did either."""
         if amx_linear_weight(self.weight):
+            self.weight.data = pair_weight(self.weight.data).contiguous()
             self.amx_weight = True
             return True
         packed = onednn_reordered(self.weight)

@@ -2312,6 +2312,10 @@ std::vector<at::Tensor> moe_select(const at::Tensor& scores, const at::Tensor& b
   return {weights, ids};
 }
 
+// A weight [N, K] in the tiles' pair layout, [N / 16, K / 32, 16, 32]: w[16t + n][32c + 2p + j] at [t][c][p][2n + j], so
+// that each 32-channel step of 16 features is a B tile of 1 KiB, contiguous (layers/linear.py's `pair_weight` makes it)
+bool paired_weight(const at::Tensor& w) { return w.dim() == 4 && w.size(2) == 16 && w.size(3) == 32; }
+
 #if defined(KVSHARD_AMX)
 // Attention of bfloat16 rows over bfloat16 keys on AMX tiles, for long prefill chunks (to themselves, causally,
 // and over their requests' gathered cached context), head sizes 32, 64 and 128. The query heads that share a KV head
@@ -2692,6 +2696,61 @@ std::vector<at::Tensor> amx_attention(const at::Tensor& q, const at::Tensor& k, 
 enum class AmxOut { kBFloat16, kFloat, kSiluMul };
 
 namespace {
+// A block's sums over kb 32-channel steps: tiles 0 and 1 the weight's two 16-feature tiles (w0, w1; `w_step` bytes a
+// step apart, rows `w_stride` apart), 2 and 3 the two 16-row groups' tiles (r0, r1; likewise), sums 4 (w0, r0),
+// 5 (w1, r0), 6 (w0, r1), 7 (w1, r1) stored to acc[0..3]. RowsAsA: the rows the A tiles (sums 16 rows x 16 features:
+// a weight in the tiles' pair layout), else the weight's rows (16 features x 16 rows: the weight as it lies)
+template <bool RowsAsA>
+inline void tile_block(int64_t kb, const char* w0, const char* w1, int64_t w_step, int64_t w_stride, const char* r0,
+                       const char* r1, int64_t r_step, int64_t r_stride, bool two, bool g2, float (*acc)[256]) {
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  for (int64_t c = 0; c < kb; ++c) {
+    _tile_loadd(0, w0 + c * w_step, w_stride);
+    _tile_loadd(2, r0 + c * r_step, r_stride);
+    if constexpr (RowsAsA) _tile_dpbf16ps(4, 2, 0); else _tile_dpbf16ps(4, 0, 2);
+    if (two) {
+      _tile_loadd(1, w1 + c * w_step, w_stride);
+      if constexpr (RowsAsA) _tile_dpbf16ps(5, 2, 1); else _tile_dpbf16ps(5, 1, 2);
+    }
+    if (g2) {
+      _tile_loadd(3, r1 + c * r_step, r_stride);
+      if constexpr (RowsAsA) _tile_dpbf16ps(6, 3, 0); else _tile_dpbf16ps(6, 0, 3);
+      if (two) {
+        if constexpr (RowsAsA) _tile_dpbf16ps(7, 3, 1); else _tile_dpbf16ps(7, 1, 3);
+      }
+    }
+  }
+  _tile_stored(4, acc[0], 64);
+  _tile_stored(5, acc[1], 64);
+  _tile_stored(6, acc[2], 64);
+  _tile_stored(7, acc[3], 64);
+}
+
+// One row's 16 or 32 results of an AMX product (lo: features n0.., hi: n0 + 16.. or, for SiLU, the up features), the
+// bias already added, stored as the mode asks: rounded once to bfloat16 (out); rounded to bfloat16 and widened to
+// float32 (outf); or SiLU-and-multiply of the gate and up values the bfloat16 product would hold, with
+// silu_and_mul_rows' arithmetic (out, 16 features)
+inline void store_result_row(__m512 lo, __m512 hi, AmxOut mode, bool two, uint16_t* out, float* outf) {
+  const auto rounded = [](__m512 v) {  // the bfloat16 result, widened back (its bits in the upper half)
+    const __m256i b = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+  };
+  if (mode == AmxOut::kSiluMul) {
+    const __m512 act = widen_bf16_16(bf16_bits16(silu16(rounded(lo))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), bf16_bits16(_mm512_mul_ps(act, rounded(hi))));
+  } else if (mode == AmxOut::kFloat) {
+    _mm512_storeu_ps(outf, rounded(lo));
+    if (two) _mm512_storeu_ps(outf + 16, rounded(hi));
+  } else if (two) {
+    _mm512_storeu_si512(out, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(lo)));
+  }
+}
+
 // x's rows as B tiles: [mg][kb][16 channel pairs][16 rows] 32-bit words, rows past M zero
 at::Tensor amx_pack_rows(const at::Tensor& x, int64_t M, int64_t K) {
   const int64_t kb = K / 32, mg = (M + 15) / 16;
@@ -2718,14 +2777,100 @@ at::Tensor amx_pack_rows(const at::Tensor& x, int64_t M, int64_t K) {
   });
   return xb;
 }
+
+// x's rows as A tiles: bfloat16 rows of K channels, `stride` bytes apart, 16 rows a group. The rows as they lie where
+// they are bfloat16 and every group is whole; else a copy, rows past M zero, the heads' float32 rounded to bfloat16 as
+// `flatten_heads` rounds them.
+const char* amx_rows(const at::Tensor& x, int64_t M, int64_t K, std::vector<uint16_t>& copy, int64_t& stride) {
+  const bool heads = x.dim() == 3;
+  const char* base = reinterpret_cast<const char*>(x.data_ptr());
+  if (!heads && M % 16 == 0) {
+    stride = x.stride(0) * 2;
+    return base;
+  }
+  const int64_t mg = (M + 15) / 16, s0 = x.stride(0) * x.element_size(), s1 = heads ? x.stride(1) * 4 : 0;
+  const int64_t d = heads ? x.size(2) : K;
+  copy.assign(mg * 16 * K, 0);
+  for (int64_t m = 0; m < M; ++m) {
+    uint16_t* row = copy.data() + m * K;
+    if (!heads) {
+      std::memcpy(row, base + m * s0, K * 2);
+      continue;
+    }
+    for (int64_t c = 0; c < K; c += 16) {
+      const float* src = reinterpret_cast<const float*>(base + m * s0 + (c / d) * s1) + c % d;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + c), bf16_bits16(_mm512_loadu_ps(src)));
+    }
+  }
+  stride = K * 2;
+  return reinterpret_cast<const char*>(copy.data());
+}
 }  // namespace
+
+
+// `amx_product` from a weight in the tiles' pair layout: x's rows as the A tiles (`amx_rows`), the weight's as the B
+// tiles, so that a tile of sums holds 16 rows x 16 features and each row's features come out as they lie, with no
+// transpose. A tile product sums the same pairs of products in the same order whichever operand is A: the bits of the
+// weight as it lies (tests/test_linear.py holds the two against each other). Each feature block: two tiles of 16
+// features (n0, n1: for SiLU the gate's and the up's), with each pair of row groups.
+at::Tensor amx_product_paired(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                              AmxOut mode, int64_t M, int64_t K, int64_t N, at::Tensor& y) {
+  const bool silu = mode == AmxOut::kSiluMul;
+  const int64_t kb = K / 32, mg = (M + 15) / 16, out_n = silu ? N / 2 : N;
+  std::vector<uint16_t> copy;
+  int64_t xrow = 0;
+  const char* xa = amx_rows(x, M, K, copy, xrow);
+  const char* wd = reinterpret_cast<const char*>(w.data_ptr());
+  auto* yd = reinterpret_cast<uint16_t*>(y.data_ptr());
+  auto* yf = reinterpret_cast<float*>(y.data_ptr());
+  const auto* bd = bias ? reinterpret_cast<const c10::BFloat16*>(bias->data_ptr()) : nullptr;
+  const int64_t tile_bytes = 1024, t_bytes = kb * tile_bytes;  // a B tile; a tile of features' K steps
+  const int64_t blocks = silu ? out_n / 16 : (N + 31) / 32;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    tiled::TileScope scope(true);
+    alignas(64) float acc[4][256];  // [row half x 2 + feature half]: 16 rows x 16 features
+    // rows a chunk of up to 16 groups (up to 1 MiB of rows) at a time, each chunk across the thread's blocks: a
+    // chunk's rows stay in L2 while the blocks' weights pass (a 2,048-row prompt chunk's 2.4 MB of rows re-read from
+    // L3 for every 32 features ran 1.6-2.6x slower than oneDNN)
+    const int64_t chunk_groups = std::clamp<int64_t>((1 << 20) / (16 * K * 2) / 2 * 2, 2, 16);
+    for (int64_t r0 = 0; r0 < mg; r0 += chunk_groups)
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t n0 = silu ? blk * 16 : blk * 32, n1 = silu ? out_n + blk * 16 : n0 + 16;
+      const bool two = n1 < N;
+      const char* w0 = wd + (n0 / 16) * t_bytes;
+      const char* w1 = wd + (n1 / 16) * t_bytes;
+      __m512 bias_lo = _mm512_setzero_ps(), bias_hi = _mm512_setzero_ps();
+      if (bd) {
+        bias_lo = tiled::load16f(bd + n0, 0xFFFF);
+        if (two) bias_hi = tiled::load16f(bd + n1, 0xFFFF);
+      }
+      for (int64_t g = r0; g < std::min(mg, r0 + chunk_groups); g += 2) {
+        const bool g2 = g + 1 < mg;
+        const char* a0 = xa + g * 16 * xrow;
+        const char* a1 = a0 + 16 * xrow;
+        tile_block<true>(kb, w0, w1, tile_bytes, 64, a0, a1, 64, xrow, two, g2, acc);
+        for (int64_t h = 0; h < (g2 ? 2 : 1); ++h) {
+          const int64_t m0 = (g + h) * 16, rows = std::min<int64_t>(16, M - m0);
+          for (int64_t r = 0; r < rows; ++r) {
+            store_result_row(_mm512_add_ps(_mm512_load_ps(acc[2 * h] + r * 16), bias_lo),
+                             _mm512_add_ps(_mm512_load_ps(acc[2 * h + 1] + r * 16), bias_hi), mode, two,
+                             yd + (m0 + r) * (silu ? out_n : N) + n0, yf + (m0 + r) * N + n0);
+          }
+        }
+      }
+    }
+  });
+  return y;
+}
 
 at::Tensor amx_product(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, AmxOut mode) {
   TORCH_CHECK(tiled::tiles_permitted(), "the AMX tiles' state was refused by the system");
-  const bool heads = x.dim() == 3;
-  TORCH_CHECK(w.dim() == 2 && (x.dim() == 2 || heads), "amx_linear: x [M, K] (or [M, H, d]) and w [N, K]");
-  const int64_t M = x.size(0), K = heads ? x.size(1) * x.size(2) : x.size(1), N = w.size(0), kb = K / 32;
-  TORCH_CHECK(K == w.size(1), "amx_linear: x's features (", K, ") are not w's (", w.size(1), ")");
+  const bool heads = x.dim() == 3, paired = paired_weight(w);
+  TORCH_CHECK((w.dim() == 2 || paired) && (x.dim() == 2 || heads),
+              "amx_linear: x [M, K] (or [M, H, d]) and w [N, K] (or in the tiles' pair layout [N / 16, K / 32, 16, 32])");
+  const int64_t M = x.size(0), K = heads ? x.size(1) * x.size(2) : x.size(1);
+  const int64_t N = paired ? w.size(0) * 16 : w.size(0), kb = K / 32, wk = paired ? w.size(1) * 32 : w.size(1);
+  TORCH_CHECK(K == wk, "amx_linear: x's features (", K, ") are not w's (", wk, ")");
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && x.scalar_type() == (heads ? at::kFloat : at::kBFloat16),
               "amx_linear: a bfloat16 w and x (or float32 heads)");
   TORCH_CHECK(K % 32 == 0 && N % 16 == 0, "amx_linear: K a multiple of 32 and N of 16");
@@ -2739,6 +2884,7 @@ at::Tensor amx_product(const at::Tensor& x, const at::Tensor& w, const c10::opti
   const int64_t out_n = silu ? N / 2 : N;
   auto y = at::empty({M, out_n}, w.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   if (M == 0) return y;
+  if (paired) return amx_product_paired(x, w, bias, mode, M, K, N, y);
   const auto xb = amx_pack_rows(x, M, K);
   const auto* xbd = reinterpret_cast<const float*>(xb.data_ptr());
   const int64_t mg = (M + 15) / 16;
@@ -2766,28 +2912,8 @@ at::Tensor amx_product(const at::Tensor& x, const at::Tensor& w, const c10::opti
         const bool g2 = g + 1 < mg;
         const float* b0 = xbd + g * kb * 256;
         const float* b1 = b0 + kb * 256;
-        _tile_zero(4);
-        _tile_zero(5);
-        _tile_zero(6);
-        _tile_zero(7);
-        for (int64_t c = 0; c < kb; ++c) {
-          _tile_loadd(0, w0 + c * 64, wrow);
-          _tile_loadd(2, b0 + c * 256, 64);
-          _tile_dpbf16ps(4, 0, 2);
-          if (two) {
-            _tile_loadd(1, w1 + c * 64, wrow);
-            _tile_dpbf16ps(5, 1, 2);
-          }
-          if (g2) {
-            _tile_loadd(3, b1 + c * 256, 64);
-            _tile_dpbf16ps(6, 0, 3);
-            if (two) _tile_dpbf16ps(7, 1, 3);
-          }
-        }
-        _tile_stored(4, acc[0], 64);
-        _tile_stored(5, acc[1], 64);
-        _tile_stored(6, acc[2], 64);
-        _tile_stored(7, acc[3], 64);
+        tile_block<false>(kb, w0, w1, 64, wrow, reinterpret_cast<const char*>(b0), reinterpret_cast<const char*>(b1),
+                          1024, 64, two, g2, acc);
         for (int64_t h = 0; h < (g2 ? 2 : 1); ++h) {
           __m512 lo[16], hi[16];
           for (int j = 0; j < 16; ++j) {
@@ -2797,32 +2923,9 @@ at::Tensor amx_product(const at::Tensor& x, const at::Tensor& w, const c10::opti
           tiled::transpose16(lo);  // now lo[r]: row r's 16 features
           if (two) tiled::transpose16(hi);
           const int64_t m0 = (g + h) * 16, rows = std::min<int64_t>(16, M - m0);
-          // a product's bfloat16 result, widened back (its bits in the upper half)
-          const auto rounded = [](__m512 v) {
-            const __m256i b = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
-            return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-          };
           for (int64_t r = 0; r < rows; ++r) {
-            if (silu) {  // silu_and_mul_rows' arithmetic on the gate and up values the bfloat16 y would hold
-              const __m512 gate = rounded(_mm512_add_ps(lo[r], bias_lo));
-              const __m512 up = rounded(_mm512_add_ps(hi[r], bias_hi));
-              const __m512 act = widen_bf16_16(bf16_bits16(silu16(gate)));
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(yd + (m0 + r) * out_n + n0),
-                                  bf16_bits16(_mm512_mul_ps(act, up)));
-              continue;
-            }
-            uint16_t* out = yd + (m0 + r) * N + n0;
-            if (float_out) {  // rounded to bfloat16, then widened exactly
-              float* outf = yf + (m0 + r) * N + n0;
-              _mm512_storeu_ps(outf, rounded(_mm512_add_ps(lo[r], bias_lo)));
-              if (two) _mm512_storeu_ps(outf + 16, rounded(_mm512_add_ps(hi[r], bias_hi)));
-            } else if (two) {
-              const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_add_ps(hi[r], bias_hi), _mm512_add_ps(lo[r], bias_lo));
-              _mm512_storeu_si512(out, reinterpret_cast<__m512i>(v));
-            } else {
-              const __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(lo[r], bias_lo));
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), reinterpret_cast<__m256i>(v));
-            }
+            store_result_row(_mm512_add_ps(lo[r], bias_lo), _mm512_add_ps(hi[r], bias_hi), mode, two,
+                             yd + (m0 + r) * (silu ? out_n : N) + n0, yf + (m0 + r) * N + n0);
           }
         }
       }
@@ -2834,6 +2937,27 @@ at::Tensor amx_product(const at::Tensor& x, const at::Tensor& w, const c10::opti
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                       bool float_out) {
   return amx_product(x, w, bias, float_out ? AmxOut::kFloat : AmxOut::kBFloat16);
+}
+
+// A weight in the tiles' pair layout back as [N, K] (a copy, for the products that run from it: torch's linear on
+// many rows): each 32-channel step of 16 features is a 16 x 16 transpose of 32-bit words (channel pairs)
+at::Tensor amx_plain_weight(const at::Tensor& wp) {
+  TORCH_CHECK(paired_weight(wp) && wp.is_contiguous() && wp.scalar_type() == at::kBFloat16,
+              "amx_plain_weight: a contiguous bfloat16 weight in the tiles' pair layout [N / 16, K / 32, 16, 32]");
+  const int64_t T = wp.size(0), C = wp.size(1), K = C * 32;
+  auto w = at::empty({T * 16, K}, wp.options());
+  const auto* src = reinterpret_cast<const float*>(wp.data_ptr());  // 32-bit words: a channel pair each
+  auto* dst = reinterpret_cast<float*>(w.data_ptr());
+  at::parallel_for(0, T * C, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / C, c = i % C;
+      __m512 r[16];
+      for (int p = 0; p < 16; ++p) r[p] = _mm512_loadu_ps(src + (i * 16 + p) * 16);  // [p][n]
+      tiled::transpose16(r);  // r[n]: feature n's 16 channel pairs
+      for (int n = 0; n < 16; ++n) _mm512_storeu_ps(dst + (t * 16 + n) * (K / 2) + c * 16, r[n]);
+    }
+  });
+  return w;
 }
 
 // silu_and_mul(amx_linear(x, w, bias)) in one pass, the same bits: a gate-up weight [2I, K] (I a multiple of 16)
@@ -2850,6 +2974,11 @@ std::vector<at::Tensor> amx_attention(const at::Tensor&, const at::Tensor&, cons
 
 at::Tensor amx_linear(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, bool) {
   TORCH_CHECK(false, "amx_linear: this build has no AMX path (the CPU or compiler lacks AMX tiles)");
+}
+
+at::Tensor amx_plain_weight(const at::Tensor&) {
+  TORCH_CHECK(false, "amx_plain_weight: this build has no AMX path (the CPU or compiler lacks AMX tiles)");
+  return {};
 }
 
 at::Tensor amx_linear_silu(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&) {
@@ -2870,6 +2999,9 @@ at::Tensor amx_linear_silu(const at::Tensor&, const at::Tensor&, const c10::opti
 // keys, values and weights have evicted from the core's caches (the first operator after a paged-kernel call took 40
 // us where it takes 2-4): here they follow each other directly. weights: kLayerWeights a layer (absent ones None);
 // x [t, D] the embedded tokens; returns the states before the final norm (the last layer's output plus its residual).
+// A weight's output features, as it lies [N, K] or in the tiles' pair layout [N / 16, K / 32, 16, 32]
+inline int64_t linear_features(const at::Tensor& w) { return paired_weight(w) ? w.size(0) * 16 : w.size(0); }
+
 constexpr int64_t kLayerWeights = 12;  // in norm, post norm, qkv w, qkv b, o w, o b, gate_up w, gate_up b,
                                        // down w, down b, q norm, k norm
 
@@ -2922,7 +3054,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& cos, const at
     if (w[5].has_value()) y = at::add(y, *w[5]);
     auto hr = add_rms_norm(y, residual, need(l, 1), eps);
     residual = hr[1];
-    const at::Tensor act = need(l, 6).size(0) % 32 == 0 ? amx_linear_silu(hr[0], need(l, 6), w[7])
+    const at::Tensor act = linear_features(need(l, 6)) % 32 == 0 ? amx_linear_silu(hr[0], need(l, 6), w[7])
                                                          : silu_and_mul(amx_linear(hr[0], need(l, 6), w[7], false));
     x = amx_linear(act, need(l, 8), c10::nullopt, false);
     if (w[9].has_value()) x = at::add(x, *w[9]);
@@ -2953,8 +3085,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Attention with LSE of bfloat16 rows on AMX tiles (CPU; head size 32, 64 or 128)", unlocked);
   m.def("amx_linear_silu", &amx_linear_silu, "silu_and_mul(amx_linear(x, w, bias)) of a gate-up weight, one pass (CPU)",
         unlocked);
-  m.def("amx_linear", &amx_linear, "x @ w.T (+ bias) of bfloat16 rows on AMX tiles from the weight as it lies (CPU)",
+  m.def("amx_linear", &amx_linear,
+        "x @ w.T (+ bias) of bfloat16 rows on AMX tiles from the weight as it lies or in the tiles' pair layout (CPU)",
         py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("float_out") = false, unlocked);
+  m.def("amx_plain_weight", &amx_plain_weight, "A weight in the AMX tiles' pair layout back as [N, K] (CPU)", unlocked);
   m.def("moe_select", &moe_select, "The experts a token's router picks from its scores, and their weights (CPU)",
         unlocked);
   m.def("moe_experts", &moe_experts, "The routed experts of one MoE layer: sorted, gathered, ATen's products (CPU)",
