@@ -102,15 +102,9 @@ def pair_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def plain_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A weight [N, K] from `pair_weight`'s layout (a copy: the kernel extension's, on both threads, where the weight
-    is a contiguous CPU tensor), or the weight itself where it is [N, K]."""
-    if weight.dim() == 2:
-        return weight
-    module = paged.load_extension() if weight.device.type == "cpu" and weight.is_contiguous() else None
-    if module is not None and module.amx_ready():
-        return module.amx_plain_weight(weight)
-    t, c = weight.shape[:2]
-    return weight.reshape(t, c, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(t * 16, c * 32)
+    """A weight [N, K] from `pair_weight`'s layout (a copy, by the kernel extension on both threads: a weight is in
+    that layout only where its AMX path runs), or the weight itself where it is [N, K]."""
+    return weight if weight.dim() == 2 else paged.load_extension().amx_plain_weight(weight)
 
 
 def weight_features(weight: torch.Tensor) -> tuple[int, int]:

@@ -2692,7 +2692,9 @@ std::vector<at::Tensor> amx_attention(const at::Tensor& q, const at::Tensor& k, 
 // blocks pair 16 gate features with the same 16 up features (I apart in the weight), each rounded to bfloat16 as
 // the product's y, then silu(gate) * up rounded as `silu_and_mul` rounds it: y [M, I], its bits.
 // x: bfloat16 rows [M, K], or the paged kernel's float32 output per head [M, H, d] (d a multiple of 32, any row and
-// head strides), each value rounded to bfloat16 as `flatten_heads` rounds it while it is packed.
+// head strides), each value rounded to bfloat16 as `flatten_heads` rounds it while it is packed. A weight in the
+// tiles' pair layout (the linear layers', layers/linear.py's `pair_weight`) runs the other way round, the same bits
+// (`amx_product_paired`): x's rows the A tiles, the weight's tiles the B tiles, no packing and no transposes.
 enum class AmxOut { kBFloat16, kFloat, kSiluMul };
 
 namespace {
@@ -2778,37 +2780,52 @@ at::Tensor amx_pack_rows(const at::Tensor& x, int64_t M, int64_t K) {
   return xb;
 }
 
-// x's rows as A tiles: bfloat16 rows of K channels, `stride` bytes apart, 16 rows a group. The rows as they lie where
-// they are bfloat16 and every group is whole; else a copy, rows past M zero, the heads' float32 rounded to bfloat16 as
-// `flatten_heads` rounds them.
-const char* amx_rows(const at::Tensor& x, int64_t M, int64_t K, std::vector<uint16_t>& copy, int64_t& stride) {
-  const bool heads = x.dim() == 3;
-  const char* base = reinterpret_cast<const char*>(x.data_ptr());
-  if (!heads && M % 16 == 0) {
-    stride = x.stride(0) * 2;
-    return base;
-  }
-  const int64_t mg = (M + 15) / 16, s0 = x.stride(0) * x.element_size(), s1 = heads ? x.stride(1) * 4 : 0;
-  const int64_t d = heads ? x.size(2) : K;
-  copy.assign(mg * 16 * K, 0);
-  for (int64_t m = 0; m < M; ++m) {
-    uint16_t* row = copy.data() + m * K;
+// x's rows as A tiles: bfloat16 rows of K channels, `stride` bytes apart, 16 rows a group; `group(g)` where group g
+// starts. Bfloat16 rows are read where they lie, but for a last group shorter than 16 rows, which is copied with its
+// rows past M zero (the tiles load 16); the heads' float32 output is copied whole, rounded to bfloat16 as
+// `flatten_heads` rounds it.
+struct RowTiles {
+  const char* base;
+  const char* last;  // a copy of the last group, or null where it is whole or the base is a copy
+  int64_t stride, groups;
+  std::vector<uint16_t> copy;
+
+  RowTiles(const at::Tensor& x, int64_t M, int64_t K) : groups((M + 15) / 16) {
+    const bool heads = x.dim() == 3;
+    const char* xd = reinterpret_cast<const char*>(x.data_ptr());
+    const int64_t s0 = x.stride(0) * x.element_size();
     if (!heads) {
-      std::memcpy(row, base + m * s0, K * 2);
-      continue;
+      base = xd;
+      stride = s0;
+      last = nullptr;
+      if (M % 16) {  // the last group's rows at the same stride, the rest zero
+        copy.assign(16 * s0 / 2, 0);
+        for (int64_t m = (groups - 1) * 16; m < M; ++m) {
+          std::memcpy(copy.data() + (m % 16) * s0 / 2, xd + m * s0, K * 2);
+        }
+        last = reinterpret_cast<const char*>(copy.data());
+      }
+      return;
     }
-    for (int64_t c = 0; c < K; c += 16) {
-      const float* src = reinterpret_cast<const float*>(base + m * s0 + (c / d) * s1) + c % d;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + c), bf16_bits16(_mm512_loadu_ps(src)));
+    const int64_t s1 = x.stride(1) * 4, d = x.size(2);
+    copy.assign(groups * 16 * K, 0);
+    for (int64_t m = 0; m < M; ++m) {
+      uint16_t* row = copy.data() + m * K;
+      for (int64_t c = 0; c < K; c += 16) {
+        const float* src = reinterpret_cast<const float*>(xd + m * s0 + (c / d) * s1) + c % d;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + c), bf16_bits16(_mm512_loadu_ps(src)));
+      }
     }
+    base = reinterpret_cast<const char*>(copy.data());
+    stride = K * 2;
+    last = nullptr;
   }
-  stride = K * 2;
-  return reinterpret_cast<const char*>(copy.data());
-}
+  const char* group(int64_t g) const { return last && g == groups - 1 ? last : base + g * 16 * stride; }
+};
 }  // namespace
 
 
-// `amx_product` from a weight in the tiles' pair layout: x's rows as the A tiles (`amx_rows`), the weight's as the B
+// `amx_product` from a weight in the tiles' pair layout: x's rows as the A tiles (`RowTiles`), the weight's as the B
 // tiles, so that a tile of sums holds 16 rows x 16 features and each row's features come out as they lie, with no
 // transpose. A tile product sums the same pairs of products in the same order whichever operand is A: the bits of the
 // weight as it lies (tests/test_linear.py holds the two against each other). Each feature block: two tiles of 16
@@ -2817,9 +2834,7 @@ at::Tensor amx_product_paired(const at::Tensor& x, const at::Tensor& w, const c1
                               AmxOut mode, int64_t M, int64_t K, int64_t N, at::Tensor& y) {
   const bool silu = mode == AmxOut::kSiluMul;
   const int64_t kb = K / 32, mg = (M + 15) / 16, out_n = silu ? N / 2 : N;
-  std::vector<uint16_t> copy;
-  int64_t xrow = 0;
-  const char* xa = amx_rows(x, M, K, copy, xrow);
+  const RowTiles rows_of(x, M, K);
   const char* wd = reinterpret_cast<const char*>(w.data_ptr());
   auto* yd = reinterpret_cast<uint16_t*>(y.data_ptr());
   auto* yf = reinterpret_cast<float*>(y.data_ptr());
@@ -2846,9 +2861,8 @@ at::Tensor amx_product_paired(const at::Tensor& x, const at::Tensor& w, const c1
       }
       for (int64_t g = r0; g < std::min(mg, r0 + chunk_groups); g += 2) {
         const bool g2 = g + 1 < mg;
-        const char* a0 = xa + g * 16 * xrow;
-        const char* a1 = a0 + 16 * xrow;
-        tile_block<true>(kb, w0, w1, tile_bytes, 64, a0, a1, 64, xrow, two, g2, acc);
+        tile_block<true>(kb, w0, w1, tile_bytes, 64, rows_of.group(g), g2 ? rows_of.group(g + 1) : nullptr, 64,
+                         rows_of.stride, two, g2, acc);
         for (int64_t h = 0; h < (g2 ? 2 : 1); ++h) {
           const int64_t m0 = (g + h) * 16, rows = std::min<int64_t>(16, M - m0);
           for (int64_t r = 0; r < rows; ++r) {
@@ -2974,6 +2988,7 @@ std::vector<at::Tensor> amx_attention(const at::Tensor&, const at::Tensor&, cons
 
 at::Tensor amx_linear(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, bool) {
   TORCH_CHECK(false, "amx_linear: this build has no AMX path (the CPU or compiler lacks AMX tiles)");
+  return {};
 }
 
 at::Tensor amx_plain_weight(const at::Tensor&) {
@@ -2987,6 +3002,9 @@ at::Tensor amx_linear_silu(const at::Tensor&, const at::Tensor&, const c10::opti
 }
 #endif
 
+// A weight's output features, as it lies [N, K] or in the tiles' pair layout [N / 16, K / 32, 16, 32]
+inline int64_t linear_features(const at::Tensor& w) { return paired_weight(w) ? w.size(0) * 16 : w.size(0); }
+
 // A Llama-family decode step's layers in one call (models/decode_program.py's `DecodeProgram`, where every product
 // takes the AMX tiles): per layer the residual add and RMSNorm, the QKV product, Qwen3's per-head norms where given,
 // the rotary embedding, the cache write, the paged kernel, the output's conversion, the output product (its bias
@@ -2999,9 +3017,6 @@ at::Tensor amx_linear_silu(const at::Tensor&, const at::Tensor&, const c10::opti
 // keys, values and weights have evicted from the core's caches (the first operator after a paged-kernel call took 40
 // us where it takes 2-4): here they follow each other directly. weights: kLayerWeights a layer (absent ones None);
 // x [t, D] the embedded tokens; returns the states before the final norm (the last layer's output plus its residual).
-// A weight's output features, as it lies [N, K] or in the tiles' pair layout [N / 16, K / 32, 16, 32]
-inline int64_t linear_features(const at::Tensor& w) { return paired_weight(w) ? w.size(0) * 16 : w.size(0); }
-
 constexpr int64_t kLayerWeights = 12;  // in norm, post norm, qkv w, qkv b, o w, o b, gate_up w, gate_up b,
                                        // down w, down b, q norm, k norm
 
